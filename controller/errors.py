@@ -1,0 +1,47 @@
+"""Errors a worker-group call can raise on the controller."""
+
+from __future__ import annotations
+
+__all__ = ["WorkerGroupError", "RemoteWorkerError", "WorkerDiedError", "CallTimeoutError", "HostLostError"]
+
+
+class WorkerGroupError(RuntimeError):
+    """Base class: something went wrong on the workers' side of a group call."""
+
+
+class RemoteWorkerError(WorkerGroupError):
+    """A worker method raised; carries the rank, the method and the remote traceback."""
+
+    def __init__(self, rank: int, method: str, error_type: str, remote_traceback: str) -> None:
+        self.rank = rank
+        self.method = method
+        self.error_type = error_type
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{error_type} on rank {rank} in {method!r}; remote traceback:\n{remote_traceback}")
+
+
+class WorkerDiedError(WorkerGroupError):
+    """A worker process is gone (killed, crashed, lost its node) while a call was pending."""
+
+    def __init__(self, rank: int, method: str, detail: str) -> None:
+        self.rank = rank
+        self.method = method
+        super().__init__(f"worker rank {rank} died during {method!r}: {detail}")
+
+
+class CallTimeoutError(WorkerGroupError):
+    """Some ranks did not answer within the call's time limit."""
+
+    def __init__(self, ranks: list[int], method: str, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.method = method
+        super().__init__(f"ranks {ranks} did not answer {method!r} within {timeout_s:g} s")
+
+
+class HostLostError(ConnectionError):
+    """Transport-level: the process behind a rank is unreachable. Groups turn it into WorkerDiedError."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        self.rank = rank
+        self.detail = detail
+        super().__init__(f"rank {rank}: {detail}")

@@ -1,0 +1,181 @@
+"""WorkerGroup: the controller's handle on one worker class placed on a resource pool.
+
+    group = WorkerGroup(pool, MyWorker, role="actor", kwargs={"lr": 1e-5})
+    out = group.compute_log_prob(batch)          # dispatch, run on every rank, collect
+    fut = group.update_actor.submit(batch)       # returns at once
+    critic_metrics = critic.update_critic(batch) # runs while the actor updates
+    actor_metrics = fut.result()
+
+Every check that can fail without the workers (unknown method, input that
+does not fit the dispatch mode, a group that lost a rank) fails before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any
+
+from controller.errors import CallTimeoutError, HostLostError, RemoteWorkerError, WorkerDiedError
+from controller.resource_pool import ResourcePool
+from hybridengine.layout import ParallelLayout
+from workers.base_worker import BaseWorker
+from workers.dispatch import GroupView, get_dispatch_rule
+from workers.host import Reply
+from workers.register import MethodSpec, registered_methods
+
+__all__ = ["WorkerGroup", "GroupFuture", "GroupMethod"]
+
+
+class GroupFuture:
+    """A pending group call: the ranks' replies, collected on ``result()``."""
+
+    def __init__(self, group: "WorkerGroup", method: str, rank_futures: dict[int, Future], collect, timeout_s):
+        self._group = group
+        self._method = method
+        self._rank_futures = rank_futures
+        self._collect = collect
+        self._timeout_s = timeout_s
+        self._outcome: tuple[bool, Any] | None = None
+
+    def done(self) -> bool:
+        return self._outcome is not None or all(f.done() for f in self._rank_futures.values())
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._outcome is None:
+            self._outcome = self._resolve(self._timeout_s if timeout is None else timeout)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _resolve(self, timeout: float | None) -> tuple[bool, Any]:
+        # Return on the first failure: when one rank dies its peers may wait
+        # in a collective forever, and the caller must not wait with them.
+        done, pending = wait(self._rank_futures.values(), timeout=timeout, return_when=FIRST_EXCEPTION)
+        for rank, future in sorted(self._rank_futures.items()):
+            if future in done and future.exception() is not None:
+                return False, self._group._rank_error(rank, self._method, future.exception())
+        if pending:
+            late = sorted(r for r, f in self._rank_futures.items() if f in pending)
+            return False, CallTimeoutError(late, self._method, timeout)
+        replies: dict[int, Reply] = {rank: f.result() for rank, f in self._rank_futures.items()}
+        for rank, reply in sorted(replies.items()):
+            if not reply.ok:
+                return False, RemoteWorkerError(rank, self._method, reply.error_type, reply.remote_traceback)
+        self._group._note_layout(replies)
+        try:
+            return True, self._collect({rank: reply.value for rank, reply in replies.items()})
+        except Exception as exc:  # noqa: BLE001 - a collect rule's error belongs to this call
+            return False, exc
+
+
+class GroupMethod:
+    """``group.name``: call it to run the method on the group; ``.submit`` never blocks."""
+
+    def __init__(self, group: "WorkerGroup", spec: MethodSpec) -> None:
+        self._group = group
+        self.spec = spec
+        self.__name__ = spec.name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        future = self.submit(*args, **kwargs)
+        return future.result() if self.spec.blocking else future
+
+    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._group._submit(self.spec, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<group method {self._group.role}.{self.spec.name} ({self.spec.dispatch_mode})>"
+
+
+class WorkerGroup:
+    def __init__(
+        self,
+        pool: ResourcePool,
+        worker_cls: type,
+        *,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        role: str | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
+            raise TypeError(f"worker class must subclass workers.BaseWorker, got {worker_cls!r}")
+        self.pool = pool
+        self.worker_cls = worker_cls
+        self.role = role or worker_cls.__name__
+        self.world_size = pool.world_size
+        self.call_timeout_s = call_timeout_s
+        self.layout: ParallelLayout | None = None
+        self._methods = registered_methods(worker_cls)
+        pool.claim_role(self.role)
+        hosts = pool.hosts
+        started = time.perf_counter()
+        futures = {
+            rank: hosts.submit(
+                rank,
+                "create_worker",
+                self.role,
+                worker_cls,
+                tuple(args),
+                dict(kwargs or {}),
+                rank,
+                tuple(hosts.global_ranks),
+                pool.process_group_key,
+            )
+            for rank in range(self.world_size)
+        }
+        GroupFuture(self, f"{worker_cls.__name__}.__init__", futures, lambda outputs: None, None).result()
+        self.startup_s = time.perf_counter() - started
+
+    # ------------------------------------------------------------ methods
+    @property
+    def method_names(self) -> list[str]:
+        return sorted(self._methods)
+
+    def __getattr__(self, name: str) -> GroupMethod:
+        methods = self.__dict__.get("_methods")
+        if methods is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name not in methods:
+            raise AttributeError(
+                f"{self.worker_cls.__name__} has no group method {name!r}; registered methods: "
+                f"{sorted(methods)} (mark a method with @register(...) to call it on the group)"
+            )
+        return GroupMethod(self, methods[name])
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    # -------------------------------------------------------- internals
+    def _submit(self, spec: MethodSpec, args: tuple, kwargs: dict) -> GroupFuture:
+        lost = self.pool.hosts.lost
+        if lost:
+            rank = min(lost)
+            raise WorkerDiedError(rank, spec.name, f"the pool lost this rank earlier: {lost[rank]}")
+        rule = get_dispatch_rule(spec.dispatch_mode)
+        view = GroupView(self.world_size, self.layout)
+        calls, context = rule.dispatch(view, args, kwargs)
+        if len(calls) != self.world_size:
+            raise ValueError(f"dispatch mode {rule.name!r} produced {len(calls)} calls for {self.world_size} ranks")
+        futures = {
+            rank: self.pool.hosts.submit(rank, "execute", self.role, spec.name, call.args, call.kwargs)
+            for rank, call in enumerate(calls)
+            if call is not None
+        }
+        return GroupFuture(self, spec.name, futures, lambda outputs: rule.collect(view, outputs, context), self.call_timeout_s)
+
+    def _rank_error(self, rank: int, method: str, error: BaseException) -> BaseException:
+        if isinstance(error, HostLostError):
+            return WorkerDiedError(rank, method, error.detail)
+        return error
+
+    def _note_layout(self, replies: dict[int, Reply]) -> None:
+        first = replies[min(replies)]
+        if first.layout is not None:
+            self.layout = first.layout
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.role}: {self.worker_cls.__name__} x {self.world_size} on {self.pool.name})"

@@ -1,0 +1,20 @@
+"""Workers: DataProto, BaseWorker and the @register dispatch rules.
+
+Knows nothing of Ray or of the RL algorithm loop.
+"""
+
+from workers.base_worker import BaseWorker
+from workers.data_proto import DataProto
+from workers.dispatch import Dispatch, DispatchError, GroupView, RankCall, register_dispatch_mode
+from workers.register import register
+
+__all__ = [
+    "BaseWorker",
+    "DataProto",
+    "Dispatch",
+    "DispatchError",
+    "GroupView",
+    "RankCall",
+    "register",
+    "register_dispatch_mode",
+]

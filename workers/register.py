@@ -1,0 +1,50 @@
+"""``@register``: marks a worker method as callable on a whole worker group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from workers.dispatch import Dispatch, get_dispatch_rule
+
+__all__ = ["register", "MethodSpec", "registered_methods"]
+
+_SPEC_ATTR = "__hybridflow_dispatch__"
+F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How a registered method is called: its dispatch mode and whether the call blocks."""
+
+    name: str
+    dispatch_mode: str
+    blocking: bool = True
+
+
+def register(dispatch_mode: Dispatch | str = Dispatch.ONE_TO_ALL, blocking: bool = True) -> Callable[[F], F]:
+    """Make a worker method a group method.
+
+    ``dispatch_mode`` is a ``Dispatch`` member or the name given to
+    ``register_dispatch_mode``. A blocking method returns the collected result;
+    a non-blocking one returns a future (``.result()`` waits for it). Every
+    group method also offers ``.submit(...)``, which never blocks.
+    """
+    mode = get_dispatch_rule(dispatch_mode).name
+
+    def mark(fn: F) -> F:
+        setattr(fn, _SPEC_ATTR, MethodSpec(fn.__name__, mode, blocking))
+        return fn
+
+    return mark
+
+
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """Every ``@register``-ed method of ``cls``, its base classes included."""
+    specs: dict[str, MethodSpec] = {}
+    for klass in reversed(cls.__mro__):
+        for name, member in vars(klass).items():
+            spec = getattr(member, _SPEC_ATTR, None)
+            if isinstance(spec, MethodSpec):
+                specs[name] = MethodSpec(name, spec.dispatch_mode, spec.blocking)
+    return specs
