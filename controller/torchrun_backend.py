@@ -17,10 +17,11 @@ import atexit
 import collections
 import datetime
 import os
+import queue
 import socket
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
@@ -98,6 +99,37 @@ class _RemoteRank:
             pass
 
 
+class _LocalWorkerThread:
+    """Runs rank 0's share of each call in submission order on one daemon thread.
+
+    A daemon thread, not a ThreadPoolExecutor: when the controller program
+    ends (or fails because a peer died) it must not wait for a call that
+    is still running here.
+    """
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = False
+        threading.Thread(target=self._loop, name="hybridflow-rank0-worker", daemon=True).start()
+
+    def submit(self, op: str, args: tuple) -> Future:
+        future: Future = Future()
+        self.queue.put((future, op, args))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            future, op, args = self.queue.get()
+            self.busy = True
+            try:
+                future.set_result(self.run(op, args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            finally:
+                self.busy = self.queue.qsize() > 0
+
+
 class TorchrunRuntime:
     """One per process: the torchrun world, its control sockets and rank allocation."""
 
@@ -141,7 +173,7 @@ class TorchrunRuntime:
             conns[recv_message(conn)] = conn
         listener.close()
         self.remotes = {r: _RemoteRank(r, c, self._on_lost) for r, c in conns.items()}
-        self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridflow-rank0-worker")
+        self.local = _LocalWorkerThread(lambda op, args: getattr(self.host, op)(*args))
         atexit.register(self.shutdown)
 
     def _connect_to_rank0(self, timeout_s: float) -> None:
@@ -172,7 +204,7 @@ class TorchrunRuntime:
 
     def submit(self, rank: int, op: str, args: tuple) -> Future:
         if rank == 0:
-            return self.local.submit(lambda: getattr(self.host, op)(*args))
+            return self.local.submit(op, args)
         return self.remotes[rank].submit(op, args)
 
     def shutdown(self) -> None:
@@ -181,8 +213,8 @@ class TorchrunRuntime:
         self._closed = True
         for remote in self.remotes.values():
             remote.close()
-        self.local.shutdown(wait=True)
-        self.host.shutdown()
+        if not self.local.busy:
+            self.host.shutdown()
 
     # ------------------------------------------------------- other ranks' side
     def serve_forever(self) -> None:
