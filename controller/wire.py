@@ -12,9 +12,11 @@ payload is never serialised into the pickle stream.
 
 from __future__ import annotations
 
+import io
 import pickle
 import socket
 import struct
+import sys
 from typing import Any
 
 import cloudpickle
@@ -24,10 +26,43 @@ __all__ = ["send_message", "recv_message"]
 _HEAD = struct.Struct("!QI")
 
 
+def _from_main(qualname: str, by_value: bytes) -> Any:
+    """The receiver's own ``__main__.<qualname>`` when it has one, else the sent copy."""
+    target: Any = sys.modules["__main__"]
+    try:
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        return target
+    except AttributeError:
+        return pickle.loads(by_value)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Sends ``__main__`` classes and functions by name with a by-value fallback.
+
+    Under torchrun every rank runs the same program, so a worker class from
+    the launched script usually exists on the receiver too; using that one
+    keeps real file names and line numbers in remote tracebacks.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__")
+        ) and getattr(obj, "__module__", None) == "__main__" and "<locals>" not in obj.__qualname__:
+            return _from_main, (obj.__qualname__, cloudpickle.dumps(obj, protocol=5))
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any, buffer_callback) -> bytes:
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return stream.getvalue()
+
+
 def send_message(sock: socket.socket, obj: Any) -> int:
-    """Send ``obj``; returns the bytes written. Classes defined in ``__main__`` travel by value."""
+    """Send ``obj``; returns the bytes written."""
     buffers: list[pickle.PickleBuffer] = []
-    payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    payload = _dumps(obj, buffers.append)
     raws = [buf.raw() for buf in buffers]
     header = _HEAD.pack(len(payload), len(raws)) + struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws))
     sock.sendall(header)
