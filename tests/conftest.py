@@ -24,7 +24,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 180, monitor_interval: float = 5):
+def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 180, monitor_interval: float = 0.5):
     """Launch ``script`` under the real torchrun on CPU; returns the CompletedProcess."""
     command = [
         sys.executable, "-m", "torch.distributed.run",

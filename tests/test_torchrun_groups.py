@@ -8,9 +8,9 @@ import group_checks
 from conftest import TESTS, run_torchrun
 
 
-def run_scenario(name: str, nproc: int, tmp_path):
+def run_scenario(name: str, nproc: int, tmp_path, monitor_interval: float = 0.5):
     out = tmp_path / f"{name}.json"
-    proc = run_torchrun(TESTS / "group_scenarios.py", [name, str(out)], nproc)
+    proc = run_torchrun(TESTS / "group_scenarios.py", [name, str(out)], nproc, monitor_interval=monitor_interval)
     assert out.exists(), f"torchrun exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     return proc, json.loads(out.read_text())
 
@@ -28,7 +28,9 @@ def test_colocated_roles_and_split_pools_under_torchrun(tmp_path):
 
 
 def test_raised_exception_timeout_and_killed_worker_under_torchrun(tmp_path):
-    _, out = run_scenario("faults", 3, tmp_path)
+    # torchrun tears the whole job down once it sees a dead rank; give the
+    # controller time to report it first, as the README advises.
+    _, out = run_scenario("faults", 3, tmp_path, monitor_interval=5)
     group_checks.check_faults(out)
 
 

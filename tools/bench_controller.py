@@ -1,0 +1,154 @@
+"""Controller overhead on both backends: startup, call round trip, DataProto scatter+gather.
+
+    python tools/bench_controller.py            # Ray and torchrun, 2 and 4 CPU workers
+    python tools/bench_controller.py --json out.json --backends torchrun --workers 2
+
+For each backend and group size it prints
+  - startup_s:   from asking for the pool until the group's first call answered;
+                 for torchrun that includes launching the processes and their
+                 imports, for Ray the local cluster's own start is reported apart;
+  - rtt_ms:      median round trip of a trivial ONE_TO_ALL call;
+  - scatter_gather: a 1024x512 int64 batch with 3 tensor keys (12 MiB) split
+                 over the ranks with DP_COMPUTE_PROTO and returned whole;
+                 MiB/s counts the bytes out plus the bytes back, samples/s the rows.
+torchrun runs are launched as child torchrun jobs of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from controller import ResourcePool, WorkerGroup  # noqa: E402
+from workers import BaseWorker, DataProto, Dispatch, register  # noqa: E402
+
+ROWS, COLS, KEYS = 1024, 512, 3
+
+
+class EchoWorker(BaseWorker):
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> int:
+        return self.rank
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def echo(self, batch: DataProto) -> DataProto:
+        return batch
+
+
+def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: float) -> dict:
+    pool = ResourcePool([workers], backend=backend)
+    group = WorkerGroup(pool, EchoWorker, role="echo")
+    group.ping()
+    startup_s = time.time() - started
+
+    for _ in range(5):
+        group.ping()
+    rtts = []
+    for _ in range(rtt_calls):
+        t0 = time.perf_counter()
+        group.ping()
+        rtts.append(time.perf_counter() - t0)
+
+    batch = DataProto({f"key{k}": torch.randint(0, 1 << 30, (ROWS, COLS)) for k in range(KEYS)})
+    nbytes = sum(t.numel() * t.element_size() for t in batch.batch.values())
+    back = group.echo(batch)  # warm-up, and a correctness check
+    assert all(torch.equal(back.batch[k], batch.batch[k]) for k in batch.batch)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        group.echo(batch)
+        times.append(time.perf_counter() - t0)
+    pool.shutdown()
+    median = statistics.median(times)
+    return {
+        "backend": backend,
+        "workers": workers,
+        "startup_s": round(startup_s, 3),
+        "rtt_ms": round(1e3 * statistics.median(rtts), 3),
+        "scatter_gather_ms": round(1e3 * median, 2),
+        "scatter_gather_MiBps": round(2 * nbytes / median / 2**20, 1),
+        "samples_per_s": round(ROWS / median, 1),
+        "payload_MiB": round(nbytes / 2**20, 2),
+    }
+
+
+def run_torchrun(workers: int, repeats: int, rtt_calls: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+            __file__, "--inner-torchrun", str(out), "--repeats", str(repeats), "--rtt-calls", str(rtt_calls),
+            "--launched-at", repr(time.time()),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        if not out.exists():
+            raise RuntimeError(f"torchrun benchmark failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["ray", "torchrun"], choices=["ray", "torchrun"])
+    parser.add_argument("--workers", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rtt-calls", type=int, default=200)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--inner-torchrun", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.inner_torchrun:
+        workers = int(os.environ["WORLD_SIZE"])
+        row = measure("torchrun", workers, args.repeats, args.rtt_calls, args.launched_at)
+        Path(args.inner_torchrun).write_text(json.dumps(row))
+        return
+
+    rows, meta = [], {}
+    for backend in args.backends:
+        if backend == "ray":
+            import ray
+
+            from controller.ray_backend import ensure_ray
+
+            t0 = time.perf_counter()
+            ensure_ray()
+            meta["ray_cluster_start_s"] = round(time.perf_counter() - t0, 2)
+        for workers in args.workers:
+            if backend == "ray":
+                rows.append(measure("ray", workers, args.repeats, args.rtt_calls, time.time()))
+            else:
+                rows.append(run_torchrun(workers, args.repeats, args.rtt_calls))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+        if backend == "ray":
+            ray.shutdown()
+
+    header = f"{'backend':9} {'workers':>7} {'startup_s':>9} {'rtt_ms':>7} {'scatter+gather_ms':>17} {'MiB/s':>8} {'samples/s':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['backend']:9} {r['workers']:7d} {r['startup_s']:9.2f} {r['rtt_ms']:7.2f} "
+            f"{r['scatter_gather_ms']:17.1f} {r['scatter_gather_MiBps']:8.1f} {r['samples_per_s']:10.0f}"
+        )
+    if meta:
+        print(f"(Ray's local cluster itself started in {meta['ray_cluster_start_s']:.1f} s, before the first pool)")
+    print(f"(batch: {ROWS}x{COLS} int64 x {KEYS} keys = {ROWS * COLS * 8 * KEYS / 2**20:.0f} MiB each way; medians)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, **meta}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
