@@ -26,7 +26,14 @@ from workers.host import WorkerHost
 
 __all__ = ["RayHostSet", "ensure_ray"]
 
-_RemoteHost = ray.remote(WorkerHost)
+class _RayWorkerHost(WorkerHost):
+    def address(self) -> tuple[str, int, int]:
+        """Rank 0's node as Ray knows it, so ranks on other nodes can reach the rendezvous."""
+        _, port, pid = super().address()
+        return ray.util.get_node_ip_address(), port, pid
+
+
+_RemoteHost = ray.remote(_RayWorkerHost)
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:

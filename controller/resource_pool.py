@@ -16,6 +16,7 @@ world, and the first pool created turns every rank but 0 into a server
 from __future__ import annotations
 
 import itertools
+import threading
 from controller.hosts import HostSet
 
 __all__ = ["ResourcePool"]
@@ -47,6 +48,9 @@ class ResourcePool:
         self.name = name or f"pool{next(_pool_ids)}"
         self.roles: set[str] = set()
         self.process_group_key: str | None = None
+        # Calls reach every rank in one order, so collectives inside worker
+        # methods line up; groups sharing the pool's processes share the lock.
+        self.submit_lock = threading.Lock()
         self.backend = self._resolve_backend(backend)
         if self.backend == "torchrun":
             self.hosts = self._torchrun_hosts(dist_timeout_s)
@@ -101,6 +105,12 @@ class ResourcePool:
 
     def shutdown(self) -> None:
         self.hosts.shutdown()
+
+    def __enter__(self) -> "ResourcePool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def __repr__(self) -> str:
         return f"ResourcePool({self.name}, backend={self.backend}, process_on_nodes={self.process_on_nodes})"

@@ -21,6 +21,7 @@ import queue
 import socket
 import sys
 import threading
+import traceback
 from concurrent.futures import Future
 from typing import Any
 
@@ -229,7 +230,7 @@ class TorchrunRuntime:
             try:
                 reply = getattr(self.host, op)(*args)
             except Exception as exc:  # noqa: BLE001 - a host op itself failed
-                reply = Reply(ok=False, error_type=type(exc).__name__, remote_traceback=repr(exc))
+                reply = Reply(ok=False, error_type=type(exc).__name__, remote_traceback=traceback.format_exc())
             try:
                 send_message(self.conn, reply)
             except OSError:

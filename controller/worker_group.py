@@ -160,11 +160,12 @@ class WorkerGroup:
         calls, context = rule.dispatch(view, args, kwargs)
         if len(calls) != self.world_size:
             raise ValueError(f"dispatch mode {rule.name!r} produced {len(calls)} calls for {self.world_size} ranks")
-        futures = {
-            rank: self.pool.hosts.submit(rank, "execute", self.role, spec.name, call.args, call.kwargs)
-            for rank, call in enumerate(calls)
-            if call is not None
-        }
+        with self.pool.submit_lock:
+            futures = {
+                rank: self.pool.hosts.submit(rank, "execute", self.role, spec.name, call.args, call.kwargs)
+                for rank, call in enumerate(calls)
+                if call is not None
+            }
         return GroupFuture(self, spec.name, futures, lambda outputs: rule.collect(view, outputs, context), self.call_timeout_s)
 
     def _rank_error(self, rank: int, method: str, error: BaseException) -> BaseException:

@@ -42,18 +42,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def node_ip_address() -> str:
-    """The address other nodes reach this one on; loopback for a one-node run."""
-    address = os.environ.get("HYBRIDFLOW_NODE_IP")
-    if address:
-        return address
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
+    """The address other nodes reach this one on: HYBRIDFLOW_NODE_IP, else loopback (one node)."""
+    return os.environ.get("HYBRIDFLOW_NODE_IP", "127.0.0.1")
 
 
 class WorkerHost:
