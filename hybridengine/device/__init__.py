@@ -10,7 +10,7 @@ import os
 
 import torch
 
-__all__ = ["accelerator_available", "device_type", "dist_backend", "device_for_local_rank", "DEVICE_ENV"]
+__all__ = ["accelerator_available", "device_type", "dist_backend", "device_for_local_rank", "prepare_megatron", "DEVICE_ENV"]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
 DEVICE_ENV = "HYBRIDFLOW_DEVICE"
@@ -42,3 +42,18 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def prepare_megatron() -> None:
+    """Make megatron-core usable in this process and thread (a no-op with CUDA).
+
+    On a CPU torch build this applies the compatibility patches once per
+    process and enters the CUDA-to-CPU tensor-factory mode in the calling
+    thread; call it in every thread that runs megatron code.
+    """
+    if accelerator_available():
+        return
+    from hybridengine.device import cpu_compat
+
+    cpu_compat.install()
+    cpu_compat.enter_thread()

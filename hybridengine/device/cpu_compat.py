@@ -1,18 +1,22 @@
 """Run megatron-core 0.16.1 on a CPU-only torch build (gloo backend).
 
 install()       process-wide patches (idempotent; no-op when CUDA is available).
+                Call it before model_parallel_cuda_manual_seed and model building.
 enter_thread()  enter the thread-local TorchFunctionMode in the calling thread.
-                TorchFunctionModes are per thread: call it in every process AND
-                every thread that runs megatron code (idempotent per thread).
+                TorchFunctionModes are per thread: install() enters it for the
+                calling thread; call enter_thread() in every other thread that runs
+                megatron code (idempotent per thread).
 
-The caller still builds megatron the CPU way: use_cpu_initialization=True,
-a local (non transformer-engine) layer spec, bias_dropout_fusion /
-bias_activation_fusion off (they go through torch.compile), and
-model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True) when dropout is 0.
+The caller still builds megatron the CPU way: use_cpu_initialization=True, the
+local layer spec (no transformer-engine), bias_dropout_fusion /
+bias_activation_fusion / masked_softmax_fusion off (fused paths need torch.compile
+or CUDA kernels), gradient_accumulation_fusion off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 
 import torch
@@ -22,6 +26,7 @@ __all__ = ["install", "enter_thread"]
 
 _installed = False
 _tls = threading.local()
+_TENSOR_TYPE = torch.Tensor.type
 
 
 def _is_cuda(device) -> bool:
@@ -32,19 +37,19 @@ def _is_cuda(device) -> bool:
 
 class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # Schedules (token count), the default causal mask, the optimizer and grad
-        # clipping create small tensors with a literal device="cuda"; they are only
-        # scratch values, so making them on CPU changes nothing else.
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        # Grad clipping asserts grad.type() == 'torch.cuda.FloatTensor' and the
-        # (distributed) optimizer picks fp32/fp16 handling by those names; report
-        # the CUDA spelling so the same dtype branch is taken. Only the zero-arg
-        # form (a name query) is touched, never the conversion form.
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        if kwargs:
+            # Schedules (token count), the default causal mask, the optimizer and
+            # grad clipping create small scratch tensors with a literal
+            # device="cuda"; creating them on CPU, where everything else is, is exact.
+            if _is_cuda(kwargs.get("device")):
+                kwargs = {**kwargs, "device": "cpu"}
+        elif func is _TENSOR_TYPE and len(args) == 1:
+            # Grad clipping asserts grad.type() == 'torch.cuda.FloatTensor' and the
+            # (distributed) optimizer picks its fp32 / fp16 branch by those names.
+            # Report the CUDA spelling for the same dtype; only the zero-arg name
+            # query is touched, never the conversion form .type(dtype).
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 def enter_thread() -> None:
@@ -65,4 +70,61 @@ def install() -> None:
     # p2p_communication calls torch.cuda.synchronize() after batched isend/irecv
     # (batch_p2p_sync=True, the default). gloo ops are waited on, so nothing to do.
     torch.cuda.synchronize = lambda device=None: None
+    _allow_torch_norm_with_sequence_parallel()
+    _cpu_rng_tracker()
     enter_thread()
+
+
+def _allow_torch_norm_with_sequence_parallel() -> None:
+    # Without apex the local spec uses WrappedTorchNorm, which asserts
+    # not sequence_parallel. A norm is per token, so running it on the sequence
+    # shard is exact; only its weight grad is partial per TP rank. Mark the
+    # weights `sequence_parallel` (as megatron's FusedLayerNorm does) so
+    # finalize_model_grads all-reduces them over the TP group.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    orig_new = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return orig_new(cls, config, hidden_size, eps, **kwargs)
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        norm = orig_new(cls, config, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _cpu_rng_tracker() -> None:
+    # model_parallel_cuda_manual_seed(seed) builds a CudaRNGStatesTracker, whose
+    # add()/fork() read and write the CUDA generator. On CPU, dropout draws from
+    # the default CPU generator, so keep the named states (data-, model- and
+    # expert-parallel) as CPU generator states and swap them in on fork().
+    # initialize_rng_tracker looks the class up by name at call time, and the
+    # inference tracker subclasses it (its no-op overrides still apply).
+    from megatron.core.tensor_parallel import random
+
+    class CpuRNGStatesTracker(random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} / seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    random.CudaRNGStatesTracker = CpuRNGStatesTracker

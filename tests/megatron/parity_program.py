@@ -1,0 +1,48 @@
+"""Run under torchrun: the Actor (and Critic) on a TP/PP/DP layout, results to a file.
+
+    torchrun --nproc-per-node N parity_program.py MODEL_DIR OUT_DIR --tp T --pp P [--agg MODE]
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from controller import ResourcePool, WorkerGroup
+from workers.actor import Actor
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--agg", default="token-mean")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    inputs = torch.load(out / "inputs.pt", weights_only=False)
+    actor = WorkerGroup(
+        pool, Actor, role="actor",
+        kwargs=dict(
+            model_path=args.model,
+            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
+            ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
+                 "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},
+        ),
+    )
+    batch = inputs["batch"]
+    batch.meta_info["temperature"] = args.temperature
+    log_probs = actor.compute_log_prob(batch)
+    metrics = actor.update_actor(batch.union(inputs["train"]))
+    actor.save_hf(str(out / "after_step"))
+    torch.save({"log_probs": log_probs, "metrics": metrics, "layout": str(actor.layout)}, out / "result.pt")
+
+
+if __name__ == "__main__":
+    main()

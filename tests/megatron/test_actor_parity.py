@@ -1,0 +1,148 @@
+"""The megatron actor at TP1, TP2, PP2, DP2 and TP2xPP2 against HF transformers in one process.
+
+Each layout runs as a real torchrun job on CPU (gloo). The reference is the
+HF model in fp32 with a PPO loss written out here by hand; log-probs,
+entropy, the loss, the gradient norm and the weights after one Adam step
+must agree to 1e-5.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import TESTS, run_torchrun
+from tiny_models import make_llama, make_rl_batch
+from workers import DataProto
+
+TEMPERATURE = 0.7
+CLIP_LOW, CLIP_HIGH, CLIP_C, ENTROPY_COEFF, KL_COEF, LR = 0.2, 0.2, 3.0, 0.01, 0.1, 1e-3
+# Adam's first step is about lr * sign(grad); with eps at 1e-8 an element whose
+# gradient is ~1e-8 flips on rounding noise. A larger eps keeps the update a
+# smooth function of the gradient, so 1e-5 agreement is meaningful.
+ADAM_EPS = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def reference_log_probs(model, batch: DataProto):
+    b = batch.batch
+    logits = model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    length = b["responses"].shape[1]
+    log_p = torch.log_softmax(logits[:, -length - 1 : -1].float() / TEMPERATURE, dim=-1)
+    token_log_p = log_p.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return token_log_p, entropy
+
+
+def aggregate(values, mask, mode):
+    mask = mask.float()
+    if mode == "token-mean":
+        return (values * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-sum":
+        return (values * mask).sum(-1).mean()
+    return ((values * mask).sum(-1) / mask.sum(-1)).mean()
+
+
+def hand_written_ppo_loss(log_p, entropy, old, ref, adv, mask, mode):
+    ratio = torch.exp(log_p - old)
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * CLIP_C), surrogate)
+    kl = (torch.exp(ref - log_p) - (ref - log_p) - 1).clamp(-10, 10)
+    pg = aggregate(surrogate, mask, mode)
+    return pg - ENTROPY_COEFF * aggregate(entropy, mask, mode) + KL_COEF * aggregate(kl, mask, mode), pg
+
+
+def make_inputs(model_dir):
+    batch = make_rl_batch()
+    with torch.no_grad():
+        log_p, _ = reference_log_probs(hf_model(model_dir), batch)
+    g = torch.Generator().manual_seed(3)
+    mask = batch.batch["response_mask"]
+    train = DataProto({
+        "old_log_probs": (log_p + 0.3 * torch.randn(log_p.shape, generator=g)) * mask,
+        "ref_log_prob": (log_p + 0.2 * torch.randn(log_p.shape, generator=g)) * mask,
+        "advantages": torch.randn(log_p.shape, generator=g) * mask,
+    })
+    return batch, train
+
+
+def reference_step(model_dir, batch, train, mode):
+    model = hf_model(model_dir)
+    log_p, entropy = reference_log_probs(model, batch)
+    t, mask = train.batch, batch.batch["response_mask"]
+    loss, pg = hand_written_ppo_loss(log_p, entropy, t["old_log_probs"], t["ref_log_prob"], t["advantages"], mask, mode)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=ADAM_EPS).step()
+    masked = mask.bool()
+    return {
+        "log_probs": log_p.detach(), "entropy": entropy.detach(), "pg_loss": pg.item(), "grad_norm": grad_norm,
+        "ppo_kl": (t["old_log_probs"] - log_p)[masked].mean().item(), "entropy_mean": entropy[masked].mean().item(),
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+LAYOUTS = [  # (tp, pp, processes)
+    pytest.param(1, 1, 1, id="TP1"),
+    pytest.param(2, 1, 2, id="TP2"),
+    pytest.param(1, 2, 2, id="PP2"),
+    pytest.param(1, 1, 2, id="DP2"),
+    pytest.param(2, 2, 4, id="TP2xPP2"),
+]
+
+
+@pytest.mark.parametrize("tp,pp,nproc", LAYOUTS)
+def test_actor_matches_hf_reference(model_dir, tmp_path, tp, pp, nproc, mode="token-mean"):
+    run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode)
+
+
+def test_actor_sequence_mean_modes_over_data_parallel_ranks(model_dir, tmp_path):
+    run_and_compare(model_dir, tmp_path, 1, 1, 2, "seq-mean-token-sum")
+
+
+def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode):
+    batch, train = make_inputs(model_dir)
+    torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
+    proc = run_torchrun(
+        TESTS / "megatron" / "parity_program.py",
+        [str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--agg", mode, "--temperature", str(TEMPERATURE)],
+        nproc, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    ref = reference_step(model_dir, batch, train, mode)
+    dp = nproc // (tp * pp)
+    assert result["layout"] == f"TP{tp}xPP{pp}xDP{dp}"
+
+    mask = batch.batch["response_mask"].bool()
+    got = result["log_probs"]
+    torch.testing.assert_close(got.batch["old_log_probs"][mask], ref["log_probs"][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.batch["entropys"][mask], ref["entropy"][mask], atol=1e-5, rtol=0)
+
+    metrics = result["metrics"]
+    for replica in metrics:  # one dict per DP replica, all describing the same global mini-batch
+        assert replica["actor/pg_loss"][0] == pytest.approx(ref["pg_loss"], abs=1e-5)
+        assert replica["actor/grad_norm"][0] == pytest.approx(ref["grad_norm"], abs=1e-5)
+        assert replica["actor/lr"][0] == pytest.approx(LR)
+        assert replica["actor/ppo_kl"][0] == pytest.approx(ref["ppo_kl"], abs=1e-5)
+        assert replica["actor/entropy"][0] == pytest.approx(ref["entropy_mean"], abs=1e-5)
+    assert ref["grad_norm"] > 1.0  # so clipping was exercised
+
+    after = hf_model(tmp_path / "after_step").state_dict()
+    before = hf_model(model_dir).state_dict()
+    moved = max((ref["state"][k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-4  # the step really moved the weights
+    for name, expected in ref["state"].items():
+        torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

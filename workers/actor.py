@@ -1,0 +1,181 @@
+"""Actor and ReferencePolicy: thin roles over the megatron training engine.
+
+The actor computes log-probs and takes PPO steps; the reference policy only
+computes log-probs and holds no optimizer. Both use MESH_COMPUTE_PROTO: each
+data-parallel replica gets its share of the batch, every TP/PP rank of the
+replica sees the same share, and TP rank 0 of the last stage answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.base_worker import BaseWorker
+from workers.data_proto import DataProto
+from workers.dispatch import Dispatch
+from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.engine import MegatronEngine, MicroBatch
+from workers.megatron.token_outputs import response_log_probs
+from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
+from workers.register import register
+
+__all__ = ["Actor", "ReferencePolicy", "PPOActorConfig"]
+
+
+@dataclass(frozen=True)
+class PPOActorConfig:
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0  # dual clip; None turns it off
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError(
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) and ppo_epochs ({self.ppo_epochs}) must be >= 1"
+            )
+
+
+def _config(cls, value):
+    return value if isinstance(value, cls) else cls(**(value or {}))
+
+
+def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Sequences per DP rank in one mini-batch; raises unless everything divides."""
+    if batch_size % mini_batch_size != 0:
+        raise ValueError(f"batch of {batch_size} sequences does not divide into PPO mini-batches of {mini_batch_size}")
+    if mini_batch_size % dp != 0:
+        raise ValueError(f"ppo_mini_batch_size {mini_batch_size} does not divide over {dp} data-parallel ranks")
+    per_rank = mini_batch_size // dp
+    if per_rank % micro_batch_size != 0:
+        raise ValueError(
+            f"a mini-batch gives each DP rank {per_rank} sequences, not a multiple of micro_batch_size {micro_batch_size}"
+        )
+    return per_rank
+
+
+def _reduce_stats(engine: MegatronEngine, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Micro-batch statistics are shares of mini-batch means: sum them over micro-batches and DP ranks."""
+    keys = sorted(stats[0])
+    return dict(zip(keys, engine.dp_sum([sum(float(s[k]) for s in stats) for k in keys])))
+
+
+class _LogProbRole(BaseWorker):
+    """Shared by the actor and the reference policy: log-probs of response tokens."""
+
+    def _build(self, model_path: str, engine: Any, optim: OptimConfig | None) -> None:
+        self.engine = MegatronEngine(
+            model_path, _config(EngineConfig, engine), self.world_size, optim, self.process_group
+        )
+        self.set_layout(self.engine.layout)
+
+    def _log_probs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor] | None:
+        temperature = float(data.meta_info.get("temperature", 1.0))
+
+        def step(mb: MicroBatch, logits: torch.Tensor):
+            log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
+            return torch.zeros(()), {"log_probs": log_prob, "entropy": entropy}
+
+        outputs = self.engine.run(data, step, forward_only=True)
+        if not outputs:  # not the last pipeline stage
+            return None
+        return torch.cat([o["log_probs"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, path: str) -> str:
+        """Write the current weights as a Hugging Face checkpoint directory."""
+        self.engine.export_hf(path)
+        return path
+
+
+class ReferencePolicy(_LogProbRole):
+    def __init__(self, model_path: str, engine: EngineConfig | dict | None = None) -> None:
+        self._build(model_path, engine, optim=None)
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        result = self._log_probs(data)
+        return None if result is None else DataProto({"ref_log_prob": result[0]})
+
+
+class Actor(_LogProbRole):
+    def __init__(
+        self,
+        model_path: str,
+        engine: EngineConfig | dict | None = None,
+        optim: OptimConfig | dict | None = None,
+        ppo: PPOActorConfig | dict | None = None,
+    ) -> None:
+        self.ppo = _config(PPOActorConfig, ppo)
+        self._build(model_path, engine, _config(OptimConfig, optim))
+        self.update_count = 0
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
+        result = self._log_probs(data)
+        return None if result is None else DataProto({"old_log_probs": result[0], "entropys": result[1]})
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> dict[str, Any]:
+        """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch."""
+        engine, ppo = self.engine, self.ppo
+        layout = engine.layout
+        per_rank = mini_batch_plan(len(data) * layout.dp, ppo.ppo_mini_batch_size, layout.dp, engine.config.micro_batch_size)
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        metrics: dict[str, list[float]] = {}
+        seed = engine.config.seed + self.update_count
+        for mini in data.make_iterator(per_rank, epochs=ppo.ppo_epochs, shuffle=ppo.shuffle, seed=seed):
+            tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
+            normalizer = LossNormalizer(tokens=tokens, sequences=sequences)
+            num_micro = len(mini) // engine.config.micro_batch_size
+
+            def step(mb: MicroBatch, logits: torch.Tensor):
+                return self._ppo_loss(mb, logits, temperature, normalizer)
+
+            engine.zero_grad()
+            # The schedule divides each micro-batch loss by their count and DDP
+            # averages over DP ranks; the normalizer already made each share
+            # part of one mini-batch mean, so undo both.
+            stats = engine.run(mini, step, forward_only=False, loss_scale=num_micro * layout.dp)
+            step_metrics = engine.optimizer_step()
+            if stats:
+                for key, value in _reduce_stats(engine, stats).items():
+                    metrics.setdefault(f"actor/{key}", []).append(value)
+            for key, value in step_metrics.items():
+                metrics.setdefault(f"actor/{key}", []).append(value)
+        self.update_count += 1
+        return metrics
+
+    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, temperature: float, normalizer: LossNormalizer):
+        ppo = self.ppo
+        mask = mb["response_mask"]
+        log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
+        pg_loss, stats = policy_loss(
+            mb["old_log_probs"], log_prob, mb["advantages"], mask,
+            ppo.clip_ratio_low, ppo.clip_ratio_high, ppo.clip_ratio_c, ppo.loss_agg_mode, normalizer,
+        )
+        # Token means over this micro-batch become shares of the mini-batch's token mean.
+        share = mask.sum() / normalizer.tokens
+        stats = {key: value * share for key, value in stats.items()}
+        stats["entropy"] = masked_mean(entropy.detach(), mask) * share
+        stats["pg_loss"] = pg_loss.detach()
+        loss = pg_loss
+        if ppo.entropy_coeff:
+            loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, ppo.loss_agg_mode, normalizer)
+        if ppo.use_kl_loss:
+            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], ppo.kl_loss_type), mask, ppo.loss_agg_mode, normalizer)
+            loss = loss + ppo.kl_loss_coef * kl
+            stats["kl_loss"] = kl.detach()
+        return loss, stats

@@ -1,0 +1,97 @@
+"""Build the megatron-core GPTModel of one pipeline stage from a ModelSpec.
+
+Llama / Qwen2 family: RMSNorm, SwiGLU, RoPE (theta from the config), GQA,
+optional QKV bias, tied or untied embeddings. The local layer spec is used
+unless transformer-engine is installed and a GPU is present. A value model
+(critic, reward model) swaps the vocab output layer for a scalar head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridengine.device import accelerator_available
+from workers.megatron.model_spec import ModelSpec
+
+__all__ = ["build_gpt_stage", "ValueHead"]
+
+
+class ValueHead(torch.nn.Module):
+    """A [num_labels, hidden] linear head, replicated on every TP rank.
+
+    It takes the place of GPTModel's output layer and answers its call
+    signature. Its input is the full hidden state on every TP rank (no
+    sequence parallelism at the output), so its gradient is identical on all
+    of them and needs no TP reduction.
+    """
+
+    def __init__(self, hidden_size: int, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(num_labels, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight), None
+
+
+def _layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if accelerator_available():
+        try:
+            import transformer_engine  # noqa: F401
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # The fused paths go through torch.compile (seconds at start) and gain nothing on CPU.
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not accelerator_available(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+    )
+    tied = spec.tie_word_embeddings and not spec.is_value_model
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        parallel_output=True,
+    )
+    if spec.is_value_model and pp_rank == pp - 1:
+        model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype)
+    return config, model
