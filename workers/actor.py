@@ -9,6 +9,7 @@ replica sees the same share, and TP rank 0 of the last stage answers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.engine import MegatronEngine, MicroBatch
+from workers.megatron.ppo_update import as_config, run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
 from workers.register import register
@@ -48,36 +50,12 @@ class PPOActorConfig:
             )
 
 
-def _config(cls, value):
-    return value if isinstance(value, cls) else cls(**(value or {}))
-
-
-def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
-    """Sequences per DP rank in one mini-batch; raises unless everything divides."""
-    if batch_size % mini_batch_size != 0:
-        raise ValueError(f"batch of {batch_size} sequences does not divide into PPO mini-batches of {mini_batch_size}")
-    if mini_batch_size % dp != 0:
-        raise ValueError(f"ppo_mini_batch_size {mini_batch_size} does not divide over {dp} data-parallel ranks")
-    per_rank = mini_batch_size // dp
-    if per_rank % micro_batch_size != 0:
-        raise ValueError(
-            f"a mini-batch gives each DP rank {per_rank} sequences, not a multiple of micro_batch_size {micro_batch_size}"
-        )
-    return per_rank
-
-
-def _reduce_stats(engine: MegatronEngine, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Micro-batch statistics are shares of mini-batch means: sum them over micro-batches and DP ranks."""
-    keys = sorted(stats[0])
-    return dict(zip(keys, engine.dp_sum([sum(float(s[k]) for s in stats) for k in keys])))
-
-
 class _LogProbRole(BaseWorker):
     """Shared by the actor and the reference policy: log-probs of response tokens."""
 
     def _build(self, model_path: str, engine: Any, optim: OptimConfig | None) -> None:
         self.engine = MegatronEngine(
-            model_path, _config(EngineConfig, engine), self.world_size, optim, self.process_group
+            model_path, as_config(EngineConfig, engine), self.world_size, optim, self.process_group
         )
         self.set_layout(self.engine.layout)
 
@@ -118,8 +96,8 @@ class Actor(_LogProbRole):
         optim: OptimConfig | dict | None = None,
         ppo: PPOActorConfig | dict | None = None,
     ) -> None:
-        self.ppo = _config(PPOActorConfig, ppo)
-        self._build(model_path, engine, _config(OptimConfig, optim))
+        self.ppo = as_config(PPOActorConfig, ppo)
+        self._build(model_path, engine, as_config(OptimConfig, optim))
         self.update_count = 0
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
@@ -130,35 +108,18 @@ class Actor(_LogProbRole):
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, Any]:
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch."""
-        engine, ppo = self.engine, self.ppo
-        layout = engine.layout
-        per_rank = mini_batch_plan(len(data) * layout.dp, ppo.ppo_mini_batch_size, layout.dp, engine.config.micro_batch_size)
+        ppo = self.ppo
         temperature = float(data.meta_info.get("temperature", 1.0))
-        metrics: dict[str, list[float]] = {}
-        seed = engine.config.seed + self.update_count
-        for mini in data.make_iterator(per_rank, epochs=ppo.ppo_epochs, shuffle=ppo.shuffle, seed=seed):
-            tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
-            normalizer = LossNormalizer(tokens=tokens, sequences=sequences)
-            num_micro = len(mini) // engine.config.micro_batch_size
-
-            def step(mb: MicroBatch, logits: torch.Tensor):
-                return self._ppo_loss(mb, logits, temperature, normalizer)
-
-            engine.zero_grad()
-            # The schedule divides each micro-batch loss by their count and DDP
-            # averages over DP ranks; the normalizer already made each share
-            # part of one mini-batch mean, so undo both.
-            stats = engine.run(mini, step, forward_only=False, loss_scale=num_micro * layout.dp)
-            step_metrics = engine.optimizer_step()
-            if stats:
-                for key, value in _reduce_stats(engine, stats).items():
-                    metrics.setdefault(f"actor/{key}", []).append(value)
-            for key, value in step_metrics.items():
-                metrics.setdefault(f"actor/{key}", []).append(value)
+        metrics = run_ppo_epochs(
+            self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,
+            seed=self.engine.config.seed + self.update_count,
+            make_step=lambda normalizer: partial(self._ppo_loss, temperature=temperature, normalizer=normalizer),
+            prefix="actor",
+        )
         self.update_count += 1
         return metrics
 
-    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, temperature: float, normalizer: LossNormalizer):
+    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, normalizer: LossNormalizer):
         ppo = self.ppo
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
@@ -167,7 +128,7 @@ class Actor(_LogProbRole):
             ppo.clip_ratio_low, ppo.clip_ratio_high, ppo.clip_ratio_c, ppo.loss_agg_mode, normalizer,
         )
         # Token means over this micro-batch become shares of the mini-batch's token mean.
-        share = mask.sum() / normalizer.tokens
+        share = token_share(mask, normalizer)
         stats = {key: value * share for key, value in stats.items()}
         stats["entropy"] = masked_mean(entropy.detach(), mask) * share
         stats["pg_loss"] = pg_loss.detach()

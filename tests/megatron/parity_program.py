@@ -11,6 +11,7 @@ import torch
 
 from controller import ResourcePool, WorkerGroup
 from workers.actor import Actor
+from workers.critic import Critic
 
 
 def main():
@@ -21,11 +22,14 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--agg", default="token-mean")
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
     args = parser.parse_args()
     out = Path(args.out)
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     inputs = torch.load(out / "inputs.pt", weights_only=False)
+    if args.role == "critic":
+        return run_critic(args, pool, inputs, out)
     actor = WorkerGroup(
         pool, Actor, role="actor",
         kwargs=dict(
@@ -42,6 +46,23 @@ def main():
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
     torch.save({"log_probs": log_probs, "metrics": metrics, "layout": str(actor.layout)}, out / "result.pt")
+
+
+def run_critic(args, pool, inputs, out):
+    critic = WorkerGroup(
+        pool, Critic, role="critic",
+        kwargs=dict(
+            model_path=args.model,
+            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
+            critic={"ppo_mini_batch_size": 8, "shuffle": False, "clip_range_value": 0.2, "loss_agg_mode": args.agg},
+        ),
+    )
+    batch = inputs["batch"]
+    values = critic.compute_values(batch)
+    metrics = critic.update_critic(batch.union(inputs["train"]))
+    critic.save_hf(str(out / "after_step"))
+    torch.save({"values": values, "metrics": metrics, "layout": str(critic.layout)}, out / "result.pt")
 
 
 if __name__ == "__main__":

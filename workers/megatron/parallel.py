@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridengine.device import accelerator_available, prepare_megatron
+from hybridengine.device import prepare_megatron
 from hybridengine.layout import ParallelLayout
 
 __all__ = ["MegatronGroups", "initialize_megatron"]
@@ -67,8 +67,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int, process_group: Any = 
             )
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
-    # The inference RNG tracker avoids CUDA RNG state calls; with dropout 0 it changes nothing.
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not accelerator_available())
+    model_parallel_cuda_manual_seed(seed)
     coord = layout.coordinate(dist.get_rank())
     groups = MegatronGroups(
         layout=layout,

@@ -1,0 +1,70 @@
+"""The megatron critic (scalar value head) against HF's sequence-classification model."""
+
+import pytest
+import torch
+
+from conftest import TESTS, run_torchrun
+from tiny_models import make_llama, make_rl_batch
+from workers import DataProto
+
+CLIP_VALUE, LR, ADAM_EPS = 0.2, 1e-3, 1e-4
+
+
+@pytest.fixture(scope="module")
+def critic_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("tiny_critic"), classification=True, seed=1)
+
+
+def hf_critic(path):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def reference_values(model, batch):
+    b = batch.batch
+    hidden = model.model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).last_hidden_state
+    length = b["responses"].shape[1]
+    return model.score(hidden)[:, -length - 1 : -1, 0]
+
+
+@pytest.mark.parametrize("tp,pp,nproc", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 2), (2, 2, 4)],
+                         ids=["TP1", "TP2", "PP2", "DP2", "TP2xPP2"])
+def test_critic_matches_hf_reference(critic_dir, tmp_path, tp, pp, nproc):
+    batch = make_rl_batch(seed=4)
+    mask = batch.batch["response_mask"]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        values0 = reference_values(hf_critic(critic_dir), batch)
+    train = DataProto({
+        "values": (values0 + 0.3 * torch.randn(values0.shape, generator=g)) * mask,  # the rollout-time values
+        "returns": torch.randn(values0.shape, generator=g) * mask,
+    })
+    torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
+    proc = run_torchrun(TESTS / "megatron" / "parity_program.py",
+                        [str(critic_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--role", "critic"], nproc, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+
+    model = hf_critic(critic_dir)
+    values = reference_values(model, batch)
+    old, returns = train.batch["values"], train.batch["returns"]
+    clipped = old + (values - old).clamp(-CLIP_VALUE, CLIP_VALUE)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = (per_token * mask).sum() / mask.sum()
+    clipfrac = (((clipped - returns) ** 2 > (values - returns) ** 2).float() * mask).sum() / mask.sum()
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS).step()
+
+    m = mask.bool()
+    torch.testing.assert_close(result["values"].batch["values"][m], values0[m], atol=1e-5, rtol=0)
+    for replica in result["metrics"]:
+        assert replica["critic/vf_loss"][0] == pytest.approx(loss.item(), abs=1e-5)
+        assert replica["critic/vf_clipfrac"][0] == pytest.approx(clipfrac.item(), abs=1e-6)
+        assert replica["critic/grad_norm"][0] == pytest.approx(grad_norm, abs=1e-5)
+    assert 0 < clipfrac.item() < 1
+    after = hf_critic(tmp_path / "after_step").state_dict()
+    for name, expected in model.state_dict().items():
+        torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda msg, n=name: f"{n}: {msg}")

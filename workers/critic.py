@@ -1,0 +1,87 @@
+"""Critic: a value model (scalar head) on the megatron training engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from workers.base_worker import BaseWorker
+from workers.data_proto import DataProto
+from workers.dispatch import Dispatch
+from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.engine import MegatronEngine, MicroBatch
+from workers.megatron.ppo_update import as_config, run_ppo_epochs, token_share
+from workers.megatron.token_outputs import response_values
+from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, value_loss
+from workers.register import register
+
+__all__ = ["Critic", "CriticConfig"]
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    ppo_mini_batch_size: int = 8
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    clip_range_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+
+
+class Critic(BaseWorker):
+    def __init__(
+        self,
+        model_path: str,
+        engine: EngineConfig | dict | None = None,
+        optim: OptimConfig | dict | None = None,
+        critic: CriticConfig | dict | None = None,
+    ) -> None:
+        self.critic = as_config(CriticConfig, critic)
+        self.engine = MegatronEngine(
+            model_path, as_config(EngineConfig, engine), self.world_size, as_config(OptimConfig, optim), self.process_group
+        )
+        if not self.engine.spec.is_value_model:
+            raise ValueError(
+                f"{model_path} is a {self.engine.spec.architecture}; a critic needs a sequence-classification "
+                "checkpoint with num_labels=1 (a value head)"
+            )
+        self.set_layout(self.engine.layout)
+        self.update_count = 0
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto | None:
+        def step(mb: MicroBatch, output: torch.Tensor):
+            return torch.zeros(()), {"values": response_values(mb, output)}
+
+        outputs = self.engine.run(data, step, forward_only=True)
+        return DataProto({"values": torch.cat([o["values"] for o in outputs])}) if outputs else None
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> dict[str, Any]:
+        cfg = self.critic
+        metrics = run_ppo_epochs(
+            self.engine, data, cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
+            seed=self.engine.config.seed + self.update_count,
+            make_step=lambda normalizer: partial(self._value_loss, normalizer=normalizer),
+            prefix="critic",
+        )
+        self.update_count += 1
+        return metrics
+
+    def _value_loss(self, mb: MicroBatch, output: torch.Tensor, *, normalizer: LossNormalizer):
+        cfg, mask = self.critic, mb["response_mask"]
+        loss, stats = value_loss(
+            response_values(mb, output), mb["values"], mb["returns"], mask, cfg.clip_range_value, cfg.loss_agg_mode, normalizer
+        )
+        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"] * token_share(mask, normalizer)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, path: str) -> str:
+        self.engine.export_hf(path)
+        return path

@@ -1,0 +1,76 @@
+"""The PPO update loop that the actor and the critic share: epochs x mini-batches, one optimizer step each."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from workers.data_proto import DataProto
+from workers.megatron.engine import MegatronEngine, StepFn
+from workers.policy_losses import LossNormalizer
+
+__all__ = ["as_config", "mini_batch_plan", "run_ppo_epochs"]
+
+
+def as_config(cls, value: Any):
+    """A typed config from an instance, a dict of its fields, or None (defaults)."""
+    return value if isinstance(value, cls) else cls(**(value or {}))
+
+
+def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Sequences per DP rank in one mini-batch; raises unless everything divides."""
+    if batch_size % mini_batch_size != 0:
+        raise ValueError(f"batch of {batch_size} sequences does not divide into PPO mini-batches of {mini_batch_size}")
+    if mini_batch_size % dp != 0:
+        raise ValueError(f"ppo_mini_batch_size {mini_batch_size} does not divide over {dp} data-parallel ranks")
+    per_rank = mini_batch_size // dp
+    if per_rank % micro_batch_size != 0:
+        raise ValueError(
+            f"a mini-batch gives each DP rank {per_rank} sequences, not a multiple of micro_batch_size {micro_batch_size}"
+        )
+    return per_rank
+
+
+def run_ppo_epochs(
+    engine: MegatronEngine,
+    data: DataProto,
+    mini_batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    make_step: Callable[[LossNormalizer], StepFn],
+    prefix: str,
+) -> dict[str, list[float]]:
+    """Metrics per mini-batch, named ``{prefix}/{statistic}``.
+
+    Every statistic a step function returns must be its micro-batch's share
+    of a mini-batch mean (divided by the global token or sequence count), so
+    that summing over micro-batches and DP ranks gives the mini-batch value.
+    """
+    layout = engine.layout
+    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_size)
+    micro_batches = per_rank // engine.config.micro_batch_size
+    metrics: dict[str, list[float]] = {}
+    for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
+        tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
+        engine.zero_grad()
+        # The schedule divides each micro-batch loss by their count and DDP
+        # averages gradients over DP ranks; the shares already add up to the
+        # mini-batch mean, so undo both.
+        stats = engine.run(
+            mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=micro_batches * layout.dp
+        )
+        step_metrics = engine.optimizer_step()
+        if stats:  # the last pipeline stage
+            keys = sorted(stats[0])
+            totals = engine.dp_sum([sum(float(s[k]) for s in stats) for k in keys])
+            step_metrics.update(zip(keys, totals))
+        for key, value in step_metrics.items():
+            metrics.setdefault(f"{prefix}/{key}", []).append(value)
+    return metrics
+
+
+def token_share(mask: torch.Tensor, normalizer: LossNormalizer) -> torch.Tensor:
+    """The weight that turns a masked token mean over this micro-batch into its share of the mini-batch mean."""
+    return mask.sum() / normalizer.tokens
