@@ -26,6 +26,7 @@ __all__ = ["install", "enter_thread"]
 
 _installed = False
 _tls = threading.local()
+_TENSOR_CUDA = torch.Tensor.cuda
 _TENSOR_TYPE = torch.Tensor.type
 
 
@@ -37,6 +38,11 @@ def _is_cuda(device) -> bool:
 
 class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _TENSOR_CUDA:
+            # With tied embeddings and PP > 1 the last stage's copy of the
+            # embedding is moved with .cuda() before its first all-reduce; it
+            # already lives where everything else does.
+            return args[0]
         if kwargs:
             # Schedules (token count), the default causal mask, the optimizer and
             # grad clipping create small scratch tensors with a literal

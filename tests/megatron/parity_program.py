@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
-from workers.actor import Actor
+from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 
 
@@ -22,11 +22,16 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--agg", default="token-mean")
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
     args = parser.parse_args()
     out = Path(args.out)
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    if args.role == "export":
+        ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
+            model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
+        ref.save_hf(str(out / "exported"))
+        return
     inputs = torch.load(out / "inputs.pt", weights_only=False)
     if args.role == "critic":
         return run_critic(args, pool, inputs, out)

@@ -146,3 +146,9 @@ def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode):
     assert moved > 1e-4  # the step really moved the weights
     for name, expected in ref["state"].items():
         torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(tmp_path_factory, tmp_path):
+    """Qwen2-style model: QKV bias, and an embedding shared with the output layer across two stages."""
+    qwen = make_llama(tmp_path_factory.mktemp("tiny_qwen2"), tie=True, qkv_bias=True, seed=2)
+    run_and_compare(qwen, tmp_path, 1, 2, 2, "token-mean")
