@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig
-from workers.megatron.engine import MegatronEngine, MicroBatch
+from workers.megatron.engine import MicroBatch
+from workers.megatron.engine_role import EngineRole
 from workers.megatron.ppo_update import as_config, run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
@@ -50,14 +50,8 @@ class PPOActorConfig:
             )
 
 
-class _LogProbRole(BaseWorker):
+class _LogProbRole(EngineRole):
     """Shared by the actor and the reference policy: log-probs of response tokens."""
-
-    def _build(self, model_path: str, engine: Any, optim: OptimConfig | None) -> None:
-        self.engine = MegatronEngine(
-            model_path, as_config(EngineConfig, engine), self.world_size, optim, self.process_group
-        )
-        self.set_layout(self.engine.layout)
 
     def _log_probs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor] | None:
         temperature = float(data.meta_info.get("temperature", 1.0))
@@ -71,16 +65,10 @@ class _LogProbRole(BaseWorker):
             return None
         return torch.cat([o["log_probs"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
 
-    @register(Dispatch.ONE_TO_ALL)
-    def save_hf(self, path: str) -> str:
-        """Write the current weights as a Hugging Face checkpoint directory."""
-        self.engine.export_hf(path)
-        return path
-
 
 class ReferencePolicy(_LogProbRole):
     def __init__(self, model_path: str, engine: EngineConfig | dict | None = None) -> None:
-        self._build(model_path, engine, optim=None)
+        self._build_engine(model_path, engine, optim=None)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
@@ -97,8 +85,7 @@ class Actor(_LogProbRole):
         ppo: PPOActorConfig | dict | None = None,
     ) -> None:
         self.ppo = as_config(PPOActorConfig, ppo)
-        self._build(model_path, engine, as_config(OptimConfig, optim))
-        self.update_count = 0
+        self._build_engine(model_path, engine, as_config(OptimConfig, optim))
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto | None:

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig
-from workers.megatron.engine import MegatronEngine, MicroBatch
+from workers.megatron.engine import MicroBatch
+from workers.megatron.engine_role import EngineRole
 from workers.megatron.ppo_update import as_config, run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_values
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, value_loss
@@ -34,7 +34,7 @@ class CriticConfig:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
 
-class Critic(BaseWorker):
+class Critic(EngineRole):
     def __init__(
         self,
         model_path: str,
@@ -43,16 +43,12 @@ class Critic(BaseWorker):
         critic: CriticConfig | dict | None = None,
     ) -> None:
         self.critic = as_config(CriticConfig, critic)
-        self.engine = MegatronEngine(
-            model_path, as_config(EngineConfig, engine), self.world_size, as_config(OptimConfig, optim), self.process_group
-        )
+        self._build_engine(model_path, engine, as_config(OptimConfig, optim))
         if not self.engine.spec.is_value_model:
             raise ValueError(
                 f"{model_path} is a {self.engine.spec.architecture}; a critic needs a sequence-classification "
                 "checkpoint with num_labels=1 (a value head)"
             )
-        self.set_layout(self.engine.layout)
-        self.update_count = 0
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:
@@ -80,8 +76,3 @@ class Critic(BaseWorker):
             response_values(mb, output), mb["values"], mb["returns"], mask, cfg.clip_range_value, cfg.loss_agg_mode, normalizer
         )
         return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"] * token_share(mask, normalizer)}
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_hf(self, path: str) -> str:
-        self.engine.export_hf(path)
-        return path

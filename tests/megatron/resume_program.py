@@ -1,0 +1,64 @@
+"""Run under torchrun: PPO updates with checkpoint save / resume, results to a file.
+
+    resume_program.py MODEL ROOT OUT --tp T --pp P --phase full|resume
+full:   updates on batches 0, 1, 2; checkpoint after update 0; HF export after update 0.
+resume: load ROOT's latest checkpoint; HF export; updates on batches 1, 2.
+"""
+
+import argparse
+import os
+
+import torch
+
+from controller import ResourcePool, WorkerGroup
+from tiny_models import make_rl_batch
+from workers import DataProto
+from workers.actor import Actor
+
+
+def batch_for(update: int) -> DataProto:
+    batch = make_rl_batch(seed=10 + update)
+    g = torch.Generator().manual_seed(20 + update)
+    mask = batch.batch["response_mask"]
+    shape = mask.shape
+    train = DataProto({
+        "old_log_probs": (-3.0 + 0.5 * torch.randn(shape, generator=g)) * mask,
+        "advantages": torch.randn(shape, generator=g) * mask,
+    })
+    return batch.union(train)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("root")
+    parser.add_argument("out")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--phase", choices=["full", "resume"])
+    args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
+        model_path=args.model,
+        engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+        optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine"},
+        ppo={"ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": True},
+    ))
+    metrics = []
+    if args.phase == "full":
+        for update in range(3):
+            metrics.append(actor.update_actor(batch_for(update))[0])
+            if update == 0:
+                actor.save_checkpoint(args.root, 1)
+                actor.save_hf(os.path.join(args.out, "weights_after_0"))
+    else:
+        extra = actor.load_checkpoint(args.root)[0]
+        assert extra["step"] == 1 and extra["update_count"] == 1, extra
+        actor.save_hf(os.path.join(args.out, "weights_loaded"))
+        for update in (1, 2):
+            metrics.append(actor.update_actor(batch_for(update))[0])
+    torch.save(metrics, os.path.join(args.out, f"metrics_{args.phase}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""EngineRole: what every role on the megatron engine offers besides its own work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.base_worker import BaseWorker
+from workers.dispatch import Dispatch
+from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
+from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.engine import MegatronEngine
+from workers.megatron.ppo_update import as_config
+from workers.register import register
+
+__all__ = ["EngineRole"]
+
+
+class EngineRole(BaseWorker):
+    engine: MegatronEngine
+    update_count: int = 0  # PPO updates taken; seeds each update's mini-batch shuffle
+
+    def _build_engine(self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None) -> None:
+        self.engine = MegatronEngine(model_path, as_config(EngineConfig, engine), self.world_size, optim, self.process_group)
+        self.set_layout(self.engine.layout)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, path: str) -> str:
+        """Write the current weights as a Hugging Face checkpoint directory."""
+        self.engine.export_hf(path)
+        return path
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, step: int, extra: dict[str, Any] | None = None) -> str:
+        """Model, optimizer, LR schedule, RNG and counters as ``root/step_<step>``, atomically."""
+        extra = {**(extra or {}), "update_count": self.update_count}
+        return str(save_checkpoint(self.engine, root, step, extra))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore from a checkpoint directory, or from the newest one under a root; at any TP/PP."""
+        extra = load_checkpoint(self.engine, path)
+        self.update_count = int(extra.get("update_count", 0))
+        return extra
