@@ -10,10 +10,10 @@ import torch
 
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
-from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MicroBatch
 from workers.megatron.engine_role import EngineRole
-from workers.megatron.ppo_update import as_config, run_ppo_epochs, token_share
+from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_values
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, value_loss
 from workers.register import register

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["EngineConfig", "OptimConfig", "LR_DECAY_STYLES"]
+__all__ = ["EngineConfig", "OptimConfig", "LR_DECAY_STYLES", "as_config"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -50,3 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def as_config(cls, value: Any):
+    """A typed config from an instance, a dict of its fields, or None (defaults)."""
+    return value if isinstance(value, cls) else cls(**(value or {}))

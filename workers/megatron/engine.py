@@ -20,11 +20,11 @@ from hybridengine.device import prepare_megatron
 from hybridengine.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import EngineConfig, OptimConfig
-from workers.megatron.hf_checkpoint import HFCheckpointReader, export_hf_shard, load_hf_shard, write_hf_index
+from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
 from workers.megatron.model import build_gpt_stage
-from workers.megatron.model_spec import ModelSpec
 from workers.megatron.packing import check_contiguous_rows, left_pad_counts, roll_rows
 from workers.megatron.parallel import MegatronGroups, initialize_megatron
+from workers.megatron.preflight import check_training_setup
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]
 
@@ -51,11 +51,8 @@ class MegatronEngine:
         process_group: Any = None,
     ) -> None:
         self.model_path = Path(model_path)
-        self.spec = ModelSpec.from_pretrained(model_path)
-        self.spec.check_layout(config.tensor_parallel, config.pipeline_parallel)
-        reader = HFCheckpointReader(model_path)  # checks the files before any group forms
         self.config = config
-        layout = ParallelLayout.for_world(world_size, config.tensor_parallel, config.pipeline_parallel)
+        self.spec, layout, reader = check_training_setup(model_path, config, world_size)
         self.groups: MegatronGroups = initialize_megatron(layout, config.seed, process_group)
         g = self.groups
         self.model_config, module = build_gpt_stage(self.spec, layout.tp, layout.pp, g.pp_rank)

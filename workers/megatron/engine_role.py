@@ -7,9 +7,8 @@ from typing import Any
 from workers.base_worker import BaseWorker
 from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
-from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.ppo_update import as_config
 from workers.register import register
 
 __all__ = ["EngineRole"]

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from workers.data_proto import DataProto
 from workers.megatron.engine import MegatronEngine, StepFn
+from workers.megatron.preflight import mini_batch_plan
 from workers.policy_losses import LossNormalizer
 
-__all__ = ["as_config", "mini_batch_plan", "run_ppo_epochs"]
-
-
-def as_config(cls, value: Any):
-    """A typed config from an instance, a dict of its fields, or None (defaults)."""
-    return value if isinstance(value, cls) else cls(**(value or {}))
-
-
-def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
-    """Sequences per DP rank in one mini-batch; raises unless everything divides."""
-    if batch_size % mini_batch_size != 0:
-        raise ValueError(f"batch of {batch_size} sequences does not divide into PPO mini-batches of {mini_batch_size}")
-    if mini_batch_size % dp != 0:
-        raise ValueError(f"ppo_mini_batch_size {mini_batch_size} does not divide over {dp} data-parallel ranks")
-    per_rank = mini_batch_size // dp
-    if per_rank % micro_batch_size != 0:
-        raise ValueError(
-            f"a mini-batch gives each DP rank {per_rank} sequences, not a multiple of micro_batch_size {micro_batch_size}"
-        )
-    return per_rank
+__all__ = ["run_ppo_epochs", "token_share"]
 
 
 def run_ppo_epochs(

@@ -1,0 +1,47 @@
+"""Checks of a training setup that need no process: run them before any group forms."""
+
+from __future__ import annotations
+
+from hybridengine.layout import ParallelLayout
+from workers.megatron.config import EngineConfig
+from workers.megatron.hf_checkpoint import HFCheckpointReader
+from workers.megatron.model_spec import ModelSpec
+
+__all__ = ["check_training_setup", "mini_batch_plan"]
+
+
+def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Sequences per DP rank in one mini-batch; raises unless everything divides."""
+    if batch_size % mini_batch_size != 0:
+        raise ValueError(f"batch of {batch_size} sequences does not divide into PPO mini-batches of {mini_batch_size}")
+    if mini_batch_size % dp != 0:
+        raise ValueError(f"ppo_mini_batch_size {mini_batch_size} does not divide over {dp} data-parallel ranks")
+    per_rank = mini_batch_size // dp
+    if per_rank % micro_batch_size != 0:
+        raise ValueError(
+            f"a mini-batch gives each DP rank {per_rank} sequences, not a multiple of micro_batch_size {micro_batch_size}"
+        )
+    return per_rank
+
+
+def check_training_setup(
+    model_path: str,
+    engine: EngineConfig,
+    world_size: int,
+    batch_size: int | None = None,
+    mini_batch_size: int | None = None,
+) -> tuple[ModelSpec, ParallelLayout, HFCheckpointReader]:
+    """Raise one clear error for the first thing that cannot work; else return what was read.
+
+    Covers: an unsupported or unreadable config.json, TP that does not divide
+    heads / KV groups / FFN / vocab, PP that does not divide the layers, a
+    world size other than TP*PP*DP, missing or truncated safetensors files,
+    and batch sizes that do not split into mini- and micro-batches.
+    """
+    spec = ModelSpec.from_pretrained(model_path)
+    spec.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
+    layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel)
+    reader = HFCheckpointReader(model_path)
+    if batch_size is not None:
+        mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.dp, engine.micro_batch_size)
+    return spec, layout, reader
