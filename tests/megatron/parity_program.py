@@ -23,6 +23,7 @@ def main():
     parser.add_argument("--agg", default="token-mean")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
+    parser.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -40,7 +41,7 @@ def main():
         kwargs=dict(
             model_path=args.model,
             engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
-            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": args.dist_opt},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
                  "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},
         ),

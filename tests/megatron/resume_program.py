@@ -36,12 +36,14 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--phase", choices=["full", "resume"])
+    parser.add_argument("--dist-opt", action="store_true")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model,
         engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
-        optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine"},
+        optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine",
+               "use_distributed_optimizer": args.dist_opt},
         ppo={"ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": True},
     ))
     metrics = []

@@ -112,12 +112,17 @@ def test_actor_sequence_mean_modes_over_data_parallel_ranks(model_dir, tmp_path)
     run_and_compare(model_dir, tmp_path, 1, 1, 2, "seq-mean-token-sum")
 
 
-def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode):
+def test_distributed_optimizer_over_tp2_dp2(model_dir, tmp_path):
+    run_and_compare(model_dir, tmp_path, 2, 1, 4, "token-mean", extra=["--dist-opt"])
+
+
+def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     batch, train = make_inputs(model_dir)
     torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
     proc = run_torchrun(
         TESTS / "megatron" / "parity_program.py",
-        [str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--agg", mode, "--temperature", str(TEMPERATURE)],
+        [str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--agg", mode, "--temperature", str(TEMPERATURE),
+         *extra],
         nproc, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]

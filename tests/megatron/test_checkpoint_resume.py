@@ -59,3 +59,11 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(uninterrupted, tmp_path
     assert latest_checkpoint(root).name == "step_00000001"
     with pytest.raises(CheckpointNotFound, match="no checkpoint in"):
         latest_checkpoint(tmp_path)
+
+
+def test_distributed_optimizer_checkpoint_is_refused_clearly(tmp_path):
+    model = make_llama(tmp_path / "model")
+    proc = run_torchrun(PROGRAM, [str(model), str(tmp_path / "ckpt"), str(tmp_path), "--phase", "full", "--dist-opt"], 2)
+    assert proc.returncode != 0
+    assert "checkpoints of the distributed optimizer are not supported yet" in proc.stderr
+    assert not (tmp_path / "ckpt" / "latest").exists()

@@ -58,6 +58,13 @@ def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
     model_state = engine.module().sharded_state_dict()
     state = {"model": model_state}
     if engine.optimizer is not None:
+        if engine.optim_config.use_distributed_optimizer:
+            # megatron-core 0.16.1 without apex / transformer-engine reads an
+            # empty state from its distributed optimizer here and asserts.
+            raise NotImplementedError(
+                "checkpoints of the distributed optimizer are not supported yet; "
+                "train with use_distributed_optimizer=False to save and resume"
+            )
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     return state
 

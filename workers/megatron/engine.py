@@ -21,6 +21,7 @@ from hybridengine.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
+from workers.megatron.lr_schedule import build_lr_scheduler
 from workers.megatron.model import build_gpt_stage
 from workers.megatron.packing import check_contiguous_rows, left_pad_counts, roll_rows
 from workers.megatron.parallel import MegatronGroups, initialize_megatron
@@ -58,6 +59,7 @@ class MegatronEngine:
         self.model_config, module = build_gpt_stage(self.spec, layout.tp, layout.pp, g.pp_rank)
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp)
         self.optimizer = self.scheduler = None
+        self.optim_config = optim
         if optim is None:
             module.requires_grad_(False)
             self.model = module
@@ -73,7 +75,6 @@ class MegatronEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.use_distributed_optimizer
@@ -95,20 +96,7 @@ class MegatronEngine:
             ),
             [model],
         )
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
-            max_lr=optim.lr,
-            min_lr=optim.min_lr,
-            lr_warmup_steps=optim.lr_warmup_steps,
-            lr_decay_steps=optim.lr_decay_steps,
-            lr_decay_style=optim.lr_decay_style,
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=optim.lr_decay_steps,
-            wd_incr_style="constant",
-        )
-        return model, optimizer, scheduler
+        return model, optimizer, build_lr_scheduler(optimizer, optim)
 
     # -------------------------------------------------------------- running
     def _micro_batches(self, batch: DataProto) -> list[MicroBatch]:
@@ -168,12 +156,16 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step and advance the LR schedule; returns grad_norm and the LR used."""
+        """Advance the LR schedule, clip and step; returns grad_norm and the LR used.
+
+        The schedule moves first, so optimizer step k (from 1) uses the LR of
+        step k: the first warmup step already has lr / warmup_steps, not 0.
+        """
+        self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("the optimizer skipped its step (non-finite gradients)")
-        self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def vocab_start(self) -> int:
