@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import resource
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,4 +128,5 @@ class BaseWorker:
             "pid": os.getpid(),
             "role": self.role,
             "layout": str(self.layout) if self.layout else None,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
