@@ -112,3 +112,10 @@ def test_tied_and_value_head_outputs():
     assert source.hf_names == ("score.weight",) and source.kind == "replicated"
     with pytest.raises(KeyError, match="no Hugging Face source known for megatron parameter 'decoder.foo'"):
         hf_source("decoder.foo", SPEC, 0, 1)
+
+
+def test_transformer_engine_fused_norm_names():
+    assert hf_source("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", SPEC, 0, 1).hf_names == (
+        "model.layers.1.input_layernorm.weight",)
+    assert hf_source("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", SPEC, 1, 2).hf_names == (
+        "model.layers.2.post_attention_layernorm.weight",)

@@ -41,6 +41,9 @@ _LAYER_PARAMS = {
     "self_attention.linear_proj.weight": (COLUMNS, ["self_attn.o_proj.weight"]),
     "mlp.linear_fc1.weight": (FC1, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": (COLUMNS, ["mlp.down_proj.weight"]),
+    # The transformer-engine spec fuses each norm into the linear layer after it.
+    "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ["input_layernorm.weight"]),
+    "mlp.linear_fc1.layer_norm_weight": (REPLICATED, ["post_attention_layernorm.weight"]),
 }
 
 
