@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine.device import accelerator_available
-from workers.megatron.model_spec import ModelSpec
+from hybridengine.model_spec import ModelSpec
 
 __all__ = ["build_gpt_stage", "ValueHead"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hybridengine.layout import ParallelLayout
 from workers.megatron.config import EngineConfig
 from workers.megatron.hf_checkpoint import HFCheckpointReader
-from workers.megatron.model_spec import ModelSpec
+from hybridengine.model_spec import ModelSpec
 
 __all__ = ["check_training_setup", "mini_batch_plan"]
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from workers.megatron.model_spec import ModelSpec
+from hybridengine.model_spec import ModelSpec
 
 __all__ = ["ParamSource", "hf_source", "cut_shard", "merge_shards", "Reader"]
 
