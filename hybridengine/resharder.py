@@ -1,0 +1,184 @@
+"""The 3D-HybridEngine's executor: training shards -> this rank's generation shard, and back.
+
+For a gather plan each rank all-gathers, within its micro-DP group, the
+training shards that make up its generation shard, bucket by bucket, and
+joins them into one flat generation buffer laid out parameter by parameter
+in the generation stage's order, so each generation parameter is a view of
+the buffer. Temporary memory is one bucket. For a slice plan nothing is sent:
+generation parameters are views (fc1: a copy) of the rank's own shards.
+
+Training parameters are only read. Returning to training drops the buffer
+(or moves it to host memory); training continues exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hybridengine.hf_mapping import REPLICATED
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import ReshardPlan
+from hybridengine.stage_params import StageParam, stage_params
+from hybridengine.tp_layout import join_into, split_tp_shard
+from hybridengine.transport import Transport
+
+__all__ = ["GenParamSource", "generation_sources", "Resharder", "expected_bytes_received"]
+
+
+@dataclass(frozen=True)
+class GenParamSource:
+    param: StageParam  # the generation parameter (name local to the generation stage)
+    members: tuple[int, ...]  # micro-DP positions that contribute a piece, in TP order
+    train_names: tuple[str, ...]  # the piece's training parameter name on each of those members
+    train_shapes: tuple[tuple[int, ...], ...]
+
+
+def _training_stage_and_name(spec: ModelSpec, plan: ReshardPlan, gen_param: StageParam) -> tuple[int, str]:
+    train = plan.train
+    if gen_param.layer is not None:
+        per_stage = spec.num_layers // train.pp
+        suffix = gen_param.name.split(".", 3)[3]
+        return gen_param.layer // per_stage, f"decoder.layers.{gen_param.layer % per_stage}.{suffix}"
+    if gen_param.name.startswith("embedding."):
+        return 0, gen_param.name
+    return train.pp - 1, gen_param.name
+
+
+def generation_sources(spec: ModelSpec, plan: ReshardPlan, rank: int) -> list[GenParamSource]:
+    """For each parameter of ``rank``'s generation shard, which micro-DP members hold its pieces."""
+    me = plan.ranks[rank]
+    gen = plan.gen
+    train_shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+    for pp in range(plan.train.pp):
+        for p in stage_params(spec, plan.train.tp, plan.train.pp, pp):
+            train_shapes[(pp, p.name)] = p.shape
+    sources = []
+    for param in stage_params(spec, gen.tensor_parallel, gen.pipeline_parallel, me.gen_pp_rank):
+        stage, train_name = _training_stage_and_name(spec, plan, param)
+        members = tuple(sorted(
+            (m for m, (tp, pp) in enumerate(me.source_shards) if pp == stage), key=lambda m: me.source_shards[m][0]
+        ))
+        if param.kind == REPLICATED:
+            members = members[:1]  # identical on every TP rank: one copy is enough
+        sources.append(GenParamSource(param, members, (train_name,) * len(members),
+                                      (train_shapes[(stage, train_name)],) * len(members)))
+    return sources
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, element_size: int) -> int:
+    """What a gather plan must move to ``rank``: every piece its micro-DP peers hold, once."""
+    if plan.kind == "slice":
+        return 0
+    me = plan.ranks[rank].micro_dp_index
+    return element_size * sum(
+        _numel(shape) for s in generation_sources(spec, plan, rank) for m, shape in zip(s.members, s.train_shapes) if m != me
+    )
+
+
+class Resharder:
+    """Builds and drops this rank's generation weights; the same object is reused every step."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        plan: ReshardPlan,
+        rank: int,
+        training_params: dict[str, torch.Tensor],
+        transport: Transport,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
+        self.spec, self.plan, self.rank, self.transport = spec, plan, rank, transport
+        self.bucket_bytes = bucket_bytes
+        me = plan.ranks[rank]
+        own_stage = plan.train.coordinate(rank).pp_rank
+        expected = {p.name: p.shape for p in stage_params(spec, plan.train.tp, plan.train.pp, own_stage)}
+        got = {name: tuple(t.shape) for name, t in training_params.items()}
+        if got != expected:
+            missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+            wrong = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
+            raise ValueError(f"training parameters do not match the model spec: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}, wrong shapes {wrong[:3]}")
+        self.params = training_params
+        self.sources = generation_sources(spec, plan, rank)
+        # Every rank of the world creates every micro-DP group, in the same order.
+        self.group_keys = {group: transport.new_group(group) for group in plan.micro_dp_groups}
+        self.my_group = me.micro_dp_group
+        self.my_index = me.micro_dp_index
+        self.buffer: torch.Tensor | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- to generation
+    def to_generation(self) -> dict[str, torch.Tensor]:
+        """This rank's generation shard as megatron parameters (names local to its generation stage)."""
+        if self.plan.kind == "slice":
+            self.weights = self._slice()
+            return self.weights
+        dtype = next(iter(self.params.values())).dtype
+        device = next(iter(self.params.values())).device
+        total = sum(s.param.numel for s in self.sources)
+        if self.buffer is None or self.buffer.numel() != total:
+            self.buffer = torch.empty(total, dtype=dtype, device=device)
+        views, offset = {}, 0
+        for s in self.sources:
+            views[s.param.name] = self.buffer[offset : offset + s.param.numel].view(s.param.shape)
+            offset += s.param.numel
+        element = self.buffer.element_size()
+        for bucket in self._buckets(element):
+            self._gather_bucket(bucket, views)
+        self.weights = views
+        return views
+
+    def _buckets(self, element: int) -> list[list[GenParamSource]]:
+        buckets, current, size = [], [], 0
+        for s in self.sources:
+            nbytes = s.param.numel * element
+            if current and size + nbytes > self.bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(s)
+            size += nbytes
+        return buckets + ([current] if current else [])
+
+    def _gather_bucket(self, bucket: list[GenParamSource], views: dict[str, torch.Tensor]) -> None:
+        d_g = len(self.my_group)
+        sizes = [0] * d_g
+        for s in bucket:
+            for m, shape in zip(s.members, s.train_shapes):
+                sizes[m] += _numel(shape)
+        own_pieces = [self.params[name].reshape(-1) for s in bucket for m, name in zip(s.members, s.train_names) if m == self.my_index]
+        own = torch.cat(own_pieces) if own_pieces else next(iter(self.params.values())).new_empty(0)
+        parts = self.transport.gather_parts(self.group_keys[self.my_group], self.my_group, own, sizes)
+        cursor = [0] * d_g
+        for s in bucket:
+            pieces = []
+            for m, shape in zip(s.members, s.train_shapes):
+                n = _numel(shape)
+                pieces.append(parts[m][cursor[m] : cursor[m] + n].view(shape))
+                cursor[m] += n
+            join_into(views[s.param.name], s.param.kind, pieces)
+
+    def _slice(self) -> dict[str, torch.Tensor]:
+        me = self.plan.ranks[self.rank]
+        return {
+            s.param.name: split_tp_shard(s.param.kind, self.params[s.train_names[0]], me.slices, me.slice_index)
+            for s in self.sources
+        }
+
+    # ------------------------------------------------------------------ to training
+    def to_training(self, offload: bool = False) -> None:
+        """Drop the generation weights (``offload``: keep the buffer in host memory for the next step)."""
+        self.weights = {}
+        if offload and self.buffer is not None:
+            self.buffer = self.buffer.cpu()
+        else:
+            self.buffer = None

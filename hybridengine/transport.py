@@ -1,0 +1,74 @@
+"""Transports: how resharding moves bytes between ranks.
+
+A transport offers two collectives over groups it created, all-gather of
+equal parts and broadcast, and counts the bytes this rank receives, so the
+lower bound can be checked rather than claimed. ``gather_parts`` (every
+member's flat part, sizes possibly different or zero, to every member) is
+built on them. ``TorchTransport`` uses torch.distributed (gloo on CPU, NCCL on
+GPU); a point-to-point or RDMA transport implements the same three methods.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "TorchTransport"]
+
+
+class Transport(abc.ABC):
+    def __init__(self) -> None:
+        self.bytes_received = 0
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """Called by every rank of the world for every group, in the same order; returns a key."""
+
+    @abc.abstractmethod
+    def all_gather(self, own: torch.Tensor, group_key: Any) -> list[torch.Tensor]:
+        """Equal-sized parts of every member, in group order."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any) -> None:
+        """``src``'s tensor into ``tensor`` on every member."""
+
+    def gather_parts(self, group_key: Any, ranks: Sequence[int], own: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Every member's flat part, in ``ranks`` order; ``sizes`` (element counts) are known to all."""
+        if len(ranks) == 1:
+            return [own]
+        if len(set(sizes)) == 1:
+            return self.all_gather(own, group_key)
+        me = dist.get_rank()
+        parts = []
+        for rank, size in zip(ranks, sizes):  # every member joins every broadcast, in order
+            buffer = own if rank == me else torch.empty(size, dtype=own.dtype, device=own.device)
+            if size:
+                self.broadcast(buffer, rank, group_key)
+            parts.append(buffer)
+        return parts
+
+
+class TorchTransport(Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        return key
+
+    def all_gather(self, own: torch.Tensor, group_key: Any) -> list[torch.Tensor]:
+        parts = [torch.empty_like(own) for _ in group_key]
+        dist.all_gather(parts, own.contiguous(), group=self._groups[group_key])
+        self.bytes_received += own.numel() * own.element_size() * (len(group_key) - 1)
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any) -> None:
+        dist.broadcast(tensor, src=src, group=self._groups[group_key])
+        if dist.get_rank() != src:
+            self.bytes_received += tensor.numel() * tensor.element_size()

@@ -1,0 +1,82 @@
+"""The resharding executor and both baselines in real gloo processes, against slices cut
+independently from the HF checkpoint."""
+
+import pytest
+import torch
+
+from dist_utils import run_in_processes
+from hybridengine.hf_mapping import cut_shard, hf_source
+from hybridengine.layout import ParallelLayout
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_baselines import BASELINES
+from hybridengine.reshard_plan import GenerationLayout, plan_reshard
+from hybridengine.resharder import Resharder, expected_bytes_received
+from hybridengine.stage_params import stage_params
+from hybridengine.transport import TorchTransport
+from tiny_models import make_llama
+
+
+def shard_from_checkpoint(path, spec, tp, pp, tp_rank, pp_rank):
+    """What a rank holds at (tp_rank, pp_rank) of a TP x PP layout, read straight from the HF files."""
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    reader = HFCheckpointReader(path)
+    return {p.name: cut_shard(hf_source(p.name, spec, pp_rank, pp), reader.read, spec, tp_rank, tp).contiguous()
+            for p in stage_params(spec, tp, pp, pp_rank)}
+
+
+def _worker(rank, world_size, path, train_dims, gen_dims, bucket_bytes):
+    spec = ModelSpec.from_pretrained(path)
+    train = ParallelLayout(*train_dims)
+    plan = plan_reshard(train, GenerationLayout(*gen_dims))
+    coord = train.coordinate(rank)
+    params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+    before = {k: v.clone() for k, v in params.items()}
+    me = plan.ranks[rank]
+    expected = shard_from_checkpoint(path, spec, gen_dims[0], gen_dims[1], me.gen_tp_rank, me.gen_pp_rank)
+
+    transport = TorchTransport()
+    resharder = Resharder(spec, plan, rank, params, transport, bucket_bytes=bucket_bytes)
+    got = resharder.to_generation()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), (rank, name)
+    assert transport.bytes_received == expected_bytes_received(spec, plan, rank, 4)
+    if plan.kind == "slice":
+        assert transport.bytes_received == 0
+    resharder.to_training()
+    assert resharder.buffer is None and not resharder.weights
+    for name, tensor in before.items():  # training shards were never touched
+        assert torch.equal(params[name], tensor)
+
+    for name, baseline in BASELINES.items():
+        t = TorchTransport()
+        out = baseline(spec, plan, rank, params, t)
+        for key, tensor in expected.items():
+            assert torch.equal(out[key], tensor), (name, rank, key)
+        assert t.bytes_received >= transport.bytes_received, (name, rank, t.bytes_received, transport.bytes_received)
+
+
+PAIRS = [  # (t, p, d) -> (t_g, p_g)
+    ((2, 1, 2), (1, 1)), ((4, 1, 1), (2, 1)), ((4, 1, 1), (1, 1)), ((2, 2, 1), (1, 1)),
+    ((2, 2, 1), (2, 1)), ((1, 2, 2), (1, 1)), ((2, 1, 2), (4, 1)), ((1, 4, 1), (1, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    # 8 heads in 4 KV groups: every TP size up to 4 divides the model.
+    return {"llama": make_llama(root / "llama", heads=8, kv_heads=4),
+            "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
+
+
+@pytest.mark.parametrize("train,gen", PAIRS, ids=[f"{t}->{g}" for t, g in PAIRS])
+@pytest.mark.parametrize("model", ["llama", "qwen2-tied"])
+def test_generation_weights_are_exact_slices_of_the_model(models, model, train, gen):
+    # A small bucket forces several all-gathers per transition.
+    run_in_processes(_worker, train[0] * train[1] * train[2], str(models[model]), train, gen, 64 << 10)
+
+
+def test_the_papers_eight_rank_example(models):
+    run_in_processes(_worker, 8, str(models["llama"]), (4, 1, 2), (2, 1), 1 << 20)
