@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from hybridengine.reshard_plan import GenerationLayout
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MicroBatch
 from workers.megatron.engine_role import EngineRole
+from workers.megatron.hybrid_bridge import HybridBridge
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
@@ -86,6 +88,7 @@ class Actor(_LogProbRole):
     ) -> None:
         self.ppo = as_config(PPOActorConfig, ppo)
         self._build_engine(model_path, engine, as_config(OptimConfig, optim))
+        self.hybrid = HybridBridge(self.engine)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
@@ -105,6 +108,21 @@ class Actor(_LogProbRole):
         )
         self.update_count += 1
         return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def to_generation(self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp") -> dict[str, Any]:
+        """Reshard the actor's weights into the generation layout (3D-HybridEngine)."""
+        return self.hybrid.to_generation(GenerationLayout(tensor_parallel, pipeline_parallel), method)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def to_training(self, offload: bool = False) -> dict[str, float]:
+        """Drop the generation weights; the training shards were never moved."""
+        return self.hybrid.to_training(offload)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def generation_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's current generation shard (megatron names local to its generation stage)."""
+        return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
     def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, normalizer: LossNormalizer):
         ppo = self.ppo

@@ -1,0 +1,43 @@
+"""The hybrid engine on a real megatron actor: generation weights, bytes, and training after return."""
+
+import pytest
+import torch
+
+from conftest import TESTS, run_torchrun
+from hybridengine.hf_mapping import cut_shard, hf_source
+from hybridengine.model_spec import ModelSpec
+from hybridengine.stage_params import stage_params
+from tiny_models import make_llama
+from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+
+@pytest.mark.parametrize("train,gen", [((2, 1), (1, 1)), ((2, 2), (2, 1)), ((1, 2), (1, 1))],
+                         ids=["TP2xDP2->TP1", "TP2xPP2->TP2", "PP2xDP2->TP1"])
+def test_actor_reshards_and_trains_on_as_if_it_never_had(tmp_path, train, gen):
+    model = make_llama(tmp_path / "model")
+    proc = run_torchrun(TESTS / "megatron" / "hybrid_program.py",
+                        [str(model), str(tmp_path), "--tp", str(train[0]), "--pp", str(train[1]),
+                         "--gen-tp", str(gen[0]), "--gen-pp", str(gen[1])], 4, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    result = torch.load(tmp_path / "hybrid.pt", weights_only=False)
+
+    spec = ModelSpec.from_pretrained(tmp_path / "trained")
+    reader = HFCheckpointReader(tmp_path / "trained")  # the trained weights, exported independently
+    bytes_by_method = {}
+    for method in ("micro_dp", "full_allgather", "tp_pp_gather"):
+        stats, weights = result[method]["stats"], result[method]["weights"]
+        bytes_by_method[method] = sum(s["reshard/bytes_received"] for s in stats)
+        for rank_stats, rank_weights in zip(stats, weights):
+            gtp, gpp = rank_stats["gen_tp_rank"], rank_stats["gen_pp_rank"]
+            expected = {p.name: cut_shard(hf_source(p.name, spec, gpp, gen[1]), reader.read, spec, gtp, gen[0])
+                        for p in stage_params(spec, gen[0], gen[1], gpp)}
+            assert rank_weights.keys() == expected.keys()
+            for name, tensor in expected.items():
+                assert torch.equal(rank_weights[name], tensor), (method, name)
+    # Equal to the TP/PP gather only when a micro-DP group is a whole model-parallel group (t_g = p_g = 1).
+    assert bytes_by_method["micro_dp"] <= bytes_by_method["tp_pp_gather"] <= bytes_by_method["full_allgather"]
+    if gen != (1, 1):
+        assert bytes_by_method["micro_dp"] * 2 < bytes_by_method["tp_pp_gather"]
+    first, second = result["first"], result["second"]
+    assert first[0] == first[1]
+    assert second[0] == second[1]  # the resharded actor trains on exactly like its twin
