@@ -10,7 +10,16 @@ import os
 
 import torch
 
-__all__ = ["accelerator_available", "device_type", "dist_backend", "device_for_local_rank", "prepare_megatron", "DEVICE_ENV"]
+__all__ = [
+    "accelerator_available",
+    "device_type",
+    "dist_backend",
+    "device_for_local_rank",
+    "prepare_megatron",
+    "reset_peak_memory",
+    "peak_memory",
+    "DEVICE_ENV",
+]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
 DEVICE_ENV = "HYBRIDFLOW_DEVICE"
@@ -57,3 +66,36 @@ def prepare_megatron() -> None:
 
     cpu_compat.install()
     cpu_compat.enter_thread()
+
+
+def reset_peak_memory() -> int:
+    """Start a new peak-memory window; returns the bytes in use now.
+
+    On GPU this is the caching allocator's count. On CPU it is the process's
+    resident set (Linux: VmHWM is reset through /proc/self/clear_refs), which
+    follows allocations closely when glibc's mmap threshold is fixed
+    (MALLOC_MMAP_THRESHOLD_), as the benchmarks set it.
+    """
+    if accelerator_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_memory() -> int:
+    """Peak bytes in use since the last ``reset_peak_memory``."""
+    if accelerator_available():
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _proc_status_bytes("VmHWM")
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
