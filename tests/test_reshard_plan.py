@@ -6,6 +6,7 @@ import pytest
 
 from hybridengine.layout import ParallelLayout
 from hybridengine.reshard_plan import GenerationLayout, ReshardLayoutError, legal_generation_layouts, plan_reshard
+from hybridengine.stage_params import stage_params
 
 
 def test_the_papers_example():
@@ -86,3 +87,27 @@ def test_slice_pairs_span_training_replicas():
     plan = plan_reshard(ParallelLayout(2, 1, 2), GenerationLayout(4, 1))
     assert plan.kind == "slice" and plan.gen_tp_groups == ((0, 2, 1, 3),)
     assert [plan.bytes_received(r, lambda tp, pp: 10) for r in range(4)] == [0, 0, 0, 0]
+
+
+def test_generation_buffer_sources_for_a_pipeline_merge():
+    """TP2xPP2 -> TP1xPP1: the one generation stage takes layers 0-1 from stage-0 members and 2-3 from stage-1
+    members, TP shards in TP order, a replicated norm from one member only."""
+    from hybridengine.model_spec import ModelSpec
+    from hybridengine.resharder import expected_bytes_received, generation_sources
+
+    spec = ModelSpec("LlamaForCausalLM", 64, 16, 32, 4, 4, 2, 4, 1e-6, 1e4, 64, False, False)
+    plan = plan_reshard(ParallelLayout(2, 2, 1), GenerationLayout(1, 1))
+    sources = {s.param.name: s for s in generation_sources(spec, plan, 0)}
+    me = plan.ranks[0]
+    assert me.micro_dp_group == (0, 1, 2, 3) and me.source_shards == ((0, 0), (1, 0), (0, 1), (1, 1))
+    assert sources["decoder.layers.1.mlp.linear_fc1.weight"].members == (0, 1)
+    assert sources["decoder.layers.2.mlp.linear_fc1.weight"].members == (2, 3)
+    assert sources["decoder.layers.2.mlp.linear_fc1.weight"].train_names == ("decoder.layers.0.mlp.linear_fc1.weight",) * 2
+    assert sources["decoder.layers.3.input_layernorm.weight"].members == (2,)
+    assert sources["embedding.word_embeddings.weight"].members == (0, 1)
+    assert sources["output_layer.weight"].members == (2, 3)
+    # Rank 0 receives all but its own pieces: everything except its half of stage 0's sharded tensors.
+    total = sum(p.numel for p in stage_params(spec, 1, 1, 0)) * 4
+    own = sum(s.param.numel // 2 for s in sources.values() if s.members == (0, 1)) * 4
+    own_norms = sum(s.param.numel for s in sources.values() if s.members == (0,)) * 4
+    assert expected_bytes_received(spec, plan, 0, 4) == total - own - own_norms

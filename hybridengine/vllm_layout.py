@@ -1,0 +1,63 @@
+"""Generation shards in vLLM's per-rank layout (Llama / Qwen2 models in vLLM).
+
+vLLM keeps, per TP rank, ``qkv_proj`` as [q; k; v] (all of the rank's query
+heads, then its key heads, then its value heads) and ``gate_up_proj`` as
+[gate; up]. A megatron TP shard holds the same rows in a different order for
+QKV (group-major: per query group its query heads, key head, value head) and
+already in vLLM's order for fc1. Names follow vLLM's checkpoint names with
+the layer index made global.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridengine.model_spec import ModelSpec
+from hybridengine.stage_params import stage_params
+
+__all__ = ["qkv_group_major_to_vllm", "to_vllm_shard"]
+
+
+def qkv_group_major_to_vllm(tensor: torch.Tensor, spec: ModelSpec, tp: int) -> torch.Tensor:
+    """A megatron QKV shard (weight or bias) reordered to vLLM's [q; k; v] for the same TP rank."""
+    groups = spec.num_query_groups // tp
+    per_group = spec.num_attention_heads // spec.num_query_groups
+    d = spec.head_dim
+    grouped = tensor.reshape(groups, (per_group + 2) * d, *tensor.shape[1:])
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return torch.cat([t.reshape(-1, *tensor.shape[1:]) for t in (q, k, v)])
+
+
+_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def to_vllm_shard(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], tp: int, pp: int, pp_rank: int
+) -> dict[str, torch.Tensor]:
+    """A generation shard (megatron names local to its stage) under vLLM's names and per-rank layout.
+
+    Everything but QKV stays a view of the generation buffer.
+    """
+    out = {}
+    for param in stage_params(spec, tp, pp, pp_rank):
+        tensor = weights[param.name]
+        if param.layer is not None:
+            suffix = param.name.split(".", 3)[3]
+            if suffix.startswith("self_attention.linear_qkv"):
+                tensor = qkv_group_major_to_vllm(tensor, spec, tp)
+            out[f"model.layers.{param.layer}.{_NAMES[suffix]}"] = tensor
+        elif param.name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = tensor
+        elif param.name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor
+        elif param.name == "output_layer.weight":
+            out["lm_head.weight"] = tensor
+    return out
