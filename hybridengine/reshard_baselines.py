@@ -32,16 +32,9 @@ def _cut_generation_shard(spec: ModelSpec, plan: ReshardPlan, rank: int, full: F
     me = plan.ranks[rank]
     out = {}
     for source in generation_sources(spec, plan, rank):
-        stage = _stage_of(spec, plan, source)
-        tensor = full[(stage, source.train_names[0])]
+        tensor = full[(source.stage, source.train_names[0])]
         out[source.param.name] = split_tp_shard(source.param.kind, tensor, plan.gen.tensor_parallel, me.gen_tp_rank).clone()
     return out
-
-
-def _stage_of(spec: ModelSpec, plan: ReshardPlan, source) -> int:
-    if source.param.layer is not None:
-        return source.param.layer // (spec.num_layers // plan.train.pp)
-    return 0 if source.param.name.startswith("embedding.") else plan.train.pp - 1
 
 
 def _split_flat(flat: torch.Tensor, params) -> dict[str, torch.Tensor]:

@@ -9,6 +9,12 @@ generation parameters are views (fc1: a copy) of the rank's own shards.
 
 Training parameters are only read. Returning to training drops the buffer
 (or moves it to host memory); training continues exactly as before.
+
+With ``release_training=True`` the rank's training shards give up their
+memory while the generation weights exist, since every byte of them also
+sits in the generation buffer (gather plans); returning to training copies
+them back out of it. The generation buffer is then the only copy: no
+redundant memory, as in HybridFlow section 5.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ __all__ = ["GenParamSource", "generation_sources", "Resharder", "expected_bytes_
 @dataclass(frozen=True)
 class GenParamSource:
     param: StageParam  # the generation parameter (name local to the generation stage)
+    stage: int  # the training pipeline stage that holds its pieces
     members: tuple[int, ...]  # micro-DP positions that contribute a piece, in TP order
     train_names: tuple[str, ...]  # the piece's training parameter name on each of those members
     train_shapes: tuple[tuple[int, ...], ...]
@@ -63,7 +70,7 @@ def generation_sources(spec: ModelSpec, plan: ReshardPlan, rank: int) -> list[Ge
         ))
         if param.kind == REPLICATED:
             members = members[:1]  # identical on every TP rank: one copy is enough
-        sources.append(GenParamSource(param, members, (train_name,) * len(members),
+        sources.append(GenParamSource(param, stage, members, (train_name,) * len(members),
                                       (train_shapes[(stage, train_name)],) * len(members)))
     return sources
 
@@ -116,13 +123,20 @@ class Resharder:
         self.my_index = me.micro_dp_index
         self.buffer: torch.Tensor | None = None
         self.weights: dict[str, torch.Tensor] = {}
+        self.released: dict[int, int] = {}  # id(training parameter) -> its storage bytes, while released
 
     # ---------------------------------------------------------------- to generation
-    def to_generation(self) -> dict[str, torch.Tensor]:
+    def to_generation(self, release_training: bool = False) -> dict[str, torch.Tensor]:
         """This rank's generation shard as megatron parameters (names local to its generation stage)."""
         if self.plan.kind == "slice":
             self.weights = self._slice()
             return self.weights
+        weights = self._gather()
+        if release_training:
+            self._release_training_shards()
+        return weights
+
+    def _gather(self) -> dict[str, torch.Tensor]:
         dtype = next(iter(self.params.values())).dtype
         device = next(iter(self.params.values())).device
         total = sum(s.param.numel for s in self.sources)
@@ -167,6 +181,38 @@ class Resharder:
                 cursor[m] += n
             join_into(views[s.param.name], s.param.kind, pieces)
 
+    def _own_pieces(self):
+        """(training parameter, its copy inside the generation buffer) for every parameter this rank holds."""
+        own_stage = self.plan.train.coordinate(self.rank).pp_rank
+        for s in self.sources:
+            if s.stage != own_stage:
+                continue
+            gen_tensor = self.weights[s.param.name]
+            if s.param.kind == REPLICATED:  # the same on every TP rank, whichever member sent it
+                yield self.params[s.train_names[0]], gen_tensor
+            else:
+                position = s.members.index(self.my_index)
+                yield self.params[s.train_names[0]], split_tp_shard(s.param.kind, gen_tensor, len(s.members), position)
+
+    def _release_training_shards(self) -> None:
+        storages = {p.untyped_storage().data_ptr() for p in self.params.values()}
+        if len(storages) != len(self.params):
+            raise ValueError("training parameters share storage (a flat parameter buffer); they cannot be released one by one")
+        if not all(p.untyped_storage().resizable() for p in self.params.values()):
+            raise ValueError("training parameters live in memory that cannot be resized (e.g. memory-mapped); cannot release them")
+        # Every own shard has a copy in the buffer, except the last stage's copy of tied
+        # embeddings when the generation layout has one stage: that one stays.
+        self.released = {}
+        for param, _ in self._own_pieces():
+            self.released[id(param)] = param.untyped_storage().nbytes()
+            param.untyped_storage().resize_(0)
+
+    def _restore_training_shards(self) -> None:
+        for param, piece in self._own_pieces():
+            param.untyped_storage().resize_(self.released[id(param)])
+            param.copy_(piece)
+        self.released = {}
+
     def _slice(self) -> dict[str, torch.Tensor]:
         me = self.plan.ranks[self.rank]
         return {
@@ -177,6 +223,8 @@ class Resharder:
     # ------------------------------------------------------------------ to training
     def to_training(self, offload: bool = False) -> None:
         """Drop the generation weights (``offload``: keep the buffer in host memory for the next step)."""
+        if self.released:
+            self._restore_training_shards()
         self.weights = {}
         if offload and self.buffer is not None:
             self.buffer = self.buffer.cpu()

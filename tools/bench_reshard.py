@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 4 tools/bench_reshard.py --inner OUT.json ...   (what the launcher runs)
 
 Each rank holds random training shards of the model (megatron layout) and
-builds its generation shard with each method. Per method and pair it prints:
+builds its generation shard with each method ("micro_dp+release": the training shards free their memory while
+the generation weights exist, as HybridFlow's zero-redundancy design does).
+Per method and pair it prints:
 transition latency (median over repeats, slowest rank), bytes received per
 rank (largest rank) next to the lower bound (d_g-1)*M/(t*p), peak extra
 memory per rank (largest rank) and the time to return to training. The
@@ -51,7 +53,7 @@ MODELS = {
 }
 # (t, p, d) -> (t_g, p_g), 4 ranks
 PAIRS = ["4x1x1-2x1", "4x1x1-1x1", "2x2x1-2x1", "2x2x1-1x1", "2x1x2-1x1", "1x2x2-1x1", "2x1x2-4x1"]
-METHODS = ["micro_dp", "tp_pp_gather", "full_allgather"]
+METHODS = ["micro_dp", "micro_dp+release", "tp_pp_gather", "full_allgather"]
 
 
 def spec_of(name: str) -> ModelSpec:
@@ -96,11 +98,12 @@ def inner(args) -> None:
     rows = []
     for method in METHODS:
         transport = TorchTransport()
-        if method == "micro_dp":
+        if method.startswith("micro_dp"):
             resharder = Resharder(spec, plan, rank, params, transport, bucket_bytes=args.bucket_mb << 20)
+            release = method.endswith("release")
 
             def run():
-                return resharder.to_generation()
+                return resharder.to_generation(release_training=release)
 
             def back():
                 resharder.to_training()
@@ -194,19 +197,19 @@ def main() -> None:
                 print(json.dumps(results[-1]), file=sys.stderr)
 
     mib = 2**20
-    header = (f"{'model':10} {'pair':10} {'method':15} {'latency_ms':>10} {'vs micro':>8} {'recv MiB':>9} "
+    header = (f"{'model':10} {'pair':10} {'method':17} {'latency_ms':>10} {'vs micro':>8} {'recv MiB':>9} "
               f"{'bound MiB':>9} {'peak extra MiB':>14} {'return_ms':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
         micro = r["methods"][0]["latency_s"]
         for m in r["methods"]:
-            print(f"{r['model']:10} {r['pair']:10} {m['method']:15} {1e3 * m['latency_s']:10.1f} "
+            print(f"{r['model']:10} {r['pair']:10} {m['method']:17} {1e3 * m['latency_s']:10.1f} "
                   f"{m['latency_s'] / micro:7.1f}x {m['bytes_received_max'] / mib:9.1f} "
                   f"{r['lower_bound_bytes'] / mib:9.1f} {m['peak_extra_bytes_max'] / mib:14.1f} {1e3 * m['return_s']:9.2f}")
         if r["plain_allgather"]:
             link = r["plain_allgather"]
-            print(f"{'':10} {'':10} {'(all-gather)':15} {1e3 * link['allgather_s']:10.1f} "
+            print(f"{'':10} {'':10} {'(all-gather)':17} {1e3 * link['allgather_s']:10.1f} "
                   f"{link['allgather_s'] / micro:7.1f}x  {link['bytes'] / mib:8.1f} received over the same micro-DP group")
     print("(latency: median of repeats, slowest rank; MiB received and peak extra memory: largest rank; fp32)")
     if args.json:

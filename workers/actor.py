@@ -110,9 +110,15 @@ class Actor(_LogProbRole):
         return metrics
 
     @register(Dispatch.ONE_TO_ALL)
-    def to_generation(self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp") -> dict[str, Any]:
-        """Reshard the actor's weights into the generation layout (3D-HybridEngine)."""
-        return self.hybrid.to_generation(GenerationLayout(tensor_parallel, pipeline_parallel), method)
+    def to_generation(
+        self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp", release_training: bool = False
+    ) -> dict[str, Any]:
+        """Reshard the actor's weights into the generation layout (3D-HybridEngine).
+
+        ``release_training``: the training shards free their memory until
+        ``to_training`` (micro-DP gather plans), leaving one copy of the weights.
+        """
+        return self.hybrid.to_generation(GenerationLayout(tensor_parallel, pipeline_parallel), method, release_training)
 
     @register(Dispatch.ONE_TO_ALL)
     def to_training(self, offload: bool = False) -> dict[str, float]:

@@ -28,7 +28,8 @@ def main():
     result = {"first": [actor.update_actor(batch_for(0)), twin.update_actor(batch_for(0))]}
     actor.save_hf(os.path.join(args.out, "trained"))
     for method in ("micro_dp", "full_allgather", "tp_pp_gather"):
-        result[method] = {"stats": actor.to_generation(args.gen_tp, args.gen_pp, method), "weights": actor.generation_weights()}
+        stats = actor.to_generation(args.gen_tp, args.gen_pp, method, release_training=method == "micro_dp")
+        result[method] = {"stats": stats, "weights": actor.generation_weights()}
     result["back"] = actor.to_training()
     result["second"] = [actor.update_actor(batch_for(1)), twin.update_actor(batch_for(1))]
     torch.save(result, os.path.join(args.out, "hybrid.pt"))

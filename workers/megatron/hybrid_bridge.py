@@ -29,11 +29,12 @@ class HybridBridge:
     def _training_params(self) -> dict[str, torch.Tensor]:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
 
-    def to_generation(self, gen: GenerationLayout, method: str = "micro_dp") -> dict[str, Any]:
+    def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False) -> dict[str, Any]:
         """Build this rank's generation weights; collective over all ranks. Returns timing and bytes."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
         self.engine.spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel)
+        self.to_training()  # at most one generation state at a time; restores released shards
         plan = plan_reshard(self.engine.layout, gen)
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
@@ -43,7 +44,7 @@ class HybridBridge:
                     self.engine.spec, plan, rank, self._training_params(), self.transport, self.bucket_bytes
                 )
             start = time.perf_counter()
-            self.weights = self.resharders[gen].to_generation()
+            self.weights = self.resharders[gen].to_generation(release_training=release_training)
         else:
             start = time.perf_counter()
             self.weights = BASELINES[method](self.engine.spec, plan, rank, self._training_params(), self.transport)
