@@ -12,17 +12,32 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 from controller.errors import HostLostError
 
-__all__ = ["HostSet", "failed_future"]
+__all__ = ["HostSet", "failed_future", "map_failure"]
 
 
 def failed_future(error: BaseException) -> Future:
     future: Future = Future()
     future.set_exception(error)
     return future
+
+
+def map_failure(future: Future, translate: Callable[[BaseException], BaseException | None]) -> Future:
+    """A future with ``future``'s outcome, its exception passed through ``translate`` (None: unchanged)."""
+    out: Future = Future()
+
+    def forward(done: Future) -> None:
+        error = done.exception()
+        if error is None:
+            out.set_result(done.result())
+        else:
+            out.set_exception(translate(error) or error)
+
+    future.add_done_callback(forward)
+    return out
 
 
 class HostSet(abc.ABC):

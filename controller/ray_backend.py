@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.errors import HostLostError
-from controller.hosts import HostSet
+from controller.hosts import HostSet, map_failure
 from workers.host import WorkerHost
 
 __all__ = ["RayHostSet", "ensure_ray"]
@@ -109,22 +109,14 @@ class RayHostSet(HostSet):
                 raise RuntimeError(f"rank {rank} could not join torch.distributed:\n{reply.remote_traceback}")
 
     def _submit(self, rank: int, op: str, args: tuple) -> Future:
-        ray_future = getattr(self.actors[rank], op).remote(*args).future()
-        out: Future = Future()
+        def actor_died(error: BaseException) -> BaseException | None:
+            if not isinstance(error, RayActorError):
+                return None
+            detail = f"its Ray actor died ({type(error).__name__})"
+            self.mark_lost(rank, detail)
+            return HostLostError(rank, detail)
 
-        def forward(done: Future) -> None:
-            error = done.exception()
-            if isinstance(error, RayActorError):
-                detail = f"its Ray actor died ({type(error).__name__})"
-                self.mark_lost(rank, detail)
-                out.set_exception(HostLostError(rank, detail))
-            elif error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result(done.result())
-
-        ray_future.add_done_callback(forward)
-        return out
+        return map_failure(getattr(self.actors[rank], op).remote(*args).future(), actor_died)
 
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from controller.errors import HostLostError
-from controller.hosts import HostSet
+from controller.hosts import HostSet, map_failure
 from controller.wire import recv_message, send_message
 from workers.host import Reply, WorkerHost
 
@@ -272,16 +272,6 @@ def _relabel(future: Future, global_rank: int, pool_rank: int) -> Future:
     """Report a lost host by its rank in the pool, the rank users see."""
     if global_rank == pool_rank:
         return future
-    out: Future = Future()
-
-    def forward(done: Future) -> None:
-        error = done.exception()
-        if isinstance(error, HostLostError):
-            out.set_exception(HostLostError(pool_rank, error.detail))
-        elif error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(done.result())
-
-    future.add_done_callback(forward)
-    return out
+    return map_failure(
+        future, lambda error: HostLostError(pool_rank, error.detail) if isinstance(error, HostLostError) else None
+    )

@@ -148,7 +148,10 @@ def inner(args) -> None:
     link = None
     if len(group_ranks) > 1:
         groups = {g: dist.new_group(list(g)) for g in plan.micro_dp_groups}
-        shard_elems = sum(t.numel() for t in params.values())
+        # Shards of different pipeline stages differ a little in size; time equal parts of the largest.
+        largest = torch.tensor([sum(t.numel() for t in params.values())])
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        shard_elems = int(largest.item())
         own = torch.randn(shard_elems)
         parts = [torch.empty_like(own) for _ in group_ranks]
         dist.all_gather(parts, own, group=groups[group_ranks])
