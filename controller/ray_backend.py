@@ -88,7 +88,7 @@ class RayHostSet(HostSet):
                 f"the cluster has {ray.cluster_resources()}"
             ) from None
         self.actors = []
-        for node_index, (pg, count) in enumerate(zip(self.placement_groups, process_on_nodes)):
+        for pg, count in zip(self.placement_groups, process_on_nodes):
             for local_rank in range(count):
                 rank = len(self.actors)
                 options = dict(

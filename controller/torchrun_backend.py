@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import datetime
 import os
 import queue
 import socket

@@ -127,16 +127,20 @@ class Resharder:
 
     # ---------------------------------------------------------------- to generation
     def to_generation(self, release_training: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's generation shard as megatron parameters (names local to its generation stage)."""
+        """This rank's generation shard as megatron parameters (names local to its generation stage).
+
+        ``release_training``: each training shard frees its memory as soon as
+        its bucket is in the buffer, so the peak stays near one copy of the
+        weights plus a bucket.
+        """
         if self.plan.kind == "slice":
             self.weights = self._slice()
             return self.weights
-        weights = self._gather()
         if release_training:
-            self._release_training_shards()
-        return weights
+            self._check_releasable()
+        return self._gather(release_training)
 
-    def _gather(self) -> dict[str, torch.Tensor]:
+    def _gather(self, release: bool) -> dict[str, torch.Tensor]:
         dtype = next(iter(self.params.values())).dtype
         device = next(iter(self.params.values())).device
         total = sum(s.param.numel for s in self.sources)
@@ -147,9 +151,11 @@ class Resharder:
             views[s.param.name] = self.buffer[offset : offset + s.param.numel].view(s.param.shape)
             offset += s.param.numel
         element = self.buffer.element_size()
+        self.weights = views
         for bucket in self._buckets(element):
             self._gather_bucket(bucket, views)
-        self.weights = views
+            if release:
+                self._release(bucket)
         return views
 
     def _buckets(self, element: int) -> list[list[GenParamSource]]:
@@ -194,18 +200,27 @@ class Resharder:
                 position = s.members.index(self.my_index)
                 yield self.params[s.train_names[0]], split_tp_shard(s.param.kind, gen_tensor, len(s.members), position)
 
-    def _release_training_shards(self) -> None:
+    def _check_releasable(self) -> None:
         storages = {p.untyped_storage().data_ptr() for p in self.params.values()}
         if len(storages) != len(self.params):
             raise ValueError("training parameters share storage (a flat parameter buffer); they cannot be released one by one")
         if not all(p.untyped_storage().resizable() for p in self.params.values()):
             raise ValueError("training parameters live in memory that cannot be resized (e.g. memory-mapped); cannot release them")
-        # Every own shard has a copy in the buffer, except the last stage's copy of tied
-        # embeddings when the generation layout has one stage: that one stays.
-        self.released = {}
-        for param, _ in self._own_pieces():
-            self.released[id(param)] = param.untyped_storage().nbytes()
-            param.untyped_storage().resize_(0)
+
+    def _release(self, bucket: list[GenParamSource]) -> None:
+        """Free the own training shards whose bytes this bucket put into the buffer.
+
+        Every own shard has a copy in the buffer, except the last stage's copy
+        of tied embeddings when the generation layout has one stage: that one stays.
+        """
+        own_stage = self.plan.train.coordinate(self.rank).pp_rank
+        for s in bucket:
+            if s.stage != own_stage:
+                continue
+            param = self.params[s.train_names[0]]
+            if id(param) not in self.released:
+                self.released[id(param)] = param.untyped_storage().nbytes()
+                param.untyped_storage().resize_(0)
 
     def _restore_training_shards(self) -> None:
         for param, piece in self._own_pieces():

@@ -66,7 +66,9 @@ class TorchTransport(Transport):
         parts = [torch.empty_like(own) for _ in group_key]
         dist.all_gather(parts, own.contiguous(), group=self._groups[group_key])
         self.bytes_received += own.numel() * own.element_size() * (len(group_key) - 1)
-        return parts
+        # torch orders a group's members by global rank; hand parts back in the key's order.
+        by_rank = dict(zip(sorted(group_key), parts))
+        return [by_rank[r] for r in group_key]
 
     def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any) -> None:
         dist.broadcast(tensor, src=src, group=self._groups[group_key])

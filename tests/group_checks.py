@@ -1,6 +1,5 @@
 """Assertions shared by the Ray and torchrun runs of group_scenarios: same program, same answers."""
 
-import os
 
 
 def check_modes(out: dict) -> None:

@@ -10,6 +10,7 @@ from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_baselines import BASELINES
 from hybridengine.reshard_plan import GenerationLayout, plan_reshard
+from hybridengine.generation_export import generation_to_hf
 from hybridengine.resharder import Resharder, expected_bytes_received
 from hybridengine.stage_params import stage_params
 from hybridengine.transport import TorchTransport
@@ -43,6 +44,17 @@ def _worker(rank, world_size, path, train_dims, gen_dims, bucket_bytes):
         assert torch.equal(got[name], tensor), (rank, name)
     received = transport.bytes_received
     assert received == expected_bytes_received(spec, plan, rank, 4)
+    # Full HF tensors of the generation stage, gathered over the generation TP group.
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    hf = generation_to_hf(spec, plan, rank, got, TorchTransport())
+    reader = HFCheckpointReader(path)
+    stage_layers = spec.layers_of_stage(me.gen_pp_rank, gen_dims[1])
+    for name, tensor in hf.items():
+        if name.startswith("model.layers."):
+            assert int(name.split(".")[2]) in stage_layers
+        assert torch.equal(tensor, reader.read(name)), name
+    assert sum(1 for n in hf if n.startswith("model.layers.")) == len(stage_layers) * (12 if spec.qkv_bias else 9)
     if plan.kind == "slice":
         assert transport.bytes_received == 0
     resharder.to_training()

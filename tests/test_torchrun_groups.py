@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 import group_checks
 from conftest import TESTS, run_torchrun

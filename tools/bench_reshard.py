@@ -10,7 +10,8 @@ the generation weights exist, as HybridFlow's zero-redundancy design does).
 Per method and pair it prints:
 transition latency (median over repeats, slowest rank), bytes received per
 rank (largest rank) next to the lower bound (d_g-1)*M/(t*p), peak extra
-memory per rank (largest rank) and the time to return to training. The
+memory per rank during the transition and the extra memory held while the
+generation weights exist (largest rank), and the time to return to training. The
 plain all-gather of the same bytes on the same micro-DP group is timed too,
 so the latency can be read as a fraction of what the link allows.
 """
@@ -34,7 +35,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hybridengine.device import dist_backend, peak_memory, reset_peak_memory  # noqa: E402
+from hybridengine.device import current_memory, dist_backend, peak_memory, reset_peak_memory  # noqa: E402
 from hybridengine.layout import ParallelLayout  # noqa: E402
 from hybridengine.model_spec import ModelSpec  # noqa: E402
 from hybridengine.reshard_baselines import BASELINES  # noqa: E402
@@ -133,8 +134,9 @@ def inner(args) -> None:
         base = reset_peak_memory()
         run()
         extra = peak_memory() - base
+        held = current_memory() - base
         back_s, _ = timed(back, 1)
-        stats = torch.tensor([received, extra], dtype=torch.float64)
+        stats = torch.tensor([received, extra, held], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, stats)
         rows.append({
@@ -142,6 +144,7 @@ def inner(args) -> None:
             "bytes_received_max": int(max(g[0].item() for g in gathered)),
             "bytes_received_mean": sum(g[0].item() for g in gathered) / len(gathered),
             "peak_extra_bytes_max": int(max(g[1].item() for g in gathered)),
+            "held_extra_bytes_max": int(max(g[2].item() for g in gathered)),
         })
     # The plain all-gather of one generation shard over the micro-DP group, for scale.
     group_ranks = plan.ranks[rank].micro_dp_group
@@ -201,7 +204,7 @@ def main() -> None:
 
     mib = 2**20
     header = (f"{'model':10} {'pair':10} {'method':17} {'latency_ms':>10} {'vs micro':>8} {'recv MiB':>9} "
-              f"{'bound MiB':>9} {'peak extra MiB':>14} {'return_ms':>9}")
+              f"{'bound MiB':>9} {'peak extra MiB':>14} {'held MiB':>8} {'return_ms':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -209,12 +212,13 @@ def main() -> None:
         for m in r["methods"]:
             print(f"{r['model']:10} {r['pair']:10} {m['method']:17} {1e3 * m['latency_s']:10.1f} "
                   f"{m['latency_s'] / micro:7.1f}x {m['bytes_received_max'] / mib:9.1f} "
-                  f"{r['lower_bound_bytes'] / mib:9.1f} {m['peak_extra_bytes_max'] / mib:14.1f} {1e3 * m['return_s']:9.2f}")
+                  f"{r['lower_bound_bytes'] / mib:9.1f} {m['peak_extra_bytes_max'] / mib:14.1f} "
+                  f"{m['held_extra_bytes_max'] / mib:8.1f} {1e3 * m['return_s']:9.2f}")
         if r["plain_allgather"]:
             link = r["plain_allgather"]
             print(f"{'':10} {'':10} {'(all-gather)':17} {1e3 * link['allgather_s']:10.1f} "
                   f"{link['allgather_s'] / micro:7.1f}x  {link['bytes'] / mib:8.1f} received over the same micro-DP group")
-    print("(latency: median of repeats, slowest rank; MiB received and peak extra memory: largest rank; fp32)")
+    print("(latency: median of repeats, slowest rank; MiB received, peak and held extra memory: largest rank; fp32)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -18,6 +18,7 @@ __all__ = [
     "prepare_megatron",
     "reset_peak_memory",
     "peak_memory",
+    "current_memory",
     "DEVICE_ENV",
 ]
 
@@ -82,6 +83,14 @@ def reset_peak_memory() -> int:
         return torch.cuda.memory_allocated()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    return _proc_status_bytes("VmRSS")
+
+
+def current_memory() -> int:
+    """Bytes in use now, counted as ``reset_peak_memory`` counts them."""
+    if accelerator_available():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
     return _proc_status_bytes("VmRSS")
 
 

@@ -6,7 +6,6 @@ entropy, the loss, the gradient norm and the weights after one Adam step
 must agree to 1e-5.
 """
 
-import math
 
 import pytest
 import torch
