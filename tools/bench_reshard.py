@@ -97,7 +97,7 @@ def inner(args) -> None:
     torch.manual_seed(rank)
     params = {p.name: torch.randn(p.shape) for p in stage_params(spec, train.tp, train.pp, coord.pp_rank)}
     rows = []
-    for method in METHODS:
+    for method in args.methods:
         transport = TorchTransport()
         if method.startswith("micro_dp"):
             resharder = Resharder(spec, plan, rank, params, transport, bucket_bytes=args.bucket_mb << 20)
@@ -176,6 +176,8 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=PAIRS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS,
+                        help="the baselines rebuild the whole model on every rank: drop them for models that will not fit")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--inner", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -192,7 +194,8 @@ def main() -> None:
                 out = Path(tmp) / "row.json"
                 command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={train.world_size}", __file__, "--inner", str(out), "--model", model,
-                           "--pair", pair, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb)]
+                           "--pair", pair, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+                           "--methods", *args.methods]
                 # A fixed mmap threshold makes freed tensors leave the resident set at once,
                 # so peak RSS measures what each method really holds.
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
