@@ -1,0 +1,142 @@
+"""A megatron GPTModel at the generation layout, over the resharded buffer, gives HF's logits."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_in_processes
+from hybridengine.hf_mapping import cut_shard, hf_source
+from hybridengine.layout import ParallelLayout
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import GenerationLayout, plan_reshard
+from hybridengine.resharder import Resharder
+from hybridengine.stage_params import stage_params
+from hybridengine.transport import TorchTransport
+from tiny_models import make_llama
+
+
+def _training_shard(path, spec, tp, pp, tp_rank, pp_rank):
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    reader = HFCheckpointReader(path)
+    return {p.name: cut_shard(hf_source(p.name, spec, pp_rank, pp), reader.read, spec, tp_rank, tp).clone()
+            for p in stage_params(spec, tp, pp, pp_rank)}
+
+
+def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from hybridengine.device import prepare_megatron
+    from workers.megatron.generation_model import build_generation_model, generation_logits
+
+    prepare_megatron()
+    train = ParallelLayout(*train_dims)
+    # The training grid owns megatron's globals, as in the real engine; the generation model must not use them.
+    ps.initialize_model_parallel(tensor_model_parallel_size=train.tp, pipeline_model_parallel_size=train.pp)
+    model_parallel_cuda_manual_seed(0)
+    try:
+        spec = ModelSpec.from_pretrained(path)
+        plan = plan_reshard(train, GenerationLayout(*gen_dims))
+        coord = train.coordinate(rank)
+        params = _training_shard(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+        resharder = Resharder(spec, plan, rank, params, TorchTransport())
+        weights = resharder.to_generation()
+        groups = {}
+        model = build_generation_model(spec, plan, rank, weights, groups)
+        created = dict(groups)
+        build_generation_model(spec, plan, rank, weights, groups)  # a rebuild reuses every group
+        assert groups == created
+
+        # Zero copy: every parameter lies inside the resharder's flat buffer.
+        storage = resharder.buffer.untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        for name, p in model.named_parameters():
+            assert not p.requires_grad, name
+            assert p.data_ptr() == weights[name].data_ptr(), name
+            assert start <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= end, name
+        assert ps.get_tensor_model_parallel_world_size() == train.tp  # globals untouched
+
+        input_ids = torch.randint(0, spec.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+        logits = generation_logits(model, input_ids)
+        last_stage = plan.ranks[rank].gen_pp_rank == gen_dims[1] - 1
+        assert (logits is not None) == last_stage
+        if last_stage:
+            assert logits.shape == (3, 11, spec.vocab_size // gen_dims[0])
+            tp_group = model.pg_collection.tp
+            parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+            dist.all_gather(parts, logits.contiguous(), group=tp_group)
+            full = torch.cat(parts, dim=-1)
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            with torch.no_grad():
+                ref = hf(input_ids).logits
+            diff = (full - ref).abs().max().item()
+            with open(f"{out_dir}/diff{rank}.json", "w") as f:
+                json.dump(diff, f)
+            assert diff < 1e-4, (rank, diff)
+        # The forward reads the buffer itself: zeroed weights (final norm included) give zero logits.
+        resharder.buffer.zero_()
+        logits = generation_logits(model, input_ids)
+        if last_stage:
+            assert torch.count_nonzero(logits) == 0
+    finally:
+        ps.destroy_model_parallel()
+
+
+CASES = [  # (model, (t, p, d), (t_g, p_g))
+    ("llama", (4, 1, 1), (2, 1)),
+    ("llama", (2, 2, 1), (2, 2)),
+    ("qwen2-tied", (2, 2, 1), (1, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("genmodel")
+    return {"llama": make_llama(root / "llama", heads=8, kv_heads=4),
+            "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
+
+
+@pytest.mark.parametrize("model,train,gen", CASES, ids=[f"{m}-{t}->{g}" for m, t, g in CASES])
+def test_generation_model_matches_hf_logits(models, tmp_path, model, train, gen):
+    run_in_processes(_worker, train[0] * train[1] * train[2], str(models[model]), train, gen, str(tmp_path))
+    diffs = [json.loads(p.read_text()) for p in tmp_path.glob("diff*.json")]
+    assert len(diffs) == train[0] * train[1] * train[2] // gen[1]  # one per last-stage rank
+    print(f"max |logit diff| vs HF: {max(diffs):.3g}")
+
+
+def test_rejects_a_non_monotonic_generation_group():
+    from workers.megatron.generation_model import generation_process_groups
+
+    plan = plan_reshard(ParallelLayout(2, 1, 2), GenerationLayout(4, 1))  # slice: TP group (0, 2, 1, 3)
+    assert any(list(g) != sorted(g) for g in plan.gen_tp_groups)
+    with pytest.raises(ValueError, match="increasing rank order"):
+        generation_process_groups(plan, 0, {})
+
+
+def _mismatch_worker(rank, world_size, path):
+    from hybridengine.device import prepare_megatron
+    from workers.megatron.generation_model import build_generation_model
+
+    prepare_megatron()
+    spec = ModelSpec.from_pretrained(path)
+    plan = plan_reshard(ParallelLayout(1, 1, 1), GenerationLayout(1, 1))
+    weights = _training_shard(path, spec, 1, 1, 0, 0)
+    groups = {}
+    bad = {**weights, "decoder.layers.1.mlp.linear_fc2.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2\.weight: generation shard has \(3, 3\)"):
+        build_generation_model(spec, plan, rank, bad, groups)
+    missing = {k: v for k, v in weights.items() if k != "decoder.final_layernorm.weight"}
+    with pytest.raises(ValueError, match=r"'decoder\.final_layernorm\.weight' has no tensor"):
+        build_generation_model(spec, plan, rank, missing, groups)
+    extra = {**weights, "decoder.layers.9.mlp.linear_fc2.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"'decoder\.layers\.9\.mlp\.linear_fc2\.weight' is not a parameter"):
+        build_generation_model(spec, plan, rank, extra, groups)
+
+
+def test_names_and_shapes_must_match(models):
+    run_in_processes(_mismatch_worker, 1, str(models["llama"]))
