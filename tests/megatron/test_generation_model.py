@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_in_processes
+from tiny_models import make_llama
+
 from hybridengine.hf_mapping import cut_shard, hf_source
 from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
@@ -14,7 +15,6 @@ from hybridengine.reshard_plan import GenerationLayout, plan_reshard
 from hybridengine.resharder import Resharder
 from hybridengine.stage_params import stage_params
 from hybridengine.transport import TorchTransport
-from tiny_models import make_llama
 
 
 def _training_shard(path, spec, tp, pp, tp_rank, pp_rank):
@@ -30,7 +30,10 @@ def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from hybridengine.device import prepare_megatron
-    from workers.megatron.generation_model import build_generation_model, generation_logits
+    from workers.megatron.generation_model import (
+        build_generation_model,
+        generation_logits,
+    )
 
     prepare_megatron()
     train = ParallelLayout(*train_dims)

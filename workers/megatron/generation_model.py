@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from hybridengine.device import accelerator_available, prepare_megatron
+from hybridengine.device import prepare_megatron
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
-from workers.megatron.model import _layer_spec
+from workers.megatron.model import gpt_config, layer_spec
 
-__all__ = ["generation_process_groups", "build_generation_model", "generation_logits"]
+__all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 
 
 def _get_group(ranks: tuple[int, ...], cache: dict[tuple[int, ...], Any]) -> Any:
@@ -76,40 +75,6 @@ def generation_process_groups(plan: ReshardPlan, rank: int, groups_cache: dict[t
     )
 
 
-def _generation_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype):
-    from megatron.core.transformer import TransformerConfig
-
-    # Same choices as workers.megatron.model.build_gpt_stage, so outputs match the training model.
-    return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        kv_channels=spec.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not accelerator_available(),
-        # The weights are replaced right away; random init would only cost time.
-        perform_initialization=False,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-    )
-
-
 def build_generation_model(
     spec: ModelSpec,
     plan: ReshardPlan,
@@ -139,8 +104,8 @@ def build_generation_model(
                            f"PP{pg_collection.pp.size()}, the plan says {plan.gen}")
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
     model = GPTModel(
-        config=_generation_config(spec, tp, pp, dtype),
-        transformer_layer_spec=_layer_spec(),
+        config=gpt_config(spec, tp, pp, dtype, initialize=False),  # the weights are replaced at once
+        transformer_layer_spec=layer_spec(),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=me.gen_pp_rank == 0,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hybridengine.device import accelerator_available
 from hybridengine.model_spec import ModelSpec
 
-__all__ = ["build_gpt_stage", "ValueHead"]
+__all__ = ["build_gpt_stage", "gpt_config", "layer_spec", "ValueHead"]
 
 
 class ValueHead(torch.nn.Module):
@@ -34,7 +34,7 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def _layer_spec():
+def layer_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if accelerator_available():
@@ -48,11 +48,11 @@ def _layer_spec():
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
-    from megatron.core.models.gpt import GPTModel
+def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True):
+    """The TransformerConfig of a Llama-family model at TP x PP; training and generation share it."""
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -74,15 +74,22 @@ def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torc
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not accelerator_available(),
+        perform_initialization=initialize,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
     )
+
+
+def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+    from megatron.core.models.gpt import GPTModel
+
+    config = gpt_config(spec, tp, pp, dtype)
     tied = spec.tie_word_embeddings and not spec.is_value_model
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(),
+        transformer_layer_spec=layer_spec(),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pp_rank == 0,
