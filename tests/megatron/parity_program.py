@@ -46,12 +46,16 @@ def main():
                  "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},
         ),
     )
+    ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
+        model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4}))
     batch = inputs["batch"]
     batch.meta_info["temperature"] = args.temperature
     log_probs = actor.compute_log_prob(batch)
+    ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
-    torch.save({"log_probs": log_probs, "metrics": metrics, "layout": str(actor.layout)}, out / "result.pt")
+    torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout)},
+               out / "result.pt")
 
 
 def run_critic(args, pool, inputs, out):

@@ -134,6 +134,8 @@ def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     got = result["log_probs"]
     torch.testing.assert_close(got.batch["old_log_probs"][mask], ref["log_probs"][mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(got.batch["entropys"][mask], ref["entropy"][mask], atol=1e-5, rtol=0)
+    # The reference policy (no optimizer, another micro-batch size) sees the same weights.
+    torch.testing.assert_close(result["ref_log_probs"].batch["ref_log_prob"][mask], ref["log_probs"][mask], atol=1e-5, rtol=0)
 
     metrics = result["metrics"]
     for replica in metrics:  # one dict per DP replica, all describing the same global mini-batch

@@ -6,23 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_in_processes
+from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
-from hybridengine.hf_mapping import cut_shard, hf_source
 from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import GenerationLayout, plan_reshard
 from hybridengine.resharder import Resharder
-from hybridengine.stage_params import stage_params
 from hybridengine.transport import TorchTransport
-
-
-def _training_shard(path, spec, tp, pp, tp_rank, pp_rank):
-    from workers.megatron.hf_checkpoint import HFCheckpointReader
-
-    reader = HFCheckpointReader(path)
-    return {p.name: cut_shard(hf_source(p.name, spec, pp_rank, pp), reader.read, spec, tp_rank, tp).clone()
-            for p in stage_params(spec, tp, pp, pp_rank)}
 
 
 def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
@@ -44,7 +35,7 @@ def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
         spec = ModelSpec.from_pretrained(path)
         plan = plan_reshard(train, GenerationLayout(*gen_dims))
         coord = train.coordinate(rank)
-        params = _training_shard(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+        params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
         resharder = Resharder(spec, plan, rank, params, TorchTransport())
         weights = resharder.to_generation()
         groups = {}
@@ -128,7 +119,7 @@ def _mismatch_worker(rank, world_size, path):
     prepare_megatron()
     spec = ModelSpec.from_pretrained(path)
     plan = plan_reshard(ParallelLayout(1, 1, 1), GenerationLayout(1, 1))
-    weights = _training_shard(path, spec, 1, 1, 0, 0)
+    weights = shard_from_checkpoint(path, spec, 1, 1, 0, 0)
     groups = {}
     bad = {**weights, "decoder.layers.1.mlp.linear_fc2.weight": torch.zeros(3, 3)}
     with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2\.weight: generation shard has \(3, 3\)"):

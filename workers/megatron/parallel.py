@@ -29,14 +29,6 @@ class MegatronGroups:
     pp_group: Any
     dp_group: Any
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pp - 1
-
 
 def initialize_megatron(layout: ParallelLayout, seed: int, process_group: Any = None) -> MegatronGroups:
     """Set up megatron's groups for ``layout`` over this process's torch.distributed world.
