@@ -144,7 +144,8 @@ class Resharder:
         dtype = next(iter(self.params.values())).dtype
         device = next(iter(self.params.values())).device
         total = sum(s.param.numel for s in self.sources)
-        if self.buffer is None or self.buffer.numel() != total:
+        if self.buffer is None or self.buffer.numel() != total or self.buffer.device != device:
+            # An offloaded buffer is not reused in place: its contents are rebuilt anyway.
             self.buffer = torch.empty(total, dtype=dtype, device=device)
         views, offset = {}, 0
         for s in self.sources:
