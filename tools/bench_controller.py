@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller import ResourcePool, WorkerGroup  # noqa: E402
+from tools.torchrun_job import run_torchrun_job  # noqa: E402
 from workers import BaseWorker, DataProto, Dispatch, register  # noqa: E402
 
 ROWS, COLS, KEYS = 1024, 512, 3
@@ -85,18 +84,8 @@ def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: f
 
 
 def run_torchrun(workers: int, repeats: int, rtt_calls: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-            __file__, "--inner-torchrun", str(out), "--repeats", str(repeats), "--rtt-calls", str(rtt_calls),
-            "--launched-at", repr(time.time()),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        if not out.exists():
-            raise RuntimeError(f"torchrun benchmark failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    args = ["--repeats", str(repeats), "--rtt-calls", str(rtt_calls), "--launched-at", repr(time.time())]
+    return run_torchrun_job(__file__, workers, args, f"torchrun benchmark at {workers} workers")
 
 
 def main() -> None:
@@ -106,14 +95,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rtt-calls", type=int, default=200)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--inner-torchrun", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--inner", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.inner_torchrun:
+    if args.inner:
         workers = int(os.environ["WORLD_SIZE"])
         row = measure("torchrun", workers, args.repeats, args.rtt_calls, args.launched_at)
-        Path(args.inner_torchrun).write_text(json.dumps(row))
+        Path(args.inner).write_text(json.dumps(row))
         return
 
     rows, meta = [], {}
@@ -131,7 +120,6 @@ def main() -> None:
                 rows.append(measure("ray", workers, args.repeats, args.rtt_calls, time.time()))
             else:
                 rows.append(run_torchrun(workers, args.repeats, args.rtt_calls))
-            print(json.dumps(rows[-1]), file=sys.stderr)
         if backend == "ray":
             ray.shutdown()
 

@@ -21,11 +21,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +40,7 @@ from hybridengine.reshard_plan import GenerationLayout, plan_reshard  # noqa: E4
 from hybridengine.resharder import Resharder  # noqa: E402
 from hybridengine.stage_params import stage_params  # noqa: E402
 from hybridengine.transport import TorchTransport  # noqa: E402
+from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 MODELS = {
     "tiny": dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -190,20 +188,14 @@ def main() -> None:
     for model in args.models:
         for pair in args.pairs:
             train, _ = parse_pair(pair)
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "row.json"
-                command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={train.world_size}", __file__, "--inner", str(out), "--model", model,
-                           "--pair", pair, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
-                           "--methods", *args.methods]
-                # A fixed mmap threshold makes freed tensors leave the resident set at once,
-                # so peak RSS measures what each method really holds.
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
-                proc = subprocess.run(command, capture_output=True, text=True, env=env)
-                if not out.exists():
-                    raise RuntimeError(f"{model} {pair} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-                results.append(json.loads(out.read_text()))
-                print(json.dumps(results[-1]), file=sys.stderr)
+            # A fixed mmap threshold makes freed tensors leave the resident set at once,
+            # so peak RSS measures what each method really holds.
+            results.append(run_torchrun_job(
+                __file__, train.world_size,
+                ["--model", model, "--pair", pair, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+                 "--methods", *args.methods],
+                f"{model} {pair}", env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+            ))
 
     mib = 2**20
     header = (f"{'model':10} {'pair':10} {'method':17} {'latency_ms':>10} {'vs micro':>8} {'recv MiB':>9} "

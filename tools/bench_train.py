@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 MODELS = {
     # name: (HF config overrides, batch size, prompt length, response length)
@@ -118,18 +118,11 @@ def main() -> None:
             model_dir = Path(tmp) / model
             sizes[model] = make_model(model, model_dir)
             for layout in args.layouts:
-                out = Path(tmp) / f"{model}-{layout}.json"
-                command = [
-                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAYOUTS[layout][2]}",
-                    __file__, "--inner", str(out), "--model", model, "--model-dir", str(model_dir),
-                    "--layout", layout, "--repeats", str(args.repeats),
-                ]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-                proc = subprocess.run(command, capture_output=True, text=True, env=env)
-                if not out.exists():
-                    raise RuntimeError(f"{model} {layout} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-                rows.append(json.loads(out.read_text()))
-                print(json.dumps(rows[-1]), file=sys.stderr)
+                rows.append(run_torchrun_job(
+                    __file__, LAYOUTS[layout][2],
+                    ["--model", model, "--model-dir", str(model_dir), "--layout", layout, "--repeats", str(args.repeats)],
+                    f"{model} {layout}",
+                ))
 
     header = f"{'model':6} {'params':>7} {'layout':8} {'procs':>5} {'log_prob tok/s':>14} {'update tok/s':>12} {'peak RSS MB/proc':>17}"
     print(header)
