@@ -43,12 +43,7 @@ class Critic(EngineRole):
         critic: CriticConfig | dict | None = None,
     ) -> None:
         self.critic = as_config(CriticConfig, critic)
-        self._build_engine(model_path, engine, as_config(OptimConfig, optim))
-        if not self.engine.spec.is_value_model:
-            raise ValueError(
-                f"{model_path} is a {self.engine.spec.architecture}; a critic needs a sequence-classification "
-                "checkpoint with num_labels=1 (a value head)"
-            )
+        self._build_engine(model_path, engine, as_config(OptimConfig, optim), value_model=True)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:

@@ -96,3 +96,14 @@ def test_bad_engine_and_optimizer_settings():
         OptimConfig(lr_decay_style="step")
     with pytest.raises(ValueError, match=r"lr_decay_steps \(5\) must exceed lr_warmup_steps \(10\)"):
         OptimConfig(lr_warmup_steps=10, lr_decay_steps=5)
+
+
+def test_roles_refuse_the_wrong_kind_of_checkpoint(model, tmp_path):
+    from workers.actor import Actor
+    from workers.critic import Critic
+
+    with pytest.raises(ValueError, match="Critic needs a sequence-classification checkpoint with a value head; .* LlamaForCausalLM"):
+        Critic(str(model))
+    critic_dir = make_llama(tmp_path / "critic", classification=True)
+    with pytest.raises(ValueError, match="Actor needs a causal LM checkpoint; .* LlamaForSequenceClassification"):
+        Actor(str(critic_dir))

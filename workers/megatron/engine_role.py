@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridengine.model_spec import ModelSpec
 from workers.base_worker import BaseWorker
 from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -18,7 +19,13 @@ class EngineRole(BaseWorker):
     engine: MegatronEngine
     update_count: int = 0  # PPO updates taken; seeds each update's mini-batch shuffle
 
-    def _build_engine(self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None) -> None:
+    def _build_engine(
+        self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False
+    ) -> None:
+        spec = ModelSpec.from_pretrained(model_path)  # checked before any megatron group forms
+        if spec.is_value_model != value_model:
+            wanted = "a sequence-classification checkpoint with a value head" if value_model else "a causal LM checkpoint"
+            raise ValueError(f"{type(self).__name__} needs {wanted}; {model_path} is a {spec.architecture}")
         self.engine = MegatronEngine(model_path, as_config(EngineConfig, engine), self.world_size, optim, self.process_group)
         self.set_layout(self.engine.layout)
 
