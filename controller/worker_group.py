@@ -13,7 +13,6 @@ anything is sent.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
@@ -112,7 +111,6 @@ class WorkerGroup:
         self._methods = registered_methods(worker_cls)
         pool.claim_role(self.role)
         hosts = pool.hosts
-        started = time.perf_counter()
         futures = {
             rank: hosts.submit(
                 rank,
@@ -128,13 +126,8 @@ class WorkerGroup:
             for rank in range(self.world_size)
         }
         GroupFuture(self, f"{worker_cls.__name__}.__init__", futures, lambda outputs: None, None).result()
-        self.startup_s = time.perf_counter() - started
 
     # ------------------------------------------------------------ methods
-    @property
-    def method_names(self) -> list[str]:
-        return sorted(self._methods)
-
     def __getattr__(self, name: str) -> GroupMethod:
         methods = self.__dict__.get("_methods")
         if methods is None or name.startswith("__"):
@@ -145,9 +138,6 @@ class WorkerGroup:
                 f"{sorted(methods)} (mark a method with @register(...) to call it on the group)"
             )
         return GroupMethod(self, methods[name])
-
-    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self, name)(*args, **kwargs)
 
     # -------------------------------------------------------- internals
     def _submit(self, spec: MethodSpec, args: tuple, kwargs: dict) -> GroupFuture:
