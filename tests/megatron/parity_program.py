@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
+from hybridengine.model_spec import ModelSpec
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 
@@ -29,9 +30,11 @@ def main():
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     if args.role == "export":
-        ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
+        # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
+        role = Critic if ModelSpec.from_pretrained(args.model).is_value_model else ReferencePolicy
+        group = WorkerGroup(pool, role, role="export", kwargs=dict(
             model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
-        ref.save_hf(str(out / "exported"))
+        group.save_hf(str(out / "exported"))
         return
     inputs = torch.load(out / "inputs.pt", weights_only=False)
     if args.role == "critic":
