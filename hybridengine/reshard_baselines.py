@@ -23,7 +23,7 @@ from hybridengine.stage_params import stage_params
 from hybridengine.tp_layout import join_tp_shards, split_tp_shard
 from hybridengine.transport import Transport
 
-__all__ = ["full_allgather", "tp_pp_gather", "BASELINES"]
+__all__ = ["full_allgather", "tp_pp_gather", "BASELINES", "RESHARD_METHODS"]
 
 FullModel = dict[tuple[int, str], torch.Tensor]  # (training stage, name) -> TP-joined tensor
 
@@ -97,3 +97,5 @@ def tp_pp_gather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str
 
 
 BASELINES = {"full_allgather": full_allgather, "tp_pp_gather": tp_pp_gather}
+# Every way to reach the generation layout: the micro-DP gather (hybridengine.resharder) and the baselines.
+RESHARD_METHODS = ("micro_dp", *BASELINES)

@@ -22,9 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hybridengine.layout import ParallelLayout
+from functools import cached_property
 
-__all__ = ["GenerationLayout", "ReshardLayoutError", "RankPlan", "ReshardPlan", "legal_generation_layouts", "plan_reshard"]
+from hybridengine.layout import MeshCoordinate, ParallelLayout
+
+__all__ = [
+    "GenerationLayout", "GenerationMesh", "ReshardLayoutError", "RankPlan", "ReshardPlan", "legal_generation_layouts",
+    "plan_reshard",
+]
 
 
 class ReshardLayoutError(ValueError):
@@ -169,3 +174,41 @@ def _plan_slice(train: ParallelLayout, gen: GenerationLayout) -> ReshardPlan:
         train, gen, "slice", tuple(gen_tp_groups), tuple((r,) for r in range(train.world_size)),
         tuple((r,) for r in range(train.world_size)), tuple(ranks[r] for r in range(train.world_size)),
     )
+
+
+@dataclass(frozen=True)
+class GenerationMesh:
+    """The generation layout as a data mesh: which ranks form one generation replica.
+
+    It answers what dispatch asks of a ``ParallelLayout`` (``world_size``,
+    ``dp``, ``coordinate``, ``is_collect_rank``) for the generation grid:
+    ``dp`` counts all generation replicas (d * d_g), every rank of a replica
+    gets the same prompts, and its generation TP rank 0 on the last
+    generation stage answers.
+    """
+
+    train: ParallelLayout
+    gen: GenerationLayout
+
+    @cached_property
+    def plan(self) -> ReshardPlan:
+        return plan_reshard(self.train, self.gen)
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
+    @property
+    def dp(self) -> int:
+        return self.plan.gen_dp
+
+    def coordinate(self, rank: int) -> MeshCoordinate:
+        me = self.plan.ranks[rank]
+        return MeshCoordinate(tp_rank=me.gen_tp_rank, pp_rank=me.gen_pp_rank, dp_rank=me.gen_dp_rank)
+
+    def is_collect_rank(self, rank: int) -> bool:
+        me = self.plan.ranks[rank]
+        return me.gen_tp_rank == 0 and me.gen_pp_rank == self.gen.pipeline_parallel - 1
+
+    def __str__(self) -> str:
+        return f"{self.gen} over {self.train}"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridengine.layout import ParallelLayout
+from hybridengine.reshard_plan import GenerationLayout, GenerationMesh
 from workers import DataProto, Dispatch, DispatchError, GroupView, RankCall, register, register_dispatch_mode
 from workers.dispatch import get_dispatch_rule
 from workers.register import registered_methods
@@ -140,3 +141,40 @@ def test_register_records_mode_and_blocking_through_inheritance():
     assert set(specs) == {"a", "b"}
     assert specs["a"].dispatch_mode == "dp_compute_proto" and specs["a"].blocking
     assert specs["b"].dispatch_mode == "rank_zero" and not specs["b"].blocking
+
+
+def samples_per_row(k):
+    def fn(rank, data):
+        x = data["x"].repeat_interleave(k)
+        return DataProto({"x": x, "rank": torch.full_like(x, rank)})
+    return fn
+
+
+def test_outputs_with_k_rows_per_input_row_drop_the_padding_rows_outputs():
+    # 5 prompts over 2 replicas pad to 6; each prompt yields 3 samples; the padded prompt's 3 go.
+    layout = ParallelLayout(tensor_parallel=2, data_parallel=2)
+    _, out = run(Dispatch.MESH_COMPUTE_PROTO, GroupView(4, layout), DataProto({"x": torch.arange(5)}), fn=samples_per_row(3))
+    assert out["x"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    _, out = run(Dispatch.DP_COMPUTE_PROTO, GroupView(2), DataProto({"x": torch.arange(3)}), fn=samples_per_row(2))
+    assert out["x"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_outputs_whose_rows_are_not_a_multiple_of_the_inputs_are_refused():
+    def ragged(rank, data):
+        return DataProto({"x": torch.arange(len(data) + rank)})
+
+    with pytest.raises(DispatchError, match="same whole number of rows per input row"):
+        run(Dispatch.DP_COMPUTE_PROTO, GroupView(2), DataProto({"x": torch.arange(4)}), fn=ragged)
+
+
+def test_mesh_compute_proto_over_a_generation_mesh():
+    # Training TP4 on 8 ranks (DP2) -> generation TP2: four generation replicas, TP groups strided.
+    mesh = GenerationMesh(ParallelLayout(tensor_parallel=4, data_parallel=2), GenerationLayout(2))
+    assert mesh.dp == 4 and mesh.plan.gen_tp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    calls, out = run(Dispatch.MESH_COMPUTE_PROTO, GroupView(8, mesh), DataProto({"x": torch.arange(8)}), fn=double_rows)
+    chunk = {rank: c.args[0]["x"].tolist() for rank, c in enumerate(calls)}
+    # A generation TP group sees one chunk; micro-DP replicas 0 and 1 of training replica 0 get chunks 0 and 1.
+    assert chunk[0] == chunk[2] == [0, 1] and chunk[1] == chunk[3] == [2, 3]
+    assert chunk[4] == chunk[6] == [4, 5] and chunk[5] == chunk[7] == [6, 7]
+    assert out["y"].tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert out["rank"].tolist() == [0, 0, 1, 1, 4, 4, 5, 5]  # generation TP rank 0 of each replica answers

@@ -6,13 +6,13 @@ import torch
 
 
 def make_llama(path: Path, tie: bool = False, qkv_bias: bool = False, layers: int = 4, seed: int = 0,
-               classification: bool = False, heads: int = 4, kv_heads: int = 2) -> Path:
+               classification: bool = False, heads: int = 4, kv_heads: int = 2, head_dim: int = 32) -> Path:
     """A random Llama (or Qwen2 when ``qkv_bias``) checkpoint in HF format, saved as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=256, hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=layers,
+        vocab_size=256, hidden_size=head_dim * heads, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.05,
     )

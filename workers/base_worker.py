@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybridengine.layout import ParallelLayout
+from hybridengine.reshard_plan import GenerationMesh
 from workers.dispatch import Dispatch
 from workers.register import register
 
@@ -96,16 +97,23 @@ class BaseWorker:
 
     # --------------------------------------------------------------- layout
     @property
-    def layout(self) -> ParallelLayout | None:
+    def layout(self) -> ParallelLayout | GenerationMesh | None:
         """The worker's TP/PP/DP layout once it has built a model; None before."""
         return self._layout
 
-    def set_layout(self, layout: ParallelLayout) -> None:
+    def set_layout(self, layout: ParallelLayout | GenerationMesh) -> None:
+        """The grid that MESH_COMPUTE_PROTO splits this group's batches over."""
         if layout.world_size != self.world_size:
             raise ValueError(
                 f"layout {layout} covers {layout.world_size} ranks but this worker group has {self.world_size}"
             )
         self._layout = layout
+
+    def close(self) -> None:
+        """Release what the worker holds (engines, files); the host calls it once, at shutdown.
+
+        The process group is still alive while it runs. The default does nothing.
+        """
 
     # ----------------------------------------------------------- colocation
     def peer(self, role: str) -> "BaseWorker":

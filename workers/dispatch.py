@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from hybridengine.layout import ParallelLayout
+from hybridengine.reshard_plan import GenerationMesh
 from workers.data_proto import DataProto
 
 __all__ = [
@@ -46,10 +47,14 @@ class RankCall(NamedTuple):
 
 @dataclass(frozen=True)
 class GroupView:
-    """What a dispatch rule may know about the group: its size and its model layout."""
+    """What a dispatch rule may know about the group: its size and its model layout.
+
+    ``layout`` is a training grid (``ParallelLayout``) or a generation grid
+    (``GenerationMesh``); MESH_COMPUTE_PROTO uses either the same way.
+    """
 
     world_size: int
-    layout: ParallelLayout | None = None
+    layout: ParallelLayout | GenerationMesh | None = None
 
 
 DispatchFn = Callable[[GroupView, tuple, dict], tuple[list[RankCall | None], Any]]
@@ -119,24 +124,41 @@ def _split_protos(mode: str, args: tuple, kwargs: dict, parts: int):
     calls = [
         RankCall(tuple(a[i] for a in split_args), {k: v[i] for k, v in split_kwargs.items()}) for i in range(parts)
     ]
-    return calls, pad
+    return calls, _Padding(pad, (lengths.pop() + pad) // parts)
 
 
-def _join_outputs(ordered: list[Any], pad: int) -> Any:
+class _Padding(NamedTuple):
+    rows: int  # rows appended to the input so that it splits evenly
+    rows_per_part: int
+
+
+def _join_outputs(ordered: list[Any], padding: "_Padding") -> Any:
+    """Concatenate DataProto outputs and drop what the padded input rows produced.
+
+    A method may return a whole number k of rows per input row (k samples
+    per prompt, say), consecutive per input row; the padding rows' outputs
+    are then the last k * pad rows.
+    """
     if not all(isinstance(o, DataProto) for o in ordered):
         return ordered
-    return DataProto.concat(ordered).unpad(pad)
+    per_row = {len(o) / padding.rows_per_part for o in ordered}
+    if len(per_row) != 1 or not float(next(iter(per_row))).is_integer():
+        raise DispatchError(
+            f"outputs of {[len(o) for o in ordered]} rows for inputs of {padding.rows_per_part} rows per part: "
+            f"a method must return the same whole number of rows per input row on every rank"
+        )
+    return DataProto.concat(ordered).unpad(padding.rows * int(per_row.pop()))
 
 
 def _dispatch_dp_proto(view: GroupView, args: tuple, kwargs: dict):
     return _split_protos("DP_COMPUTE_PROTO", args, kwargs, view.world_size)
 
 
-def _collect_dp_proto(view: GroupView, outputs: dict[int, Any], pad: int) -> Any:
+def _collect_dp_proto(view: GroupView, outputs: dict[int, Any], pad: _Padding) -> Any:
     return _join_outputs([outputs[r] for r in range(view.world_size)], pad)
 
 
-def _mesh_layout(view: GroupView) -> ParallelLayout:
+def _mesh_layout(view: GroupView) -> ParallelLayout | GenerationMesh:
     if view.layout is None:
         raise DispatchError(
             "MESH_COMPUTE_PROTO needs the group's parallel layout, and its workers have not set one; "
@@ -157,7 +179,7 @@ def _dispatch_mesh_proto(view: GroupView, args: tuple, kwargs: dict):
     return calls, pad
 
 
-def _collect_mesh_proto(view: GroupView, outputs: dict[int, Any], pad: int) -> Any:
+def _collect_mesh_proto(view: GroupView, outputs: dict[int, Any], pad: _Padding) -> Any:
     layout = _mesh_layout(view)
     by_replica = {layout.coordinate(r).dp_rank: outputs[r] for r in outputs if layout.is_collect_rank(r)}
     return _join_outputs([by_replica[d] for d in range(layout.dp)], pad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import socket
 import traceback
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ class WorkerHost:
         return self._guarded(build)
 
     def shutdown(self) -> None:
+        # Newest first: a worker may hold on to an older peer (the rollout to the actor).
+        for role, worker in reversed(list(self.workers.items())):
+            try:
+                worker.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down; the others still get closed
+                print(f"[rank {self.rank}] closing the {role!r} worker failed: {exc!r}", file=sys.stderr)
         self.workers.clear()
         if dist.is_initialized():
             dist.destroy_process_group()

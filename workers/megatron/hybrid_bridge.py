@@ -7,15 +7,13 @@ from typing import Any
 
 import torch
 
-from hybridengine.reshard_baselines import BASELINES
+from hybridengine.reshard_baselines import BASELINES, RESHARD_METHODS
 from hybridengine.reshard_plan import GenerationLayout, plan_reshard
 from hybridengine.resharder import Resharder
 from hybridengine.transport import TorchTransport
 from workers.megatron.engine import MegatronEngine
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
-
-RESHARD_METHODS = ("micro_dp", *BASELINES)
 
 
 class HybridBridge:

@@ -1,0 +1,143 @@
+"""Prompts in, rollout batch out: the engine-independent half of generation.
+
+Prompts arrive as a left-padded ``input_ids`` [B, P] with its
+``attention_mask``. They become one request per (prompt, sample); the engine
+turns each into a completion (token ids and the log-prob of each under the
+sampling distribution); the completions become the batch the RL loop trains
+on. Rows are ordered prompt-major: prompt i's n samples are rows i*n..i*n+n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.data_proto import DataProto
+from workers.rollout.sampling import SamplingConfig
+
+__all__ = ["Completion", "GenerationRequest", "PromptError", "build_requests", "build_rollout_batch", "check_special_tokens"]
+
+TRUNCATION_MODES = ("error", "left")
+
+
+class PromptError(ValueError):
+    """A prompt batch that cannot be generated from; raised before generation starts."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    seed: int | None  # None: the engine's own random stream
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    log_probs: list[float]  # of each sampled token under the processed (tempered) distribution
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    extra: dict = field(default_factory=dict)
+
+
+def check_special_tokens(pad_token_id: int | None, eos_token_id: int | None, source: str) -> None:
+    missing = [name for name, value in (("pad_token_id", pad_token_id), ("eos_token_id", eos_token_id)) if value is None]
+    if missing:
+        raise PromptError(
+            f"the tokenizer of {source} has no {' and no '.join(missing)}; rollout needs both "
+            f"(pad to batch prompts and responses, EOS to end a response): set them in the tokenizer "
+            f"config or pass them in the rollout config"
+        )
+
+
+def build_requests(
+    prompts: DataProto,
+    sampling: SamplingConfig,
+    max_prompt_length: int,
+    truncation: str = "error",
+    first_index: int = 0,
+) -> list[GenerationRequest]:
+    """One request per (prompt, sample), prompt-major; checks every prompt before any is generated.
+
+    ``first_index`` is the global index of this batch's first prompt, so
+    per-request seeds do not depend on how a batch was split across replicas.
+    """
+    if truncation not in TRUNCATION_MODES:
+        raise PromptError(f"truncation {truncation!r} is not one of {TRUNCATION_MODES}")
+    if len(prompts) == 0:
+        raise PromptError("the prompt batch is empty: there is nothing to generate")
+    for key in ("input_ids", "attention_mask"):
+        if key not in prompts.batch:
+            raise PromptError(f"the prompt batch has no {key!r}; it has {sorted(prompts.keys())}")
+    input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    if input_ids.shape != mask.shape or input_ids.dim() != 2:
+        raise PromptError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(mask.shape)} must be one [B, P] shape")
+    requests = []
+    for i in range(len(prompts)):
+        ids = input_ids[i][mask[i].bool()].tolist()
+        if not ids:
+            raise PromptError(f"prompt {first_index + i} is empty (its attention_mask is all zeros)")
+        if len(ids) > max_prompt_length:
+            if truncation == "error":
+                raise PromptError(
+                    f"prompt {first_index + i} has {len(ids)} tokens, more than max_prompt_length={max_prompt_length}; "
+                    f"shorten it, raise max_prompt_length, or set truncation='left'"
+                )
+            ids = ids[-max_prompt_length:]
+        for j in range(sampling.n):
+            requests.append(GenerationRequest(tuple(ids), sampling.request_seed(first_index + i, j)))
+    return requests
+
+
+def build_rollout_batch(
+    prompts: DataProto,
+    requests: list[GenerationRequest],
+    completions: list[Completion],
+    sampling: SamplingConfig,
+    max_prompt_length: int,
+    pad_token_id: int,
+) -> DataProto:
+    """The training batch: prompt (left-padded) + response (right-padded to max_new_tokens).
+
+    Keys: ``prompts`` (the prompt as generated from, i.e. after truncation),
+    ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
+    ``response_mask``, ``rollout_log_probs``; every other key of ``prompts``
+    is repeated n times alongside. Widths depend only on the input width and
+    the config, so batches from different replicas concatenate.
+    """
+    n, width = sampling.n, sampling.max_new_tokens
+    if not len(requests) == len(completions) == len(prompts) * n:
+        raise RuntimeError(f"{len(requests)} requests and {len(completions)} completions "
+                           f"for {len(prompts)} prompts x {n} samples")
+    rows = len(completions)
+    responses = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(rows, width, dtype=torch.long)
+    log_probs = torch.zeros(rows, width, dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        length = len(completion.token_ids)
+        if length > width or len(completion.log_probs) != length:
+            raise RuntimeError(f"completion {row}: {length} tokens, {len(completion.log_probs)} log-probs, limit {width}")
+        responses[row, :length] = torch.tensor(completion.token_ids, dtype=torch.long)
+        log_probs[row, :length] = torch.tensor(completion.log_probs, dtype=torch.float32)
+        response_mask[row, :length] = 1
+    repeated = prompts.repeat(n, interleave=True) if n > 1 else prompts
+    prompt_width = min(prompts.batch["input_ids"].shape[1], max_prompt_length)
+    prompt_ids = torch.full((rows, prompt_width), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    for row, request in enumerate(requests):
+        prompt_ids[row, prompt_width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids, dtype=torch.long)
+        prompt_mask[row, prompt_width - len(request.prompt_ids):] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    generated = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
+    }
+    rest = {k: v for k, v in repeated.batch.items() if k not in generated}
+    meta = dict(prompts.meta_info)
+    meta["temperature"] = sampling.logprob_temperature  # the actor recomputes log-probs at this temperature
+    finish = [c.finish_reason for c in completions]
+    return DataProto({**rest, **generated}, {**repeated.non_tensor_batch, "finish_reason": finish}, meta)

@@ -1,0 +1,62 @@
+"""Typed settings of the rollout role: which engine, its layout and limits, and default sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridengine.reshard_baselines import RESHARD_METHODS
+from workers.rollout.batch import TRUNCATION_MODES
+from workers.rollout.sampling import SamplingConfig
+
+__all__ = ["ROLLOUT_ENGINES", "RolloutConfig"]
+
+ROLLOUT_ENGINES = ("vllm", "megatron")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "vllm"
+    tensor_parallel: int = 1  # generation TP (t_g); must be reachable from the actor's layout
+    pipeline_parallel: int = 1  # generation PP (p_g); vLLM runs 1
+    max_prompt_length: int = 64
+    truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    reshard_method: str = "micro_dp"
+    release_training: bool = True  # free the actor's training shards while the generation buffer exists
+    pad_token_id: int | None = None  # None: the tokenizer's
+    eos_token_id: int | None = None  # None: the tokenizer's
+    # vLLM only
+    kv_cache_bytes: int = 64 << 20
+    max_num_seqs: int = 256
+    enforce_eager: bool = True
+    sleep_between_rollouts: bool = True  # GPU: free KV cache and weights while training
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, dict):
+            object.__setattr__(self, "sampling", SamplingConfig(**self.sampling))
+        problems = []
+        if self.engine not in ROLLOUT_ENGINES:
+            problems.append(f"engine {self.engine!r} is not one of {ROLLOUT_ENGINES}")
+        if self.truncation not in TRUNCATION_MODES:
+            problems.append(f"truncation {self.truncation!r} is not one of {TRUNCATION_MODES}")
+        if self.reshard_method not in RESHARD_METHODS:
+            problems.append(f"reshard_method {self.reshard_method!r} is not one of {RESHARD_METHODS}")
+        for name in ("tensor_parallel", "pipeline_parallel", "max_prompt_length", "kv_cache_bytes", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.engine == "vllm" and self.pipeline_parallel != 1:
+            problems.append(f"the vllm engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
+                            f"use engine='megatron' for pipelined generation")
+        if problems:
+            raise ValueError("invalid rollout config: " + "; ".join(problems))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_prompt_length + self.sampling.max_new_tokens
+
+    @classmethod
+    def from_value(cls, value: "RolloutConfig | dict[str, Any] | None") -> "RolloutConfig":
+        return value if isinstance(value, cls) else cls(**(value or {}))

@@ -1,0 +1,160 @@
+"""Rollout: the role that turns prompts into responses, on vLLM or on megatron's inference engine.
+
+Colocated with the actor (same processes, ``actor_role``), each call
+reshards the actor's current weights into the generation layout through the
+3D-HybridEngine and generates from them:
+
+* vLLM: the generation shard is copied into this rank's vLLM engine in
+  vLLM's per-rank layout, then the generation buffer is dropped (vLLM keeps
+  its own copy: what that costs is reported as ``weight_sync/bytes`` and
+  ``timing_s/weight_sync``).
+* megatron: a generation-layout GPTModel whose parameters are views into the
+  generation buffer (zero copy) runs megatron-core's static inference engine;
+  the buffer is dropped after generation.
+
+Without an actor (``actor_role=None``) the vLLM engine serves the weights of
+``model_path`` as they are.
+
+Batches are split over generation replicas (``GenerationMesh``): every rank
+of one generation TP x PP group sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.layout import ParallelLayout
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import GenerationLayout, GenerationMesh, plan_reshard
+from workers.base_worker import BaseWorker
+from workers.data_proto import DataProto
+from workers.dispatch import Dispatch
+from workers.register import register
+from workers.rollout.batch import PromptError, build_requests, build_rollout_batch, check_special_tokens
+from workers.rollout.config import RolloutConfig
+
+__all__ = ["Rollout"]
+
+
+class Rollout(BaseWorker):
+    def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor") -> None:
+        from transformers import AutoTokenizer
+
+        self.config = cfg = RolloutConfig.from_value(config)
+        self.spec = spec = ModelSpec.from_pretrained(model_path)
+        if spec.is_value_model:
+            raise ValueError(f"{model_path} is a {spec.architecture} (a value head); rollout needs a causal LM")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.tokenizer.pad_token_id
+        self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
+        check_special_tokens(self.pad_token_id, self.eos_token_id, model_path)
+        spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        self.actor = self.peer(actor_role) if actor_role is not None else None
+        self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        if self.actor is not None:
+            train = self.actor.engine.layout
+            dtype = next(self.actor.engine.module().parameters()).dtype
+        else:
+            if cfg.engine == "megatron":
+                raise ValueError("the megatron rollout generates from the actor's resharded weights; "
+                                 "colocate it with an actor (actor_role) or use engine='vllm'")
+            # Standalone: the generation grid is the whole layout (each rank its own shard, no resharding).
+            train = ParallelLayout.for_world(self.world_size, cfg.tensor_parallel, cfg.pipeline_parallel)
+            dtype = torch.float32
+        self.plan = plan_reshard(train, self.gen)  # refuses an unreachable layout, listing the legal ones
+        self.set_layout(GenerationMesh(train, self.gen))
+        if cfg.engine == "vllm":
+            from workers.rollout.vllm_engine import VLLMGenerator
+
+            self.generator = VLLMGenerator(
+                model_path, spec, self.plan, self.rank, dtype=dtype, max_model_len=cfg.max_model_len,
+                eos_token_id=self.eos_token_id, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
+                seed=cfg.seed, dummy_weights=self.actor is not None, enforce_eager=cfg.enforce_eager,
+                sleep_between_rollouts=cfg.sleep_between_rollouts,
+            )
+        else:
+            from workers.rollout.megatron_engine import MegatronGenerator
+
+            self.generator = MegatronGenerator(
+                spec, self.plan, self.rank, {}, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                decode=self._decode,
+            )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses for ``prompts`` (left-padded ``input_ids`` + ``attention_mask``).
+
+        ``prompts.meta_info["sampling"]`` (a dict of SamplingConfig fields)
+        overrides the configured sampling for this call. Returns the training
+        batch (see ``build_rollout_batch``) with ``meta_info["metrics"]``:
+        ``timing_s/reshard``, ``timing_s/weight_sync``, ``timing_s/gen``,
+        bytes moved, and token counts.
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        sampling = cfg.sampling.updated(prompts.meta_info.get("sampling"))
+        if sampling.max_new_tokens > cfg.sampling.max_new_tokens and cfg.engine == "vllm":
+            raise ValueError(f"max_new_tokens {sampling.max_new_tokens} exceeds the {cfg.sampling.max_new_tokens} "
+                             f"the vLLM engine was built for (its max_model_len); raise sampling.max_new_tokens in "
+                             f"the rollout config")
+        first_index = self.layout.coordinate(self.rank).dp_rank * len(prompts)
+        requests = self._checked_requests(prompts, sampling, first_index)
+        metrics: dict[str, Any] = {}
+        if self.actor is not None:
+            metrics.update(self._weights_from_actor())
+        gen_start = time.perf_counter()
+        completions = self.generator.generate(requests, sampling)
+        metrics["timing_s/gen"] = time.perf_counter() - gen_start
+        if self.actor is not None and cfg.engine == "megatron":
+            metrics.update(self.actor.hybrid.to_training())  # the model's views go with the buffer
+        if cfg.engine == "vllm":
+            self.generator.sleep()
+        batch = build_rollout_batch(prompts, requests, completions, sampling, cfg.max_prompt_length, self.pad_token_id)
+        tokens = int(batch.batch["response_mask"].sum())
+        metrics.update({
+            "rollout/response_tokens": tokens,
+            "rollout/tokens_per_s": tokens / metrics["timing_s/gen"] if metrics["timing_s/gen"] > 0 else 0.0,
+            "timing_s/rollout": time.perf_counter() - start,
+        })
+        batch.meta_info["metrics"] = metrics
+        return batch
+
+    def _checked_requests(self, prompts: DataProto, sampling, first_index: int):
+        """Check this rank's prompts, and learn whether every other rank's passed, before any collective."""
+        error = None
+        try:
+            requests = build_requests(prompts, sampling, self.config.max_prompt_length, self.config.truncation, first_index)
+        except PromptError as exc:
+            error, requests = str(exc), []
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.process_group)
+        found = sorted({e for e in errors if e is not None})
+        if found:
+            raise PromptError("; ".join(found))
+        return requests
+
+    def _weights_from_actor(self) -> dict[str, Any]:
+        cfg = self.config
+        hybrid = self.actor.hybrid
+        metrics = dict(hybrid.to_generation(self.gen, cfg.reshard_method, cfg.release_training))
+        if cfg.engine == "vllm":
+            metrics.update(self.generator.sync_weights(hybrid.weights))
+            metrics.update(hybrid.to_training())  # vLLM holds its own copy; the buffer can go now
+        else:
+            start = time.perf_counter()
+            self.generator.set_weights(hybrid.weights)  # views into the buffer: nothing is copied
+            metrics["timing_s/weight_sync"] = time.perf_counter() - start
+            metrics["weight_sync/bytes"] = 0
+        for key in ("gen_tp_rank", "gen_pp_rank", "gen_dp_rank"):
+            metrics.pop(key, None)
+        return metrics
+
+    def close(self) -> None:
+        self.generator.close()

@@ -1,0 +1,185 @@
+"""vLLM as the rollout engine: one in-process engine per rank over the generation TP group.
+
+Every rank builds its own engine (vLLM's external launcher). vLLM derives its
+tensor-parallel groups as consecutive blocks of the world's ranks; the
+hybrid engine's generation TP groups are strided when generation TP is below
+training TP (training TP4 -> generation TP2 gives [0,2] [1,3]). While the
+engine is built, vLLM's group constructor sees every group list through the
+rank permutation that turns its consecutive blocks into ours, so each
+generation TP group becomes one independent engine (micro-DP replicas).
+
+Weights arrive per rank from the hybrid engine in vLLM's per-rank layout
+(``VLLMShardLoader``); the prefix cache is reset after every sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from hybridengine.device import accelerator_available
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import ReshardPlan
+from hybridengine.vllm_layout import to_vllm_shard
+from workers.rollout.batch import Completion, GenerationRequest
+from workers.rollout.sampling import SamplingConfig
+
+__all__ = ["VLLMGenerator", "check_vllm_head_dim", "vllm_rank_permutation"]
+
+log = logging.getLogger(__name__)
+
+# The engine runs inside the worker process, and vLLM's external launcher requires a deterministic
+# in-process core.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def vllm_rank_permutation(plan: ReshardPlan) -> list[int]:
+    """vLLM's rank i stands for world rank perm[i]: the generation TP groups, concatenated."""
+    if plan.gen.pipeline_parallel != 1:
+        raise ValueError(f"the vLLM rollout runs generation pipeline_parallel=1 only, got {plan.gen}; "
+                         f"use the megatron rollout for pipelined generation")
+    perm = [rank for group in plan.gen_tp_groups for rank in group]
+    if sorted(perm) != list(range(plan.train.world_size)):
+        raise RuntimeError(f"generation TP groups {plan.gen_tp_groups} do not cover the world exactly once")
+    return perm
+
+
+def check_vllm_head_dim(spec: ModelSpec) -> None:
+    """vLLM's CPU attention runs a fixed set of head sizes; say so before an engine is built."""
+    if accelerator_available():
+        return  # the GPU backends check for themselves, at build time
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if spec.head_dim not in supported:
+        raise ValueError(f"head dimension {spec.head_dim} cannot run on vLLM's CPU attention; supported head "
+                         f"dimensions: {supported} (use the megatron rollout for this model)")
+
+
+@contextlib.contextmanager
+def _permuted_groups(perm: list[int]):
+    import vllm.distributed.parallel_state as vllm_ps
+
+    original = vllm_ps.init_model_parallel_group
+
+    def init_group(group_ranks, *args, **kwargs):
+        return original([[perm[r] for r in group] for group in group_ranks], *args, **kwargs)
+
+    vllm_ps.init_model_parallel_group = init_group
+    try:
+        yield
+    finally:
+        vllm_ps.init_model_parallel_group = original
+
+
+class VLLMGenerator:
+    """This rank's vLLM engine at the generation layout of ``plan``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        spec: ModelSpec,
+        plan: ReshardPlan,
+        rank: int,
+        *,
+        dtype: torch.dtype,
+        max_model_len: int,
+        eos_token_id: int,
+        kv_cache_bytes: int,
+        max_num_seqs: int,
+        seed: int,
+        dummy_weights: bool,
+        enforce_eager: bool = True,
+        sleep_between_rollouts: bool = True,
+    ) -> None:
+        from vllm import LLM
+
+        check_vllm_head_dim(spec)
+        self.spec, self.plan, self.rank = spec, plan, rank
+        self.me = plan.ranks[rank]
+        self.eos_token_id = eos_token_id
+        self.sleeps = sleep_between_rollouts and accelerator_available()
+        if sleep_between_rollouts and not accelerator_available():
+            log.info("vLLM sleep/wake is a no-op on CPU: the KV cache (%d MiB) and weights stay allocated "
+                     "between rollouts", kv_cache_bytes >> 20)
+        with _permuted_groups(vllm_rank_permutation(plan)):
+            self.llm = LLM(
+                model=model_path,
+                tensor_parallel_size=plan.gen.tensor_parallel,
+                distributed_executor_backend="external_launcher",
+                dtype=str(dtype).removeprefix("torch."),  # the dtype the hybrid engine's shards arrive in
+                load_format="dummy" if dummy_weights else "auto",
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_bytes,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls="workers.rollout.vllm_weight_sync.VLLMShardLoader",
+                enable_sleep_mode=self.sleeps,
+                enable_prefix_caching=True,
+            )
+        self.asleep = False
+
+    # ----------------------------------------------------------------- weights
+    def sync_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Load this rank's generation shard (megatron names, generation layout) into the engine."""
+        start = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        shard = to_vllm_shard(self.spec, weights, self.plan.gen.tensor_parallel, 1, 0)
+        rows = self.spec.vocab_size // self.plan.gen.tensor_parallel
+        vocab_range = (self.me.gen_tp_rank * rows, (self.me.gen_tp_rank + 1) * rows)
+        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, vocab_range))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"]}
+
+    # -------------------------------------------------------------- generation
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        from vllm import SamplingParams
+
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        greedy = sampling.is_greedy
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=0.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                seed=request.seed,
+                stop=list(sampling.stop) or None,
+                stop_token_ids=None if sampling.ignore_eos else [self.eos_token_id],
+                ignore_eos=sampling.ignore_eos,
+                logprobs=0,
+                detokenize=bool(sampling.stop),
+            )
+            for request in requests
+        ]
+        prompts = [{"prompt_token_ids": list(request.prompt_ids)} for request in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = []
+        for output in outputs:
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            log_probs = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
+            completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length"))
+        return completions
+
+    def sleep(self) -> None:
+        """Free the KV cache and weights until the next sync (GPU; nothing to free on CPU)."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def close(self) -> None:
+        """Shut the engine down. vLLM's teardown also ends torch.distributed in this process, so this
+        runs last, when the worker host shuts down."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,109 @@
+"""Per-rank weight shards into a running vLLM engine, through vLLM's own layerwise reload.
+
+vLLM's stock ``reload_weights`` takes full checkpoint tensors and slices
+them by TP rank, so every rank would need the whole model. The hybrid engine
+already holds each rank's generation shard, so this loads the shard as is:
+the layerwise reload steps restore each layer's parameters in checkpoint
+format (per-rank shapes, on the meta device), we materialize them and copy
+the shard in (vLLM's per-rank layout: ``qkv_proj`` = [q; k; v],
+``gate_up_proj`` = [gate; up]), and vLLM's post-load processing runs per
+layer (on CPU it repacks linear weights for oneDNN) before the result is
+copied into the engine's original tensors. No rank ever holds more than its
+shard plus one layer in checkpoint format.
+
+These are vLLM internals (pinned vLLM version); ``tests/rollout`` keeps a
+regression test that fails if they change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["ShardLoadError", "VLLMShardLoader"]
+
+
+class ShardLoadError(ValueError):
+    """The shard does not fit the engine's model: names, shapes or completeness."""
+
+
+def _vocab_rows(layer: torch.nn.Module) -> tuple[int, int] | None:
+    indices = getattr(layer, "shard_indices", None)
+    if indices is None:
+        return None
+    return indices.org_vocab_start_index, indices.org_vocab_end_index
+
+
+def _copy_into(name: str, target: torch.Tensor, tensor: torch.Tensor, rows, vocab_range) -> int:
+    if rows is not None and target.dim() >= 1 and target.shape[1:] == tensor.shape[1:]:
+        if vocab_range is not None and tuple(rows) != tuple(vocab_range):
+            raise ShardLoadError(
+                f"{name}: vLLM holds vocabulary rows {rows} on this rank, the shard has rows {tuple(vocab_range)}; "
+                f"vLLM pads the vocabulary to a multiple of 64 before splitting it, so the vocabulary size must "
+                f"be a multiple of 64 x generation TP for shards to line up"
+            )
+        count = rows[1] - rows[0]
+        if tensor.shape[0] != count:
+            raise ShardLoadError(f"{name}: shard has {tensor.shape[0]} vocabulary rows, vLLM holds {count} on this rank")
+        target.data[:count].copy_(tensor)
+        target.data[count:].zero_()  # vLLM's padding rows
+        return tensor.numel() * tensor.element_size()
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ShardLoadError(f"{name}: shard has shape {tuple(tensor.shape)}, vLLM's per-rank parameter is {tuple(target.shape)}")
+    target.data.copy_(tensor)
+    return tensor.numel() * tensor.element_size()
+
+
+class VLLMShardLoader:
+    """A vLLM worker extension: ``collective_rpc("load_shard", args=(shard, vocab_range))``.
+
+    Given as ``worker_extension_cls`` when the engine is built; vLLM mixes it
+    into its worker class, so ``self`` is the worker and ``self.model_runner``
+    holds the model.
+    """
+
+    def load_shard(self, shard: dict[str, torch.Tensor], vocab_range: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Copy ``shard`` (vLLM names, this rank's per-rank layout) into the model; returns bytes and time.
+
+        ``vocab_range`` is the [start, end) of the vocabulary rows that the
+        shard's embedding / output rows cover; it must be the range vLLM's
+        vocab-parallel layers hold on this rank.
+        """
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        start = time.perf_counter()
+        model = self.model_runner.model
+        expected = {name for name, _ in model.named_parameters()}
+        missing, unknown = sorted(expected - set(shard)), sorted(set(shard) - expected)
+        if missing or unknown:
+            raise ShardLoadError(
+                f"the shard does not match the engine's parameters: missing {missing[:6]}, unknown {unknown[:6]} "
+                f"(fused groups qkv_proj and gate_up_proj must be sent whole)"
+            )
+        by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in shard.items():
+            module_name, _, param_name = name.rpartition(".")
+            by_layer.setdefault(module_name, []).append((param_name, tensor))
+        copied = 0
+        initialize_layerwise_reload(model)
+        try:
+            for module_name, tensors in by_layer.items():
+                layer = model.get_submodule(module_name)
+                info = get_layerwise_info(layer)
+                materialize_layer(layer, info)
+                rows = _vocab_rows(layer)
+                for param_name, tensor in tensors:
+                    target = getattr(layer, param_name)
+                    copied += _copy_into(f"{module_name}.{param_name}", target, tensor, rows, vocab_range)
+                info.loaded_weights = []
+                _layerwise_process(layer, info)  # post-load processing, then copy into the kernel tensors
+        finally:
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        return {"bytes": copied, "seconds": time.perf_counter() - start}
