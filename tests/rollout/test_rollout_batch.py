@@ -114,3 +114,26 @@ def test_vllm_head_dims_that_cpu_attention_cannot_run_are_refused(tmp_path):
     narrow = ModelSpec.from_pretrained(make_llama(tmp_path / "narrow", layers=1, head_dim=16))
     with pytest.raises(ValueError, match=r"head dimension 16 cannot run on vLLM's CPU attention; supported head dimensions: \[32, 64"):
         check_vllm_head_dim(narrow)
+
+
+def test_logprob_agreement_counts_response_tokens_only():
+    from workers.rollout.agreement import logprob_agreement
+
+    rollout = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    actor = torch.tensor([[-1.1, -2.0, 0.0], [-0.5, -0.8, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    got = logprob_agreement(rollout, actor, mask)
+    assert got["rollout/logprob_diff_max"] == pytest.approx(0.3)
+    assert got["rollout/logprob_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.0 + 0.3 + 0.0) / 5)
+
+
+def test_old_log_probs_for_the_ratio_come_from_recompute_or_rollout():
+    from workers.rollout.agreement import use_old_log_probs
+
+    batch = DataProto({"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.ones(2, 3)})
+    assert use_old_log_probs(batch, "recompute").batch["old_log_probs"].sum() == 0
+    assert use_old_log_probs(batch, "rollout").batch["old_log_probs"].sum() == 6
+    with pytest.raises(ValueError, match="'actor' is not one of"):
+        use_old_log_probs(batch, "actor")
+    with pytest.raises(KeyError, match="needs 'rollout_log_probs'"):
+        use_old_log_probs(DataProto({"old_log_probs": torch.zeros(2, 3)}), "rollout")

@@ -78,3 +78,23 @@ def test_vllm_rollout_on_strided_generation_groups(tmp_path):
     """Training TP4 -> generation TP2: vLLM's engines run on the hybrid engine's groups [0,2] and [1,3]."""
     model, out, result = run_program(tmp_path, 4, "vllm", tp=4, gen_tp=2, kv_heads=4)
     check_rollout(model, out, result)
+
+
+def test_standalone_vllm_rollout_stops_and_refuses_partial_shards(tmp_path):
+    model = save_char_tokenizer(make_llama(tmp_path / "model"), 256)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(Path(__file__).parent / "standalone_program.py", [str(model), str(out)], nproc=1, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = torch.load(out / "standalone.pt", weights_only=False)
+    greedy, eos = result["hf_greedy"], result["eos"]
+    first_eos = greedy.index(eos)
+    assert responses(result["greedy"]) == [greedy[: first_eos + 1]]  # EOS ends the response and is kept
+    assert result["greedy"].non_tensor_batch["finish_reason"].tolist() == ["stop"]
+    assert responses(result["no_eos"]) == [greedy]  # ignore_eos: all 10 tokens, as HF without an EOS
+    assert result["no_eos"].non_tensor_batch["finish_reason"].tolist() == ["length"]
+    stop_at = greedy.index(greedy[1])  # one character per token: the stop text first appears here
+    assert responses(result["stopped"]) == [greedy[: stop_at + 1]]  # the stop string's token ends it
+    assert responses(result["short"]) == [greedy[:4]] and result["short"].batch["responses"].shape[1] == 4
+    (refusal,) = result["missing_qkv"]
+    assert "ShardLoadError" in refusal and "missing ['model.layers.0.self_attn.qkv_proj.weight'" in refusal

@@ -1,0 +1,57 @@
+"""Run under torchrun (1 rank): a vLLM rollout without an actor, serving the checkpoint as it is.
+
+Stops: the EOS id is set to a token that greedy decoding produces, and a
+stop string is the text of another. The shard loader refuses a shard that
+lacks a fused group. Writes OUT/standalone.pt.
+"""
+
+import argparse
+import os
+
+import torch
+from rollout_checks import hf_greedy
+from rollout_program import PROMPTS, prompt_batch
+
+from controller import ResourcePool, WorkerGroup
+from workers import Dispatch, register
+from workers.rollout import Rollout
+
+
+class ProbeRollout(Rollout):
+    @register(Dispatch.ONE_TO_ALL)
+    def load_without_v(self) -> str:
+        """Send a shard whose attention QKV is missing: must be refused, naming the parameter."""
+        model = self.generator.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        shard = {name: torch.zeros(1) for name, _ in model.named_parameters() if "qkv_proj" not in name}
+        try:
+            self.generator.llm.collective_rpc("load_shard", args=(shard, None))
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    greedy = hf_greedy(args.model, PROMPTS[0], 10)
+    eos = greedy[2]  # greedy stops as soon as it produces this token
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    rollout = WorkerGroup(pool, ProbeRollout, role="rollout", kwargs=dict(model_path=args.model, actor_role=None, config={
+        "engine": "vllm", "max_prompt_length": 8, "eos_token_id": eos, "sampling": {"max_new_tokens": 10}}))
+    result = {"hf_greedy": greedy, "eos": eos}
+    result["greedy"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True))
+    result["no_eos"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True))
+    from transformers import AutoTokenizer
+
+    stop = AutoTokenizer.from_pretrained(args.model).decode([greedy[1]])
+    result["stop"] = stop
+    result["stopped"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, stop=[stop]))
+    result["short"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, max_new_tokens=4))
+    result["missing_qkv"] = rollout.load_without_v()
+    torch.save(result, os.path.join(args.out, "standalone.pt"))
+
+
+if __name__ == "__main__":
+    main()
