@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -78,6 +79,7 @@ def install() -> None:
     torch.cuda.synchronize = lambda device=None: None
     _allow_torch_norm_with_sequence_parallel()
     _cpu_rng_tracker()
+    _static_inference_on_host()
     enter_thread()
 
 
@@ -134,3 +136,37 @@ def _cpu_rng_tracker() -> None:
                 torch.set_rng_state(orig)
 
     random.CudaRNGStatesTracker = CpuRNGStatesTracker
+
+
+class _WallClockEvent:
+    """A wall-clock stand-in for a CUDA timing event: record / synchronize / query / elapsed_time (ms)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self._t = None
+
+    def record(self, stream=None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_WallClockEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+def _static_inference_on_host() -> None:
+    # The static inference engine's text generation controller times every
+    # decode step with torch.cuda.Event, which a CPU-only build cannot create;
+    # and its pipeline logits broadcast asserts the tensor is a CUDA tensor
+    # (the broadcast itself works on gloo). Time on the wall clock; accept CPU tensors.
+    from megatron.core.inference import communication_utils
+
+    torch.cuda.Event = _WallClockEvent
+
+    def _is_on_device(tensor):
+        assert tensor is not None
+
+    communication_utils._is_cuda = _is_on_device

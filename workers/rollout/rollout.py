@@ -113,7 +113,8 @@ class Rollout(BaseWorker):
         completions = self.generator.generate(requests, sampling)
         metrics["timing_s/gen"] = time.perf_counter() - gen_start
         if self.actor is not None and cfg.engine == "megatron":
-            metrics.update(self.actor.hybrid.to_training())  # the model's views go with the buffer
+            self.generator.release_weights()  # let go of the buffer's views, so the buffer can be freed
+            metrics.update(self.actor.hybrid.to_training())
         if cfg.engine == "vllm":
             self.generator.sleep()
         batch = build_rollout_batch(prompts, requests, completions, sampling, cfg.max_prompt_length, self.pad_token_id)

@@ -104,9 +104,9 @@ class VLLMGenerator:
         self.me = plan.ranks[rank]
         self.eos_token_id = eos_token_id
         self.sleeps = sleep_between_rollouts and accelerator_available()
-        if sleep_between_rollouts and not accelerator_available():
-            log.info("vLLM sleep/wake is a no-op on CPU: the KV cache (%d MiB) and weights stay allocated "
-                     "between rollouts", kv_cache_bytes >> 20)
+        if sleep_between_rollouts and not accelerator_available() and rank == 0:
+            log.warning("vLLM sleep/wake is a no-op on CPU: the KV cache (%d MiB) and weights stay allocated "
+                        "between rollouts", kv_cache_bytes >> 20)
         with _permuted_groups(vllm_rank_permutation(plan)):
             self.llm = LLM(
                 model=model_path,

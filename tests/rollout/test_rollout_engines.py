@@ -1,4 +1,4 @@
-"""vLLM rollout colocated with a megatron actor, in real torchrun processes on CPU.
+"""vLLM and megatron rollout colocated with a megatron actor, in real torchrun processes on CPU.
 
 After each weight sync greedy output equals HF transformers' on the same
 weights (before and after a PPO update), sampled log-probs agree with the
@@ -64,10 +64,11 @@ def check_bad_inputs(errors):
     assert len(errors["after"]) == 6  # the group still generates
 
 
+@pytest.mark.parametrize("engine", ["vllm", "megatron"])
 @pytest.mark.parametrize("gen_tp", [1, 2])
-def test_vllm_rollout_from_tp2_actor(tmp_path, gen_tp):
+def test_rollout_from_tp2_actor(tmp_path, engine, gen_tp):
     """Training TP2 on 2 ranks -> generation TP1 (two micro-DP replicas) or TP2 (one engine over both)."""
-    model, out, result = run_program(tmp_path, 2, "vllm", tp=2, gen_tp=gen_tp)
+    model, out, result = run_program(tmp_path, 2, engine, tp=2, gen_tp=gen_tp)
     check_rollout(model, out, result)
     check_bad_inputs(result["errors"])
     if gen_tp == 1:  # each rank gathered its peer's half of the model
@@ -78,6 +79,13 @@ def test_vllm_rollout_on_strided_generation_groups(tmp_path):
     """Training TP4 -> generation TP2: vLLM's engines run on the hybrid engine's groups [0,2] and [1,3]."""
     model, out, result = run_program(tmp_path, 4, "vllm", tp=4, gen_tp=2, kv_heads=4)
     check_rollout(model, out, result)
+
+
+def test_megatron_rollout_over_a_pipeline(tmp_path):
+    """Training TP2 x PP2 on 4 ranks -> generation PP2 at TP1 (two replicas), megatron's engine over PP stages."""
+    model, out, result = run_program(tmp_path, 4, "megatron", tp=2, pp=2, gen_tp=1, gen_pp=2)
+    check_rollout(model, out, result)
+    assert result["greedy"].meta_info["metrics"]["weight_sync/bytes"] == 0  # views into the buffer
 
 
 def test_standalone_vllm_rollout_stops_and_refuses_partial_shards(tmp_path):
