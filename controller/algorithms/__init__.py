@@ -1,0 +1,56 @@
+"""RL algorithms as pure tensor functions: advantage estimators, KL control, Safe-RLHF."""
+
+from controller.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    AdvantageEstimator,
+    AdvantageInputs,
+    compute_advantages,
+    get_advantage_estimator,
+    group_rows,
+    masked_var,
+    masked_whiten,
+    register_advantage_estimator,
+)
+from controller.algorithms.kl_control import (
+    KL_CONTROLLER_KINDS,
+    KL_KIND_ALIASES,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    Schedule,
+    ScheduledKLController,
+    apply_kl_penalty,
+    cosine_schedule,
+    exponential_decay,
+    linear_schedule,
+    make_kl_controller,
+)
+from controller.algorithms.safe_rlhf import LagrangeMultiplier, combine_advantages
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_CONTROLLER_KINDS",
+    "KL_KIND_ALIASES",
+    "AdaptiveKLController",
+    "AdvantageConfig",
+    "AdvantageEstimator",
+    "AdvantageInputs",
+    "FixedKLController",
+    "KLController",
+    "LagrangeMultiplier",
+    "Schedule",
+    "ScheduledKLController",
+    "apply_kl_penalty",
+    "combine_advantages",
+    "compute_advantages",
+    "cosine_schedule",
+    "exponential_decay",
+    "get_advantage_estimator",
+    "group_rows",
+    "linear_schedule",
+    "make_kl_controller",
+    "masked_var",
+    "masked_whiten",
+    "register_advantage_estimator",
+]

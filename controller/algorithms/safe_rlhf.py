@@ -1,0 +1,90 @@
+"""Safe-RLHF (Dai et al. 2023): reward and cost advantages traded off by a Lagrange multiplier.
+
+The policy maximises J_r subject to J_c <= cost_limit, where J_c is the expected
+episode cost from a separate cost model. The Lagrangian J_r - lambda * (J_c - limit)
+is maximised over the policy and minimised over lambda >= 0, which gives gradient
+ascent on lambda along the constraint violation J_c - limit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["LagrangeMultiplier", "combine_advantages"]
+
+
+def _finite(owner: str, name: str, value: Any, minimum: float | None = None, strict: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if strict else value >= minimum
+    if not ok:
+        bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
+        raise ValueError(f"{owner}: {name} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+class LagrangeMultiplier:
+    """lambda >= 0 for the cost constraint J_c <= cost_limit, updated by projected gradient ascent.
+
+        lambda <- min(max(0, lambda + lr * (J_c - cost_limit)), max_lambda)
+
+    We update lambda itself rather than log lambda (the Safe-RLHF code's choice,
+    stepped with Adam): the plain projected step can reach exactly 0, which
+    switches the cost term off once the constraint holds with slack, and each
+    step is easy to reason about (a constant-size move per unit of violation).
+    ``max_lambda`` (None: no cap) keeps the cost term from swamping the reward.
+    """
+
+    def __init__(self, init: float = 1.0, lr: float = 0.1, cost_limit: float = 0.0, max_lambda: float | None = None) -> None:
+        self.lr = _finite("LagrangeMultiplier", "lr", lr, minimum=0.0, strict=True)
+        self.cost_limit = _finite("LagrangeMultiplier", "cost_limit", cost_limit)
+        self.max_lambda = None if max_lambda is None else _finite("LagrangeMultiplier", "max_lambda", max_lambda, minimum=0.0)
+        self.value = self._checked_value(init, "init")
+
+    def _checked_value(self, value: Any, name: str) -> float:
+        value = _finite("LagrangeMultiplier", name, value, minimum=0.0)
+        if self.max_lambda is not None and value > self.max_lambda:
+            raise ValueError(f"LagrangeMultiplier: {name} must be <= max_lambda ({self.max_lambda}), got {value!r}")
+        return value
+
+    def update(self, mean_episode_cost: float | torch.Tensor) -> float:
+        """One ascent step from the batch's mean episode cost J_c; returns the new lambda."""
+        cost = _finite("LagrangeMultiplier.update", "mean_episode_cost", float(mean_episode_cost))
+        value = max(0.0, self.value + self.lr * (cost - self.cost_limit))
+        if self.max_lambda is not None:
+            value = min(value, self.max_lambda)
+        self.value = value
+        return value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "value" not in state:
+            raise ValueError(f"LagrangeMultiplier.load_state_dict: missing key 'value'; got keys {sorted(state)}")
+        self.value = self._checked_value(state["value"], "value")
+
+
+def combine_advantages(
+    reward_advantages: torch.Tensor, cost_advantages: torch.Tensor, lam: float | torch.Tensor
+) -> torch.Tensor:
+    """The policy's advantage under the Lagrangian, rescaled to stay bounded as lambda grows:
+
+        A = (A_r - lambda * A_c) / (1 + lambda)
+    """
+    if reward_advantages.shape != cost_advantages.shape:
+        raise ValueError(
+            f"combine_advantages: cost_advantages shape {tuple(cost_advantages.shape)} "
+            f"must equal reward_advantages shape {tuple(reward_advantages.shape)}"
+        )
+    if isinstance(lam, torch.Tensor):
+        if lam.numel() != 1:
+            raise ValueError(f"combine_advantages: lam must be a scalar, got shape {tuple(lam.shape)}")
+        lam_value = float(lam)
+    else:
+        lam_value = lam
+    _finite("combine_advantages", "lam", lam_value, minimum=0.0)
+    return (reward_advantages - lam * cost_advantages) / (1 + lam)
