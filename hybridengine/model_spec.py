@@ -95,7 +95,9 @@ class ModelSpec:
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            num_labels=int(config.get("num_labels", 1)) if value_head else 0,
+            # HF writes id2label (one entry per label), not num_labels, into config.json.
+            num_labels=(len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 1)))
+            if value_head else 0,
         )
 
     @classmethod

@@ -97,13 +97,21 @@ class Actor(_LogProbRole):
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, Any]:
-        """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch."""
+        """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
+
+        ``data.meta_info["kl_loss_fn"]``, a callable ``(log_probs, ref_log_probs, step) -> per-token KL
+        term``, replaces the configured KL loss for this update (``meta_info["step"]`` is passed on).
+        """
         ppo = self.ppo
         temperature = float(data.meta_info.get("temperature", 1.0))
+        kl_fn = data.meta_info.get("kl_loss_fn")
+        if kl_fn is not None:
+            kl_fn = partial(kl_fn, step=data.meta_info.get("step", self.update_count))
         metrics = run_ppo_epochs(
             self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,
             seed=self.engine.config.seed + self.update_count,
-            make_step=lambda normalizer: partial(self._ppo_loss, temperature=temperature, normalizer=normalizer),
+            make_step=lambda normalizer: partial(
+                self._ppo_loss, temperature=temperature, normalizer=normalizer, kl_fn=kl_fn),
             prefix="actor",
         )
         self.update_count += 1
@@ -130,7 +138,8 @@ class Actor(_LogProbRole):
         """This rank's current generation shard (megatron names local to its generation stage)."""
         return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
-    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, normalizer: LossNormalizer):
+    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, normalizer: LossNormalizer,
+                  kl_fn=None):
         ppo = self.ppo
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
@@ -146,7 +155,11 @@ class Actor(_LogProbRole):
         loss = pg_loss
         if ppo.entropy_coeff:
             loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, ppo.loss_agg_mode, normalizer)
-        if ppo.use_kl_loss:
+        if kl_fn is not None:  # the user's KL term, weight included
+            kl = agg_loss(kl_fn(log_prob, mb["ref_log_prob"]), mask, ppo.loss_agg_mode, normalizer)
+            loss = loss + kl
+            stats["kl_loss"] = kl.detach()
+        elif ppo.use_kl_loss:
             kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], ppo.kl_loss_type), mask, ppo.loss_agg_mode, normalizer)
             loss = loss + ppo.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()

@@ -11,6 +11,7 @@ from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MegatronEngine
 from workers.register import register
+from workers.role_spec import RoleSpec
 
 __all__ = ["EngineRole"]
 
@@ -18,6 +19,18 @@ __all__ = ["EngineRole"]
 class EngineRole(BaseWorker):
     engine: MegatronEngine
     update_count: int = 0  # PPO updates taken; seeds each update's mini-batch shuffle
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str, tensor_parallel: int = 1, pipeline_parallel: int = 1, micro_batch_size: int = 1, **kwargs: Any
+    ) -> RoleSpec:
+        """Declare this role on an HF checkpoint; a controller builds it later (``RLTrainer``).
+
+        Other keyword arguments go to the role's constructor (``optim=``, ``ppo=``, ...).
+        """
+        engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel,
+                  "pipeline_parallel": pipeline_parallel, "micro_batch_size": micro_batch_size}
+        return RoleSpec(cls, {"model_path": model_path, "engine": engine, **kwargs})
 
     def _build_engine(
         self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False

@@ -34,6 +34,7 @@ from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.register import register
+from workers.role_spec import RoleSpec
 from workers.rollout.batch import PromptError, build_requests, build_rollout_batch, check_special_tokens
 from workers.rollout.config import RolloutConfig
 
@@ -159,3 +160,10 @@ class Rollout(BaseWorker):
 
     def close(self) -> None:
         self.generator.close()
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                        engine: str = "vllm", actor_role: str | None = "actor", **config: Any) -> RoleSpec:
+        """Declare a rollout on ``model_path``; a controller builds it later. ``config``: RolloutConfig fields."""
+        return RoleSpec(cls, {"model_path": model_path, "actor_role": actor_role, "config": {
+            "engine": engine, "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, **config}})

@@ -1,0 +1,315 @@
+"""The training job's configuration: typed dataclasses are the one source of truth.
+
+YAML files (examples/*.yaml) hold values; ``key.sub=value`` overrides on the
+command line change them; ``load_config`` builds the typed tree and
+``check_config`` lists every cross-field problem at once, before any process
+starts::
+
+    config = load_config("examples/ppo_tiny.yaml", ["algorithm.name=grpo", "rollout.sampling.n=4"])
+    check_config(config)   # raises ConfigError with one line per problem
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workers.actor import PPOActorConfig
+from workers.critic import CriticConfig
+from workers.megatron.config import EngineConfig, OptimConfig
+from workers.rollout.config import RolloutConfig
+
+__all__ = [
+    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
+    "RewardConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict", "load_config",
+]
+
+# Algorithm -> the advantage estimator it uses (controller.algorithms.advantages).
+ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "remax": "remax", "reinforce_plus_plus": "reinforce_plus_plus"}
+LAUNCHERS = ("torchrun", "ray")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run; the message lists every problem found."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """A model role on the megatron engine: where its weights come from and how it is split."""
+
+    model_path: str | None = None  # None: the actor's (the critic: a value model made from it)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "ppo"  # one of ALGORITHMS; "custom" with advantage_estimator naming a registered one
+    advantage_estimator: str | None = None  # overrides the algorithm's estimator (a registered name)
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    kl_in_reward: bool = False  # KL penalty in the reward (PPO-RLHF style); the loss form is actor.ppo.use_kl_loss
+    kl_penalty: str = "k1"
+    kl_ctrl: dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "value": 0.001})
+    old_log_prob_source: str = "recompute"  # or "rollout": the engine's log-probs for the PPO ratio
+    use_reference: bool | None = None  # None: when a KL term needs it
+    safe_rlhf_cost_fn: str | None = None  # a reward function scoring cost; turns on Safe-RLHF
+    safe_rlhf_cost_limit: float = 0.0
+    safe_rlhf_lambda_init: float = 1.0
+    safe_rlhf_lambda_lr: float = 0.1
+
+    @property
+    def estimator(self) -> str:
+        return self.advantage_estimator or ALGORITHMS.get(self.name, self.name)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator == "gae"
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    fn: str | None = "arithmetic_shaped"  # a built-in name or "module:function"; None with model_path set
+    model_path: str | None = None  # an HF sequence-classification checkpoint: the RewardModel worker
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = "arithmetic"  # built-in prompt generator, or "jsonl" (train_file / val_file)
+    train_file: str | None = None
+    val_file: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "ground_truth"
+    train_size: int = 2048
+    val_size: int = 64
+    batch_size: int = 16  # prompts per step (each gets rollout.sampling.n responses)
+    shuffle: bool = True
+    seed: int = 0
+    max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_steps: int = 20
+    save_every: int = 0  # 0: only at the end
+    val_every: int = 0  # 0: no validation
+    run_dir: str = "runs/hybridflow"
+    resume: bool = False
+    launcher: str = "torchrun"
+    nproc: int = 4
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    model_path: str = "builtin:tiny-arithmetic"  # an HF dir, or builtin:<name> made on the spot
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    ppo: PPOActorConfig = field(default_factory=PPOActorConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    critic_ppo: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ------------------------------------------------------------------ dict <-> typed tree
+def _build(cls: Any, value: Any, where: str) -> Any:
+    """``value`` (from YAML) as type ``cls``; errors name the dotted key."""
+    origin = typing.get_origin(cls)
+    if dataclasses.is_dataclass(cls):
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where or 'config'}: expected a mapping of {cls.__name__} fields, got {value!r}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ConfigError(f"{where or 'config'}: unknown key(s) {unknown}; valid keys: {sorted(fields)}")
+        kwargs = {k: _build(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
+        try:
+            return cls(**kwargs)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where or 'config'}: {exc}") from None
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(cls)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _build(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        inner = typing.get_args(cls)[0]
+        return tuple(_build(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or cls is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if cls is Any:
+        return value
+    if cls is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if cls is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if cls is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if cls is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def config_from_dict(values: dict[str, Any]) -> RLConfig:
+    return _build(RLConfig, values, "")
+
+
+def config_to_dict(config: Any) -> Any:
+    if dataclasses.is_dataclass(config):
+        return {f.name: config_to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+    if isinstance(config, tuple):
+        return [config_to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: config_to_dict(v) for k, v in config.items()}
+    return config
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``key.sub=value`` strings applied to a nested dict; values are parsed as YAML scalars/lists."""
+    values = yaml.safe_load(yaml.safe_dump(values)) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        node = values
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return values
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path} must hold a mapping at the top level, got {type(values).__name__}")
+    return config_from_dict(apply_overrides(values, overrides or []))
+
+
+# ------------------------------------------------------------------ cross-field checks
+def check_config(config: RLConfig, model_spec=None) -> None:
+    """Raise ConfigError listing every problem; ``model_spec`` (a ModelSpec) enables model checks."""
+    from hybridengine.layout import ParallelLayout
+    from hybridengine.reshard_plan import GenerationLayout, ReshardLayoutError, plan_reshard
+
+    problems: list[str] = []
+    alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data
+    n = rollout.sampling.n
+    from controller.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+    if alg.name not in ALGORITHMS and alg.advantage_estimator is None:
+        problems.append(f"algorithm.name {alg.name!r} is not one of {sorted(ALGORITHMS)} "
+                        f"(or set algorithm.advantage_estimator to a registered estimator)")
+    elif alg.estimator not in ADVANTAGE_ESTIMATORS:
+        problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
+    if alg.estimator in ("grpo", "rloo") and n < 2:
+        problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
+    if alg.old_log_prob_source not in ("recompute", "rollout"):
+        problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not 'recompute' or 'rollout'")
+    if trainer.launcher not in LAUNCHERS:
+        problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
+    for name in ("total_steps", "nproc"):
+        if getattr(trainer, name) < 1:
+            problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
+    for name in ("save_every", "val_every"):
+        if getattr(trainer, name) < 0:
+            problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
+    if data.batch_size < 1:
+        problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
+    if data.task not in ("arithmetic", "jsonl"):
+        problems.append(f"data.task {data.task!r} is not 'arithmetic' or 'jsonl'")
+    elif data.task == "jsonl" and not data.train_file:
+        problems.append("data.task 'jsonl' needs data.train_file")
+    if config.reward.fn is None and config.reward.model_path is None:
+        problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model)")
+
+    # Layouts: every role spans all trainer.nproc processes.
+    sequences = data.batch_size * n
+    roles = [("actor", config.actor, config.ppo.ppo_mini_batch_size)]
+    if alg.needs_critic:
+        roles.append(("critic", config.critic, config.critic_ppo.ppo_mini_batch_size))
+    actor_layout = None
+    for role, role_cfg, mini in roles:
+        eng = role_cfg.engine
+        mp = eng.tensor_parallel * eng.pipeline_parallel
+        if trainer.nproc % mp:
+            problems.append(f"{role}: tensor_parallel x pipeline_parallel = {mp} does not divide trainer.nproc {trainer.nproc}")
+            continue
+        layout = ParallelLayout.for_world(trainer.nproc, eng.tensor_parallel, eng.pipeline_parallel)
+        actor_layout = actor_layout or layout
+        if sequences % mini:
+            problems.append(f"{role}: a step's {sequences} sequences (data.batch_size {data.batch_size} x n {n}) do not "
+                            f"divide into PPO mini-batches of {mini}")
+        elif mini % layout.dp:
+            problems.append(f"{role}: ppo_mini_batch_size {mini} does not divide over {layout.dp} data-parallel ranks")
+        elif (mini // layout.dp) % eng.micro_batch_size:
+            problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.dp} sequences, not a multiple of "
+                            f"micro_batch_size {eng.micro_batch_size}")
+        if model_spec is not None and role == "actor":
+            try:
+                model_spec.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
+            except ValueError as exc:
+                problems.append(f"{role}: {exc}")
+    if actor_layout is not None:
+        try:
+            plan_reshard(actor_layout, GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel))
+        except ReshardLayoutError as exc:
+            problems.append(f"rollout: {exc}")
+    if model_spec is not None:
+        longest = rollout.max_model_len
+        if longest > model_spec.max_position_embeddings:
+            problems.append(f"rollout: max_prompt_length {rollout.max_prompt_length} + max_new_tokens "
+                            f"{rollout.sampling.max_new_tokens} = {longest} exceeds the model's "
+                            f"max_position_embeddings {model_spec.max_position_embeddings}")
+    if problems:
+        raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))

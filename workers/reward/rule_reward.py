@@ -1,0 +1,113 @@
+"""RuleReward: scores decoded rollouts with a rule-based reward function.
+
+Each rank of the group gets an equal share of the batch (DP_COMPUTE_PROTO),
+decodes prompt and response of every sample and calls the reward function
+on them; see ``workers.reward.functions`` for the function's signature.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from workers.base_worker import BaseWorker
+from workers.data_proto import DataProto
+from workers.dispatch import Dispatch
+from workers.register import register
+from workers.reward.functions import RewardFn, resolve_reward_fn
+
+__all__ = ["RewardFunctionError", "RuleReward", "last_token_scores"]
+
+REQUIRED_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something other than a finite number, on one sample."""
+
+
+def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] float32: ``scores[i]`` on row i's last valid response token, 0 elsewhere.
+
+    A row without valid response tokens gets all zeros.
+    """
+    mask = response_mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, -1).amax(dim=1)  # -1: no valid token
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = (last >= 0).nonzero().flatten()
+    out[rows, last[rows]] = scores.to(torch.float32)[rows]
+    return out
+
+
+def _function_name(fn: Callable, spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{fn.__module__}:{qualname}" if qualname and getattr(fn, "__module__", None) else repr(fn)
+
+
+class RuleReward(BaseWorker):
+    """A reward worker around a Python function of (prompt, response, ground truth, extra fields).
+
+    ``reward_fn`` is a callable, a built-in name (``REWARD_FUNCTIONS``) or an
+    import path ``"package.module:function"``; ``reward_kwargs`` are passed
+    to every call as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        reward_fn: str | RewardFn = "arithmetic_answer",
+        reward_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.reward_fn = resolve_reward_fn(reward_fn)
+        self.reward_fn_name = _function_name(self.reward_fn, reward_fn)
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_reward(self, data: DataProto) -> DataProto:
+        """``scores`` [B] and ``token_level_scores`` [B, R] (the score on the last valid response token)."""
+        missing = [key for key in REQUIRED_KEYS if key not in data.batch]
+        if missing:
+            raise KeyError(f"compute_reward needs batch tensors {list(REQUIRED_KEYS)}; missing {missing}")
+        prompts, responses = data.batch["prompts"], data.batch["responses"]
+        prompt_mask = data.batch["attention_mask"][:, : prompts.shape[1]].bool()
+        response_mask = data.batch["response_mask"]
+        prompt_texts = self._decode(prompts, prompt_mask)
+        response_texts = self._decode(responses, response_mask.bool())
+
+        fields = data.non_tensor_batch
+        ground_truth = fields.get("ground_truth")
+        offset = self.rank * len(data)  # DP_COMPUTE_PROTO hands every rank an equal chunk
+        scores = torch.empty(len(data), dtype=torch.float32)
+        for i in range(len(data)):
+            extra = {key: values[i] for key, values in fields.items() if key != "ground_truth"}
+            truth = None if ground_truth is None else ground_truth[i]
+            scores[i] = self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
+        return DataProto({"token_level_scores": last_token_scores(scores, response_mask), "scores": scores})
+
+    def _decode(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        rows = [row[keep].tolist() for row, keep in zip(tokens, mask)]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    def _score(self, sample: int, prompt: str, response: str, ground_truth: Any, extra: dict) -> float:
+        try:
+            value = self.reward_fn(prompt, response, ground_truth, extra, **self.reward_kwargs)
+        except Exception as exc:
+            raise RewardFunctionError(
+                f"reward function {self.reward_fn_name} raised on sample {sample} "
+                f"({type(exc).__name__}: {exc}); response: {response[:200]!r}"
+            ) from exc
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardFunctionError(
+                f"reward function {self.reward_fn_name} returned {value!r} ({type(value).__name__}) on sample "
+                f"{sample}; a reward must be a finite int or float (bools are refused: return float(...))"
+            )
+        return float(value)

@@ -1,0 +1,32 @@
+"""RoleSpec: a role declared now and built later, on whatever processes the controller places it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["RoleSpec"]
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A worker class and its constructor arguments, e.g. ``Actor.from_pretrained(path, tensor_parallel=2)``.
+
+    Nothing is loaded until a controller builds a worker group from it, so a
+    spec is cheap to write, pass around and change (``with_parallelism``).
+    """
+
+    worker_cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def with_parallelism(self, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> "RoleSpec":
+        engine = dict(self.kwargs.get("engine") or {})
+        if tensor_parallel is not None:
+            engine["tensor_parallel"] = tensor_parallel
+        if pipeline_parallel is not None:
+            engine["pipeline_parallel"] = pipeline_parallel
+        return replace(self, kwargs={**self.kwargs, "engine": engine})
+
+    @property
+    def model_path(self) -> str | None:
+        return self.kwargs.get("model_path")
