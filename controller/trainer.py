@@ -59,6 +59,7 @@ class RLTrainer:
         ref_policy: RoleSpec | None = None,
         reward_model: RoleSpec | None = None,
         reward_fn: str | Callable | None = None,
+        reward_worker: RoleSpec | None = None,
         cost_fn: str | Callable | None = None,
         algorithm: AlgorithmConfig | dict | str = "ppo",
         val_data: PromptDataset | None = None,
@@ -78,8 +79,9 @@ class RLTrainer:
         elif isinstance(algorithm, dict):
             algorithm = AlgorithmConfig(**algorithm)
         self.algorithm = algorithm
-        if reward_fn is None and reward_model is None:
-            raise ConfigError("give reward_fn (a rule) or reward_model (a RewardModel spec)")
+        if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
+            raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
+                              "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
         if algorithm.needs_critic and critic is None:
             raise ConfigError(f"{algorithm.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
         if cost_fn is not None and algorithm.needs_critic:
@@ -100,6 +102,8 @@ class RLTrainer:
             self.specs["reward_model"] = reward_model
         if reward_fn is not None:
             self.specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": reward_fn})
+        if reward_worker is not None:
+            self.specs["reward"] = reward_worker
         if cost_fn is not None:
             self.specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": cost_fn})
         self.placement = {role: "default" for role in self.specs}

@@ -1,0 +1,46 @@
+"""Replace the KL term of the actor's loss with your own: here a coefficient that decays with the step.
+
+    python examples/dynamic_kl_beta.py             # Ray, 1 worker process, GRPO with a k3 KL loss
+
+``kl_loss_fn(actor_log_probs, ref_log_probs, step)`` returns the per-token KL
+term, weight included; the trainer hands it to the actor's update (and keeps
+a reference policy for it). The loop reports the beta it used.
+"""
+
+import tempfile
+
+from controller.data import arithmetic_prompts
+from controller.models import resolve_model_path
+from controller.trainer import RLTrainer
+from workers.actor import Actor
+from workers.policy_losses import kl_penalty
+from workers.rollout import Rollout
+
+
+def beta(step: int) -> float:
+    return 0.2 * 0.5**step
+
+
+def kl_loss_fn(log_probs, ref_log_probs, step):
+    return beta(step) * kl_penalty(log_probs, ref_log_probs, "k3")
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = resolve_model_path("builtin:tiny-arithmetic", tmp)
+        trainer = RLTrainer(
+            actor=Actor.from_pretrained(model, micro_batch_size=8, optim={"lr": 5e-3}, ppo={"ppo_mini_batch_size": 32}),
+            rollout=Rollout.from_pretrained(model, max_prompt_length=8, sampling={"max_new_tokens": 4, "n": 4}),
+            reward_fn="arithmetic_shaped", algorithm="grpo", kl_loss_fn=kl_loss_fn,
+            train_data=arithmetic_prompts(256, seed=0), batch_size=8, processes=1,
+        )
+        for step in range(3):
+            metrics = trainer.step()
+            metrics["beta"] = beta(step)
+            print(f"step {trainer.global_step}: beta {metrics['beta']:.3f}  kl_loss {metrics['actor/kl_loss']:.5f}  "
+                  f"reward {metrics['critic/score/mean']:+.3f}")
+        trainer.shutdown()
+
+
+if __name__ == "__main__":
+    main()
