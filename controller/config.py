@@ -106,6 +106,7 @@ class TrainerConfig:
     launcher: str = "torchrun"
     nproc: int = 4
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    placement: dict[str, int] = field(default_factory=dict)  # role -> processes of its own pool (Ray); others share
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
     seed: int = 0
 
@@ -264,6 +265,15 @@ def check_config(config: RLConfig, model_spec=None) -> None:
     for name in ("save_every", "val_every"):
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
+    valid_roles = ("actor", "critic", "ref_policy", "reward_model", "reward")
+    for role, devices in trainer.placement.items():
+        if role not in valid_roles:
+            problems.append(f"trainer.placement: {role!r} is not a placeable role; valid: {valid_roles}")
+        elif not isinstance(devices, int) or devices < 1:
+            problems.append(f"trainer.placement.{role} must be a positive number of processes, got {devices!r}")
+    if trainer.placement and trainer.launcher == "torchrun":
+        problems.append("trainer.placement (split pools) needs trainer.launcher=ray: under torchrun every "
+                        "megatron role spans the whole world")
     if data.batch_size < 1:
         problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
     if data.task not in ("arithmetic", "jsonl"):
@@ -282,11 +292,16 @@ def check_config(config: RLConfig, model_spec=None) -> None:
     for role, role_cfg, mini in roles:
         eng = role_cfg.engine
         mp = eng.tensor_parallel * eng.pipeline_parallel
-        if trainer.nproc % mp:
-            problems.append(f"{role}: tensor_parallel x pipeline_parallel = {mp} does not divide trainer.nproc {trainer.nproc}")
+        world = trainer.placement.get(role, trainer.nproc)
+        where = f"trainer.placement.{role}" if role in trainer.placement else "trainer.nproc"
+        if not isinstance(world, int) or world < 1:
             continue
-        layout = ParallelLayout.for_world(trainer.nproc, eng.tensor_parallel, eng.pipeline_parallel)
-        actor_layout = actor_layout or layout
+        if world % mp:
+            problems.append(f"{role}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
+            continue
+        layout = ParallelLayout.for_world(world, eng.tensor_parallel, eng.pipeline_parallel)
+        if role == "actor":
+            actor_layout = layout
         if sequences % mini:
             problems.append(f"{role}: a step's {sequences} sequences (data.batch_size {data.batch_size} x n {n}) do not "
                             f"divide into PPO mini-batches of {mini}")

@@ -96,6 +96,8 @@ def run_training(config: RLConfig) -> Path:
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle,
     )
+    for role, devices in trainer_cfg.placement.items():
+        trainer.register_placement(role, devices)
     try:
         if trainer_cfg.resume:
             step = trainer.resume()

@@ -61,6 +61,7 @@ class RLTrainer:
         reward_fn: str | Callable | None = None,
         reward_worker: RoleSpec | None = None,
         cost_fn: str | Callable | None = None,
+        cost_model: RoleSpec | None = None,
         algorithm: AlgorithmConfig | dict | str = "ppo",
         val_data: PromptDataset | None = None,
         kl_loss_fn: Callable | None = None,
@@ -84,7 +85,10 @@ class RLTrainer:
                               "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
         if algorithm.needs_critic and critic is None:
             raise ConfigError(f"{algorithm.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
-        if cost_fn is not None and algorithm.needs_critic:
+        if cost_fn is not None and cost_model is not None:
+            raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
+        safe_rlhf = cost_fn is not None or cost_model is not None
+        if safe_rlhf and algorithm.needs_critic:
             raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
                               f"{algorithm.name} would need a cost critic")
         self.specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
@@ -106,6 +110,8 @@ class RLTrainer:
             self.specs["reward"] = reward_worker
         if cost_fn is not None:
             self.specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": cost_fn})
+        if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
+            self.specs["cost"] = cost_model
         self.placement = {role: "default" for role in self.specs}
         self.pool_sizes: dict[str, int | None] = {"default": processes}
         self.backend = backend
@@ -118,26 +124,36 @@ class RLTrainer:
         ctrl = dict(algorithm.kl_ctrl)
         self.kl_ctrl: KLController = make_kl_controller(ctrl.pop("kind", "fixed"), **ctrl)
         self.lagrange = LagrangeMultiplier(algorithm.safe_rlhf_lambda_init, algorithm.safe_rlhf_lambda_lr,
-                                           algorithm.safe_rlhf_cost_limit) if cost_fn is not None else None
+                                           algorithm.safe_rlhf_cost_limit) if safe_rlhf else None
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": pool} if pool is not None else {}
         self.global_step = 0
         self.loader: PromptLoader | None = None
 
     # ------------------------------------------------------------- declaration
-    def register_placement(self, role: str, pool: str, processes: int | None = None) -> None:
-        """Put ``role`` on resource pool ``pool`` (created with ``processes`` when new). Before the first step."""
+    def register_placement(self, role: str, devices: int | None = None, pool: str | None = None) -> None:
+        """Put ``role`` on its own resource pool of ``devices`` processes (one per device). Before the first step.
+
+        Roles given the same ``pool`` name share its processes (colocation); by
+        default every role is on the pool "default". The rollout reshards the
+        actor's weights in place, so it always sits on the actor's pool. Under
+        torchrun a megatron role's pool must be the whole world, so split
+        placement is a Ray feature.
+        """
         self._before_build("register_placement")
         if role not in self.specs:
             raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        if role == "rollout" or (role == "actor" and self.placement.get("rollout") != pool):
-            if role == "rollout" and pool != self.placement["actor"]:
-                raise ConfigError(f"the rollout reshards the actor's weights in place: it must share the actor's pool "
-                                  f"{self.placement['actor']!r}, not {pool!r}")
-        if pool not in self.pool_sizes:
-            if processes is None:
-                raise ConfigError(f"pool {pool!r} is new: give its number of processes")
-            self.pool_sizes[pool] = processes
+        if role == "rollout":
+            raise ConfigError("the rollout reshards the actor's weights in place and always shares the actor's pool; "
+                              "place the actor instead")
+        pool = pool or role
+        if pool in self.pool_sizes:
+            if devices is not None and self.pool_sizes[pool] not in (None, devices):
+                raise ConfigError(f"pool {pool!r} has {self.pool_sizes[pool]} processes, not {devices}")
+        else:
+            if devices is None or devices < 1:
+                raise ConfigError(f"pool {pool!r} is new: give its number of devices (>= 1), got {devices!r}")
+            self.pool_sizes[pool] = devices
         self.placement[role] = pool
         if role == "actor":
             self.placement["rollout"] = pool
@@ -279,9 +295,14 @@ class RLTrainer:
         else:
             scores = self.groups["reward"].compute_reward(batch).select(["token_level_scores", "scores"])
         if "cost" in self.groups:
-            cost = self.groups["cost"].compute_reward(batch)
+            if hasattr(self.groups["cost"], "compute_rm_score"):
+                cost = self.groups["cost"].compute_rm_score(batch)
+                cost_scores = cost.batch[self.specs["cost"].kwargs.get("score_key", "rm_scores")]
+            else:
+                cost = self.groups["cost"].compute_reward(batch)
+                cost_scores = cost.batch["scores"]
             scores = scores.union(DataProto({"cost_token_level_scores": cost.batch["token_level_scores"],
-                                             "cost_scores": cost.batch["scores"]}))
+                                             "cost_scores": cost_scores}))
         return scores
 
     def validate(self) -> dict[str, float]:

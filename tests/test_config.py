@@ -78,3 +78,42 @@ def test_model_checks_need_the_model(tmp_path):
     text = problems("rollout.max_prompt_length=100", "rollout.sampling.max_new_tokens=40", "actor.engine.pipeline_parallel=1",
                     "critic.engine.pipeline_parallel=1", spec=spec)
     assert "= 140 exceeds the model's max_position_embeddings 128" in text
+
+
+def test_split_placement_is_checked_per_pool_and_needs_ray():
+    assert "needs trainer.launcher=ray" in problems("trainer.placement={critic: 4}")
+    assert "'rollout' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={rollout: 2}")
+    assert "tensor_parallel x pipeline_parallel = 4 does not divide trainer.placement.critic 2" in problems(
+        "trainer.launcher=ray", "trainer.placement={critic: 2}")
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["trainer.launcher=ray", "trainer.placement={critic: 4}"]))
+
+
+def test_trainer_placement_and_parallelism_by_declaration():
+    from controller.data import arithmetic_prompts
+    from controller.trainer import RLTrainer
+    from workers.actor import Actor
+    from workers.critic import Critic
+    from workers.rollout import Rollout
+
+    trainer = RLTrainer(actor=Actor.from_pretrained("policy", tensor_parallel=2), rollout=Rollout.from_pretrained("policy"),
+                        critic=Critic.from_pretrained("value"), reward_fn="arithmetic_answer",
+                        train_data=arithmetic_prompts(8, seed=0), batch_size=4)
+    trainer.register_parallelism("critic", tensor_parallel=2, pipeline_parallel=2)
+    trainer.register_parallelism("rollout", tensor_parallel=2)
+    trainer.register_placement("critic", devices=4)
+    trainer.register_placement("actor", devices=2, pool="policy")
+    assert trainer.specs["critic"].kwargs["engine"]["pipeline_parallel"] == 2
+    assert trainer.specs["rollout"].kwargs["config"]["tensor_parallel"] == 2
+    assert trainer.placement == {"actor": "policy", "rollout": "policy", "critic": "critic", "reward": "default"}
+    assert trainer.pool_sizes == {"default": None, "critic": 4, "policy": 2}
+    with pytest.raises(ConfigError, match="always shares the actor's pool"):
+        trainer.register_placement("rollout", devices=2)
+    with pytest.raises(ConfigError, match="pool 'critic' has 4 processes, not 2"):
+        trainer.register_placement("reward", devices=2, pool="critic")
+    with pytest.raises(ConfigError, match=r"unknown role 'judge'; roles of this trainer: \['actor', 'critic', 'reward', 'rollout'\]"):
+        trainer.register_parallelism("judge", tensor_parallel=2)
+    with pytest.raises(ConfigError, match="has no model parallelism to set"):
+        trainer.register_parallelism("reward", tensor_parallel=2)
+    with pytest.raises(ConfigError, match="needs a critic"):
+        RLTrainer(actor=Actor.from_pretrained("policy"), rollout=Rollout.from_pretrained("policy"), reward_fn="x",
+                  train_data=arithmetic_prompts(8, seed=0), batch_size=4)

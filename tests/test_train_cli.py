@@ -51,6 +51,11 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, algorithm, launcher):
     layout = ["trainer.nproc=4", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=2",
               "critic.engine.tensor_parallel=2", "critic.engine.pipeline_parallel=2", "data.batch_size=8",
               "ppo.ppo_mini_batch_size=8", "critic_ppo.ppo_mini_batch_size=8"] if (algorithm, launcher) == ("ppo", "torchrun") else []
+    if (algorithm, launcher) == ("ppo", "ray"):
+        layout = ["trainer.placement={critic: 1}"]  # split placement: the critic on its own pool of processes
+    if (algorithm, launcher) == ("grpo", "ray"):  # Safe-RLHF: a cost scored beside the reward, a Lagrange multiplier
+        layout = ["algorithm.safe_rlhf_cost_fn=format_check", "algorithm.safe_rlhf_cost_limit=-1.0",
+                  "algorithm.safe_rlhf_lambda_lr=0.5"]
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={tmp_path}",
                       f"trainer.launcher={launcher}", f"algorithm.name={algorithm}", f"rollout.engine={engine}",
                       *TINY, *ALGORITHMS[algorithm], *layout)
@@ -66,6 +71,11 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, algorithm, launcher):
     assert steps[0]["rollout/logprob_diff_max"] < 1e-3  # rollout and actor agree on the sampled tokens
     if algorithm in ("grpo", "rloo"):  # group baselines: advantages average out within each prompt's samples
         assert abs(steps[0]["critic/advantages/mean"]) < 1e-5
+    if (algorithm, launcher) == ("grpo", "ray"):
+        # The cost (0 or 1) always exceeds the limit -1, so lambda grows by lr * (cost - limit) each step.
+        first, second = steps[0], steps[1]
+        assert first["safe_rlhf/lambda"] == 1.0
+        assert second["safe_rlhf/lambda"] == pytest.approx(1.0 + 0.5 * (first["safe_rlhf/cost/mean"] + 1.0))
     assert "[hybridflow]   metrics:" in proc.stdout and (tmp_path / "plots" / "reward.png").is_file()
     assert (tmp_path / "checkpoints" / "trainer" / "latest").is_file()  # saved at the end
 
@@ -85,7 +95,7 @@ def test_demo_task_reward_rises_and_resume_reproduces_the_run(tmp_path):
     assert last > first + 0.1, [round(s["critic/score/mean"], 3) for s in steps]
 
     # Stop at step 4 (a fresh run that ends there), then resume to 8 in new processes.
-    for total, extra in ((4, []), (8, ["trainer.resume=true"])):
+    for total, extra in ((4, []), (8, ["trainer.resume=true", "trainer.export_hf=true"])):
         proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={stopped}", *DEMO,
                           f"trainer.total_steps={total}", "trainer.save_every=4", *extra)
         assert proc.returncode == 0, proc.stderr[-5000:]
@@ -98,3 +108,16 @@ def test_demo_task_reward_rises_and_resume_reproduces_the_run(tmp_path):
 
     for a, b in zip(steps, resumed):
         assert exact(a) == exact(b), a["step"]
+
+    # `hybridflow export` turns the newest checkpoint into the same HF weights the run exported at its end.
+    proc = hybridflow("export", str(stopped), "--out", str(tmp_path / "exported"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    def weights(path):
+        return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    ours, final = weights(tmp_path / "exported"), weights(stopped / "hf_actor")
+    assert ours.keys() == final.keys() and all(ours[k].equal(final[k]) for k in ours)
+    assert AutoTokenizer.from_pretrained(tmp_path / "exported").decode([20, 21]) == "12"
