@@ -108,6 +108,7 @@ class TrainerConfig:
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     placement: dict[str, int] = field(default_factory=dict)  # role -> processes of its own pool (Ray); others share
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
+    plots: bool = True  # write PNG curves of the metrics at the end
     seed: int = 0
 
 
@@ -241,7 +242,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def check_config(config: RLConfig, model_spec=None) -> None:
     """Raise ConfigError listing every problem; ``model_spec`` (a ModelSpec) enables model checks."""
     from hybridengine.layout import ParallelLayout
-    from hybridengine.reshard_plan import GenerationLayout, ReshardLayoutError, plan_reshard
+    from hybridengine.reshard_plan import (
+        GenerationLayout,
+        ReshardLayoutError,
+        plan_reshard,
+    )
 
     problems: list[str] = []
     alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data

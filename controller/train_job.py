@@ -47,7 +47,6 @@ def _datasets(config: RLConfig):
 
 def run_training(config: RLConfig) -> Path:
     from controller.metrics_log import MetricsLogger
-    from controller.plots import plot_run
     from controller.resource_pool import ResourcePool
     from controller.trainer import RLTrainer
     from workers.actor import Actor
@@ -108,7 +107,11 @@ def run_training(config: RLConfig) -> Path:
         outputs = {"metrics": run_dir / "metrics.jsonl"}
         if trainer_cfg.export_hf:
             outputs["HF checkpoint"] = trainer.export_hf(run_dir / "hf_actor")
-        plots = plot_run(run_dir)
+        plots = []
+        if trainer_cfg.plots:
+            from controller.plots import plot_run  # matplotlib only when asked
+
+            plots = plot_run(run_dir)
         print(f"[hybridflow] done: {trainer.global_step} steps in {run_dir}")
         print(f"[hybridflow]   metrics:        {outputs['metrics']} (TensorBoard: {run_dir / 'tensorboard'})")
         for path in plots:

@@ -26,11 +26,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from controller.algorithms.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
-from controller.algorithms.kl_control import KLController, apply_kl_penalty, make_kl_controller
+from controller.algorithms.advantages import (
+    AdvantageConfig,
+    AdvantageInputs,
+    compute_advantages,
+)
+from controller.algorithms.kl_control import (
+    KLController,
+    apply_kl_penalty,
+    make_kl_controller,
+)
 from controller.algorithms.safe_rlhf import LagrangeMultiplier, combine_advantages
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader

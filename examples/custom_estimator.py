@@ -11,7 +11,12 @@ import tempfile
 
 import torch
 
-from controller.algorithms import AdvantageConfig, AdvantageInputs, group_rows, register_advantage_estimator
+from controller.algorithms import (
+    AdvantageConfig,
+    AdvantageInputs,
+    group_rows,
+    register_advantage_estimator,
+)
 from controller.data import arithmetic_prompts
 from controller.models import resolve_model_path
 from controller.trainer import RLTrainer

@@ -5,7 +5,14 @@ from pathlib import Path
 import pytest
 from tiny_models import make_llama
 
-from controller.config import ConfigError, RLConfig, apply_overrides, check_config, config_to_dict, load_config
+from controller.config import (
+    ConfigError,
+    RLConfig,
+    apply_overrides,
+    check_config,
+    config_to_dict,
+    load_config,
+)
 from hybridengine.model_spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples"

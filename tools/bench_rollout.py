@@ -28,14 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tools.bench_models import SHAPES, make_checkpoint  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 MODELS = {
     # name: (HF config overrides, prompts per batch, prompt length, new tokens)
-    "tiny": (dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2), 32, 32, 32),
-    "100m": (dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4), 8, 32, 32),
+    "tiny": (SHAPES["tiny"], 32, 32, 32),
+    "100m": (SHAPES["100m"], 8, 32, 32),
 }
 ENGINES = ("vllm", "megatron")
 PROCESSES = 2
@@ -43,16 +42,7 @@ TRAIN_TP = 2
 
 
 def make_model(name: str, path: Path) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from controller.char_tokenizer import save_char_tokenizer
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
-                                         eos_token_id=2, pad_token_id=0, **MODELS[name][0]))
-    model.save_pretrained(path, safe_serialization=True)
-    save_char_tokenizer(path, MODELS[name][0]["vocab_size"])
-    return sum(p.numel() for p in model.parameters())
+    return make_checkpoint(name, path, tokenizer=True)
 
 
 def prompt_batch(name: str):

@@ -25,26 +25,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tools.bench_models import SHAPES, make_checkpoint  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 MODELS = {
     # name: (HF config overrides, batch size, prompt length, response length)
-    "tiny": (dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2), 16, 64, 64),
-    "100m": (dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4), 4, 64, 64),
+    "tiny": (SHAPES["tiny"], 16, 64, 64),
+    "100m": (SHAPES["100m"], 4, 64, 64),
 }
 LAYOUTS = {"TP1": (1, 1, 1), "TP2": (2, 1, 2), "PP2": (1, 2, 2), "DP2": (1, 1, 2), "TP2xPP2": (2, 2, 4)}
 
 
 def make_model(name: str, path: Path) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    overrides = MODELS[name][0]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, tie_word_embeddings=False, **overrides))
-    model.save_pretrained(path, safe_serialization=True)
-    return sum(p.numel() for p in model.parameters())
+    return make_checkpoint(name, path, tokenizer=False)
 
 
 def make_batch(vocab: int, batch: int, prompt: int, response: int):

@@ -6,7 +6,12 @@ import torch
 from hybridengine.model_spec import ModelSpec
 from workers import DataProto
 from workers.rollout import PromptError, RolloutConfig, SamplingConfig
-from workers.rollout.batch import Completion, build_requests, build_rollout_batch, check_special_tokens
+from workers.rollout.batch import (
+    Completion,
+    build_requests,
+    build_rollout_batch,
+    check_special_tokens,
+)
 
 
 def prompts(rows, width=6):

@@ -35,7 +35,12 @@ from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.register import register
 from workers.role_spec import RoleSpec
-from workers.rollout.batch import PromptError, build_requests, build_rollout_batch, check_special_tokens
+from workers.rollout.batch import (
+    PromptError,
+    build_requests,
+    build_rollout_batch,
+    check_special_tokens,
+)
 from workers.rollout.config import RolloutConfig
 
 __all__ = ["Rollout"]

@@ -75,7 +75,10 @@ class VLLMShardLoader:
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
-        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process,
+            get_layerwise_info,
+        )
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         start = time.perf_counter()
