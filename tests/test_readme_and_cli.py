@@ -18,7 +18,8 @@ def test_readme_worker_example_is_the_example_file():
 
 def test_readme_worker_example_runs_on_ray(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(readme_python_blocks()[0])
+    example = (ROOT / "examples" / "custom_worker.py").read_text()
+    script.write_text(next(block for block in readme_python_blocks() if block == example))
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
