@@ -222,13 +222,17 @@ class RLTrainer:
             batch = g["rollout"].generate_sequences(prompts)
         rollout_metrics = dict(batch.meta_info.pop("metrics", {}))
         with _timer(timing, "reward"):
-            scores = self._score(batch)
-            batch = batch.union(scores)
-            if alg.estimator == "remax":
+            batch = batch.union(self._score(batch))
+        baseline = baseline_cost = None
+        if alg.estimator == "remax":  # the greedy response's score is each prompt's baseline
+            with _timer(timing, "gen_baseline"):
                 greedy = g["rollout"].generate_sequences(_with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
                 greedy.meta_info.pop("metrics", None)
+                greedy_scores = self._score(greedy).batch
                 n = len(batch) // len(prompts)
-                baseline = self._score(greedy).batch["scores"].repeat_interleave(n)
+                baseline = greedy_scores["scores"].repeat_interleave(n)
+                if "cost_scores" in greedy_scores:
+                    baseline_cost = greedy_scores["cost_scores"].repeat_interleave(n)
         with _timer(timing, "old_log_prob"):
             old = g["actor"].compute_log_prob(batch)
             batch = batch.union(old)
@@ -248,14 +252,13 @@ class RLTrainer:
                 rewards, kl_metrics = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
                                                        batch.batch["response_mask"], self.kl_ctrl.value, alg.kl_penalty)
             inputs = AdvantageInputs(rewards, batch.batch["response_mask"], values=batch.batch.get("values"),
-                                     group_index=batch.non_tensor_batch.get("uid"),
-                                     baseline_rewards=baseline if alg.estimator == "remax" else None)
+                                     group_index=batch.non_tensor_batch.get("uid"), baseline_rewards=baseline)
             config = AdvantageConfig(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std=alg.norm_adv_by_std)
             advantages, returns = compute_advantages(alg.estimator, inputs, config)
             safe_metrics = {}
             if self.lagrange is not None:
                 cost_inputs = AdvantageInputs(batch.batch["cost_token_level_scores"], batch.batch["response_mask"],
-                                              group_index=inputs.group_index, baseline_rewards=inputs.baseline_rewards)
+                                              group_index=inputs.group_index, baseline_rewards=baseline_cost)
                 cost_adv, _ = compute_advantages(alg.estimator, cost_inputs, config)
                 advantages = combine_advantages(advantages, cost_adv, self.lagrange.value)
                 mean_cost = float(batch.batch["cost_scores"].mean())
@@ -284,7 +287,7 @@ class RLTrainer:
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         tokens = int(batch.batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / timing["step"]
-        metrics["perf/max_memory_gb"] = max(i["max_rss_mb"] for i in g["actor"].worker_info()) / 1024
+        metrics["perf/max_memory_gb"] = max(i["peak_memory_gb"] for i in g["actor"].worker_info())
         if self.val_every and (self.global_step + 1) % self.val_every == 0:
             metrics.update(self.validate())
         self.global_step += 1

@@ -1,6 +1,6 @@
 """A custom advantage estimator and a custom reward worker in RLTrainer, without touching the framework.
 
-    python examples/custom_estimator.py            # Ray, 1 worker process, a few GRPO-style steps
+    python examples/custom_estimator.py            # Ray, 1 worker process, two GRPO-style steps
 
 The estimator scores each response against the median of its prompt's
 samples (a robust cousin of GRPO's mean baseline); the reward worker is a
@@ -67,7 +67,7 @@ def main() -> None:
             algorithm={"name": "custom", "advantage_estimator": "median_baseline"},
             train_data=arithmetic_prompts(256, seed=0), batch_size=8, processes=1,
         )
-        for _ in range(3):
+        for _ in range(2):
             m = trainer.step()
             print(f"step {trainer.global_step}: reward {m['critic/score/mean']:+.3f}  "
                   f"advantages in [{m['critic/advantages/min']:+.2f}, {m['critic/advantages/max']:+.2f}]  "

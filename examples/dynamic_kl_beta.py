@@ -34,7 +34,7 @@ def main() -> None:
             reward_fn="arithmetic_shaped", algorithm="grpo", kl_loss_fn=kl_loss_fn,
             train_data=arithmetic_prompts(256, seed=0), batch_size=8, processes=1,
         )
-        for step in range(3):
+        for step in range(2):
             metrics = trainer.step()
             metrics["beta"] = beta(step)
             print(f"step {trainer.global_step}: beta {metrics['beta']:.3f}  kl_loss {metrics['actor/kl_loss']:.5f}  "

@@ -18,7 +18,7 @@ def run_example(name: str) -> str:
 def test_custom_estimator_and_reward_worker_plug_in():
     out = run_example("custom_estimator.py")
     steps = re.findall(r"step (\d): reward (\S+)  advantages in \[(\S+), (\S+)\]", out)
-    assert [s[0] for s in steps] == ["1", "2", "3"], out
+    assert [s[0] for s in steps] == ["1", "2"], out
     for _, _, low, high in steps:
         # A median baseline over 4 samples: some responses above it, some below (or all equal).
         assert float(low) <= 0.0 <= float(high)
@@ -28,6 +28,6 @@ def test_custom_estimator_and_reward_worker_plug_in():
 def test_kl_loss_hook_with_a_decaying_beta():
     out = run_example("dynamic_kl_beta.py")
     rows = re.findall(r"step (\d): beta (\S+)  kl_loss (\S+)", out)
-    assert [(r[0], r[1]) for r in rows] == [("1", "0.200"), ("2", "0.100"), ("3", "0.050")], out
+    assert [(r[0], r[1]) for r in rows] == [("1", "0.200"), ("2", "0.100")], out
     assert float(rows[0][2]) < 1e-6  # the policy equals the reference before its first update
     assert float(rows[1][2]) > 0.0  # after it the hook's KL term is non-zero

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hybridengine.device import peak_memory
 from hybridengine.layout import ParallelLayout
 from hybridengine.reshard_plan import GenerationMesh
 from workers.dispatch import Dispatch
@@ -137,4 +138,5 @@ class BaseWorker:
             "role": self.role,
             "layout": str(self.layout) if self.layout else None,
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_memory_gb": peak_memory() / 2**30,  # the device's peak (GPU allocator, or CPU resident set)
         }
