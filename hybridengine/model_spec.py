@@ -77,6 +77,14 @@ class ModelSpec:
             raise ModelConfigError(
                 f"{source}: rope_scaling {config['rope_scaling']!r} is not supported yet; only plain RoPE"
             )
+        # transformers >= 5 writes RoPE settings as rope_parameters {rope_theta, rope_type}; older ones rope_theta.
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ModelConfigError(
+                f"{source}: rope_parameters {rope!r} (rope_type {rope['rope_type']!r}) are not supported yet; "
+                f"only plain RoPE (rope_type 'default')"
+            )
+        rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
@@ -91,7 +99,7 @@ class ModelSpec:
             num_query_groups=int(config.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,

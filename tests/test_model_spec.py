@@ -58,3 +58,18 @@ def test_layouts_that_do_not_fit_the_model(overrides, tp, pp, message):
 def test_error_lists_the_tp_sizes_that_would_work():
     with pytest.raises(ModelConfigError, match=r"TP sizes that divide every split dimension of this model: \[1, 2\]"):
         ModelSpec.from_hf_config(LLAMA).check_layout(4, 1)
+
+
+def test_rope_theta_as_transformers_5_writes_it(tmp_path):
+    """transformers 5 saves RoPE as rope_parameters; a theta other than the default must reach the spec."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, rope_theta=100000.0,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    assert ModelSpec.from_pretrained(tmp_path).rope_theta == 100000.0
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="rope_type 'llama3'"):
+        ModelSpec.from_pretrained(tmp_path)
