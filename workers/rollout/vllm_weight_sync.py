@@ -56,6 +56,25 @@ def _copy_into(name: str, target: torch.Tensor, tensor: torch.Tensor, rows, voca
     return tensor.numel() * tensor.element_size()
 
 
+def _reprocess_tied_layers(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Rerun post-load processing on layers that share a loaded tensor but were not loaded themselves.
+
+    A tied ``lm_head`` holds the embedding's weight: the reload puts the new
+    values in place, but on CPU the head also keeps a packed copy for its
+    GEMM, made by its own post-load processing, which would otherwise still
+    hold the old weights.
+    """
+    ptrs = {
+        t.data_ptr() for name in loaded for t in model.get_submodule(name).parameters(recurse=False) if t.numel()
+    }
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if name in loaded or method is None or not hasattr(method, "process_weights_after_loading"):
+            continue
+        if any(t.numel() and t.data_ptr() in ptrs for t in module.parameters(recurse=False)):
+            method.process_weights_after_loading(module)
+
+
 class VLLMShardLoader:
     """A vLLM worker extension: ``collective_rpc("load_shard", args=(shard, vocab_range))``.
 
@@ -109,4 +128,5 @@ class VLLMShardLoader:
                 _layerwise_process(layer, info)  # post-load processing, then copy into the kernel tensors
         finally:
             finalize_layerwise_reload(model, self.model_runner.model_config)
+        _reprocess_tied_layers(model, set(by_layer))
         return {"bytes": copied, "seconds": time.perf_counter() - start}
