@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from controller.torchrun_backend import under_torchrun
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training with a single controller")
@@ -24,10 +26,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def _torchrun(nproc: int, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "controller.cli", *argv]
@@ -40,12 +38,12 @@ def _train(args, argv: list[str]) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
-        if not _under_torchrun():
+        if not under_torchrun():
             prepare_model(config)  # every check that needs no process, before any starts
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"hybridflow train: {exc}", file=sys.stderr)
         return 2
-    if config.trainer.launcher == "torchrun" and not _under_torchrun():
+    if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer.nproc, argv)
     run_training(config)
     return 0
@@ -56,7 +54,7 @@ def _export(args, argv: list[str]) -> int:
     from controller.train_job import export_checkpoint
 
     config = load_config(Path(args.run_dir) / "config.yaml")
-    if config.trainer.launcher == "torchrun" and not _under_torchrun():
+    if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer.nproc, argv)
     export_checkpoint(config, args.out)
     return 0

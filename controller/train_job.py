@@ -16,12 +16,9 @@ import yaml
 from controller.config import RLConfig, check_config, config_to_dict
 from controller.data import arithmetic_prompts, load_jsonl_prompts
 from controller.models import resolve_model_path, value_model_from_policy
+from controller.torchrun_backend import under_torchrun
 
 __all__ = ["prepare_model", "run_training"]
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def prepare_model(config: RLConfig) -> str:
@@ -55,7 +52,7 @@ def run_training(config: RLConfig) -> Path:
     from workers.rollout import Rollout
 
     trainer_cfg = config.trainer
-    if _under_torchrun():
+    if under_torchrun():
         check_config(config)  # every rank, before any group forms
         pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend="torchrun")  # ranks 1.. serve from here on
     else:
@@ -131,8 +128,8 @@ def export_checkpoint(config: RLConfig, out: str | Path) -> Path:
     from controller.worker_group import WorkerGroup
     from workers.actor import Actor
 
-    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else config.trainer.nproc
-    pool = ResourcePool([world], backend="torchrun" if _under_torchrun() else "ray")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.trainer.nproc
+    pool = ResourcePool([world], backend="torchrun" if under_torchrun() else "ray")
     run_dir = Path(config.trainer.run_dir)
     model = resolve_model_path(config.model_path, run_dir)
     try:

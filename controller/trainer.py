@@ -48,6 +48,7 @@ from workers.data_proto import DataProto
 from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
 from workers.rollout.agreement import logprob_agreement, use_old_log_probs
+from workers.rollout.config import RolloutConfig
 
 __all__ = ["RLTrainer"]
 
@@ -201,7 +202,7 @@ class RLTrainer:
                 spec = self.specs[role]
                 self.groups[role] = WorkerGroup(self.pools[self.placement[role]], spec.worker_cls, role=role, kwargs=spec.kwargs)
         tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
-        max_prompt = self.specs["rollout"].kwargs.get("config", {}).get("max_prompt_length", 64)
+        max_prompt = RolloutConfig.from_value(self.specs["rollout"].kwargs.get("config")).max_prompt_length
         self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
         self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
                                         shuffle=False) if self.val_data is not None else None)

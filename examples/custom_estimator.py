@@ -22,6 +22,7 @@ from controller.models import resolve_model_path
 from controller.trainer import RLTrainer
 from workers import BaseWorker, DataProto, Dispatch, register
 from workers.actor import Actor
+from workers.reward.rule_reward import last_token_scores
 from workers.role_spec import RoleSpec
 from workers.rollout import Rollout
 
@@ -47,14 +48,10 @@ class DigitsReward(BaseWorker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
         mask = data.batch["response_mask"]
-        lengths = mask.sum(-1)
         texts = [self.tokenizer.decode(r[m.bool()], skip_special_tokens=True)
                  for r, m in zip(data.batch["responses"], mask)]
         scores = torch.tensor([float(t.isdigit()) - 0.1 * len(t) for t in texts])
-        token_level = torch.zeros(mask.shape)
-        rows = torch.nonzero(lengths > 0).squeeze(-1)
-        token_level[rows, lengths[rows] - 1] = scores[rows]
-        return DataProto({"token_level_scores": token_level, "scores": scores})
+        return DataProto({"token_level_scores": last_token_scores(scores, mask), "scores": scores})
 
 
 def main() -> None:
