@@ -9,7 +9,7 @@ on. Rows are ordered prompt-major: prompt i's n samples are rows i*n..i*n+n-1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,6 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]  # of each sampled token under the processed (tempered) distribution
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
-    extra: dict = field(default_factory=dict)
 
 
 def check_special_tokens(pad_token_id: int | None, eos_token_id: int | None, source: str) -> None:
