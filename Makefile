@@ -13,9 +13,13 @@ CUDA_ONLY := torchvision torchaudio torchcodec triton
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean cuda-check
 
-setup: $(STAMP)
+# The csrc op library (hybridengine/ops/_C*.so), rebuilt in place when a source changes.
+CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
+OPS_STAMP := build/ops-library.stamp
+
+setup: $(STAMP) $(OPS_STAMP)
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +28,47 @@ $(STAMP): setup.py
 	$(PY) -c "import torch, megatron.core, ray, vllm, transformers; print('installed torch', torch.__version__, 'ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | grep installed
 	touch $(STAMP)
 
-test: setup
+$(OPS_STAMP): $(STAMP) $(CSRC)
+	mkdir -p build
+	$(PY) setup.py build_ext --inplace > build/ops-library.log 2>&1 || { tail -50 build/ops-library.log; exit 1; }
+	$(PY) -c "from hybridengine.ops.library import kernels_available, kernels_reason; assert kernels_available(), kernels_reason(); print('built the op library (torch.ops.hybridflow)')"
+	touch $(OPS_STAMP)
+
+# `make cuda-check` compiles every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (objects under build/cuda;
+# nothing runs, no GPU needed) and, with the venv's torch headers, syntax-checks csrc/cuda/bindings.cpp.
+# Without nvcc it prints a skip line and succeeds. The __CUDA_NO_* macros are the ones torch's CUDA
+# extension builds define: the kernels must not depend on implicit half / bfloat16 conversions.
+NVCC ?= $(shell command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+CUDA_HOME ?= /usr/local/cuda
+NVCC_FLAGS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 \
+	-Xcompiler -Wall,-Wextra -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
+	-D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
+CUDA_BUILD := build/cuda
+
+# The bindings check runs in the background while nvcc works. CPU wheels of torch lack the generated
+# c10/cuda/impl/cuda_cmake_macros.h, so a stub of it (what the CUDA wheel's holds) goes under build/cuda/stub;
+# -std=c++20 is what torch's extension builds use.
+cuda-check:
+	@if [ ! -x "$(NVCC)" ]; then echo "cuda-check: skipped: no nvcc on PATH or at /usr/local/cuda/bin/nvcc (set NVCC=...)"; exit 0; fi; \
+	mkdir -p $(CUDA_BUILD)/stub/c10/cuda/impl; \
+	printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $(CUDA_BUILD)/stub/c10/cuda/impl/cuda_cmake_macros.h; \
+	( if [ ! -x $(PY) ] || [ ! -f $(CUDA_HOME)/include/cuda_runtime_api.h ]; then \
+	    echo "cuda-check: skipped bindings syntax check: needs $(PY) with torch and $(CUDA_HOME)/include"; exit 0; fi; \
+	  inc=$$($(PY) -c 'import torch.utils.cpp_extension as c; print(" ".join("-isystem " + p for p in c.include_paths()))'); \
+	  g++ -fsyntax-only -std=c++20 -Wall -Wextra -isystem $(CUDA_BUILD)/stub $$inc -isystem $(CUDA_HOME)/include \
+	    csrc/cuda/bindings.cpp > $(CUDA_BUILD)/bindings.log 2>&1 \
+	    || { cat $(CUDA_BUILD)/bindings.log; echo "cuda-check: FAILED: g++ -fsyntax-only csrc/cuda/bindings.cpp"; exit 1; }; \
+	  cat $(CUDA_BUILD)/bindings.log; echo "cuda-check: g++ -fsyntax-only ok: csrc/cuda/bindings.cpp" ) & bindings=$$!; \
+	status=0; \
+	for src in csrc/cuda/*.cu; do \
+	  obj=$(CUDA_BUILD)/$$(basename $${src%.cu}).o; \
+	  if $(NVCC) $(NVCC_FLAGS) -c $$src -o $$obj; then echo "cuda-check: nvcc sm_80,sm_90 ok: $$src -> $$obj"; \
+	  else echo "cuda-check: FAILED: nvcc $$src"; status=1; fi; \
+	done; \
+	wait $$bindings || status=1; \
+	exit $$status
+
+test: setup cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # The main job: PPO on the built-in arithmetic task, actor at TP2 x PP2 on 4 processes, generation in vLLM.
@@ -35,4 +79,4 @@ bench: setup
 	$(PY) tools/bench_controller.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info hybridengine/ops/_C*.so

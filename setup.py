@@ -5,6 +5,9 @@ Pinned versions are the ones known to install and run together on CPU
 release; never install both, and never list plain `vllm` as a core
 dependency (pip would pull the GPU build over the CPU one).
 """
+import glob
+import os
+
 from setuptools import find_packages, setup
 
 CORE = [
@@ -26,9 +29,43 @@ EXTRAS = {
 }
 
 
-def ext_modules():
-    """The csrc op library is added here once it exists (built by setup.py)."""
-    return []
+def op_library():
+    """The csrc op library `hybridengine.ops._C`, and the build command it needs.
+
+    CPU sources always; the CUDA kernels and their bindings when torch is a
+    CUDA build and a CUDA toolkit is found (HYBRIDFLOW_CPU_ONLY=1 skips
+    them). Without torch in the build environment (pip's isolated build) the
+    extension is left out: `make setup` builds it in place afterwards, and
+    hybridengine.ops falls back to torch implementations until then.
+    """
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return [], {}
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++20", "-fopenmp"]
+    with_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("HYBRIDFLOW_CPU_ONLY") != "1"
+    )
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu")) + ["csrc/cuda/bindings.cpp"]
+        arch = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+        ext = cpp_extension.CUDAExtension(
+            "hybridengine.ops._C", sources,
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", *arch]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "hybridengine.ops._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+        )
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
+EXT_MODULES, CMDCLASS = op_library()
 
 
 setup(
@@ -39,6 +76,7 @@ setup(
     packages=find_packages(include=["hybridengine*", "workers*", "controller*"]),
     install_requires=CORE,
     extras_require=EXTRAS,
-    ext_modules=ext_modules(),
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     entry_points={"console_scripts": ["hybridflow=controller.cli:main"]},
 )

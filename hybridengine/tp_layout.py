@@ -8,11 +8,23 @@ columns concatenate; SwiGLU fc1 shards [gate_i; up_i] join as
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple, Sequence
+
 import torch
 
 from hybridengine.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
+from hybridengine.ops.copy_blocks import Block, copy_blocks, whole_block
 
-__all__ = ["join_tp_shards", "split_tp_shard", "join_into"]
+__all__ = ["Piece", "join_blocks", "join_into", "join_tp_shards", "split_tp_shard"]
+
+
+class Piece(NamedTuple):
+    """A TP shard held as ``shape`` elements of flat source ``source`` from ``offset``."""
+
+    source: int
+    offset: int
+    shape: tuple[int, ...]
 
 
 def join_tp_shards(kind: str, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -28,28 +40,42 @@ def join_tp_shards(kind: str, shards: list[torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown mapping kind {kind!r}")
 
 
-def join_into(out: torch.Tensor, kind: str, shards: list[torch.Tensor]) -> None:
-    """``join_tp_shards`` written straight into ``out``, without a temporary."""
-    if kind == REPLICATED or len(shards) == 1:
-        out.copy_(shards[0])
-        return
+def join_blocks(kind: str, pieces: Sequence[Piece], dst_offset: int, out_shape: Sequence[int]) -> list[Block]:
+    """The copies that write ``join_tp_shards(kind, shards)`` into a flat buffer at ``dst_offset``.
+
+    Each shard is a ``Piece``: a contiguous run of a flat source tensor. One
+    ``copy_blocks`` call then joins any number of parameters in one pass.
+    """
+    if kind == REPLICATED or len(pieces) == 1:
+        source, offset, shape = pieces[0]
+        return [whole_block(source, offset, dst_offset, math.prod(shape))]
+    blocks = []
     if kind in (VOCAB_ROWS, QKV):
-        pieces = out.split([s.shape[0] for s in shards])
+        for source, offset, shape in pieces:
+            blocks.append(whole_block(source, offset, dst_offset, math.prod(shape)))
+            dst_offset += math.prod(shape)
     elif kind == COLUMNS:
-        pieces = out.split([s.shape[1] for s in shards], dim=1)
+        rows, width = out_shape
+        for source, offset, (_, cols) in pieces:
+            blocks.append(Block(source, offset, cols, dst_offset, width, rows, cols))
+            dst_offset += cols
     elif kind == FC1:
-        half = out.shape[0] // 2
-        gates = out[:half].split([s.shape[0] // 2 for s in shards])
-        ups = out[half:].split([s.shape[0] // 2 for s in shards])
-        for gate, up, shard in zip(gates, ups, shards):
-            g, u = shard.chunk(2)
-            gate.copy_(g)
-            up.copy_(u)
-        return
+        up_start = math.prod(out_shape) // 2
+        for source, offset, shape in pieces:
+            half = math.prod(shape) // 2
+            blocks.append(whole_block(source, offset, dst_offset, half))
+            blocks.append(whole_block(source, offset + half, dst_offset + up_start, half))
+            dst_offset += half
     else:
         raise ValueError(f"unknown mapping kind {kind!r}")
-    for piece, shard in zip(pieces, shards):
-        piece.copy_(shard)
+    return blocks
+
+
+def join_into(out: torch.Tensor, kind: str, shards: list[torch.Tensor]) -> None:
+    """``join_tp_shards`` written straight into the contiguous ``out``, without a temporary."""
+    shards = [s.contiguous() for s in shards]
+    pieces = [Piece(i, 0, tuple(s.shape)) for i, s in enumerate(shards)]
+    copy_blocks(out, shards, join_blocks(kind, pieces, 0, tuple(out.shape)))
 
 
 def split_tp_shard(kind: str, tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:

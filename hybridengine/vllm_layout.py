@@ -13,19 +13,26 @@ from __future__ import annotations
 import torch
 
 from hybridengine.model_spec import ModelSpec
+from hybridengine.ops.copy_blocks import copy_blocks, whole_block
 from hybridengine.stage_params import stage_params
 
 __all__ = ["qkv_group_major_to_vllm", "to_vllm_shard"]
 
 
 def qkv_group_major_to_vllm(tensor: torch.Tensor, spec: ModelSpec, tp: int) -> torch.Tensor:
-    """A megatron QKV shard (weight or bias) reordered to vLLM's [q; k; v] for the same TP rank."""
+    """A megatron QKV shard (weight or bias) reordered to vLLM's [q; k; v] for the same TP rank, in one pass."""
     groups = spec.num_query_groups // tp
     per_group = spec.num_attention_heads // spec.num_query_groups
-    d = spec.head_dim
-    grouped = tensor.reshape(groups, (per_group + 2) * d, *tensor.shape[1:])
-    q, k, v = grouped.split([per_group * d, d, d], dim=1)
-    return torch.cat([t.reshape(-1, *tensor.shape[1:]) for t in (q, k, v)])
+    row = spec.head_dim * (tensor[0].numel() if tensor.dim() > 1 else 1)  # elements per head
+    q_size, group_size = per_group * row, (per_group + 2) * row
+    k_start, v_start = groups * q_size, groups * (q_size + row)
+    blocks = []
+    for g in range(groups):
+        src = g * group_size
+        blocks.append(whole_block(0, src, g * q_size, q_size))
+        blocks.append(whole_block(0, src + q_size, k_start + g * row, row))
+        blocks.append(whole_block(0, src + q_size + row, v_start + g * row, row))
+    return copy_blocks(torch.empty_like(tensor, memory_format=torch.contiguous_format), [tensor.contiguous()], blocks)
 
 
 _NAMES = {

@@ -55,11 +55,16 @@ class PPOActorConfig:
 class _LogProbRole(EngineRole):
     """Shared by the actor and the reference policy: log-probs of response tokens."""
 
+    def _build_engine(self, model_path: str, engine, optim, value_model: bool = False) -> None:
+        super()._build_engine(model_path, engine, optim, value_model)
+        if self.engine.config.fused_output_layer:
+            self.engine.defer_output_layer()
+
     def _log_probs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor] | None:
         temperature = float(data.meta_info.get("temperature", 1.0))
 
-        def step(mb: MicroBatch, logits: torch.Tensor):
-            log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
+        def step(mb: MicroBatch, output: torch.Tensor):
+            log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
             return torch.zeros(()), {"log_probs": log_prob, "entropy": entropy}
 
         outputs = self.engine.run(data, step, forward_only=True)
@@ -138,11 +143,11 @@ class Actor(_LogProbRole):
         """This rank's current generation shard (megatron names local to its generation stage)."""
         return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
-    def _ppo_loss(self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, normalizer: LossNormalizer,
+    def _ppo_loss(self, mb: MicroBatch, output: torch.Tensor, *, temperature: float, normalizer: LossNormalizer,
                   kl_fn=None):
         ppo = self.ppo
         mask = mb["response_mask"]
-        log_prob, entropy = response_log_probs(self.engine, mb, logits, temperature)
+        log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
         pg_loss, stats = policy_loss(
             mb["old_log_probs"], log_prob, mb["advantages"], mask,
             ppo.clip_ratio_low, ppo.clip_ratio_high, ppo.clip_ratio_c, ppo.loss_agg_mode, normalizer,

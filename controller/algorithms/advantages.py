@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hybridengine.ops.advantage_scan import discounted_returns, gae_scan
 from workers.policy_losses import masked_mean
 
 __all__ = [
@@ -205,20 +206,8 @@ def gae(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor,
     """
     values = _require(inputs, "values", "gae", "a critic")
     rewards, mask = inputs.token_level_rewards, inputs.response_mask.to(inputs.token_level_rewards.dtype)
-    values = values.to(rewards.dtype)
-    batch, length = rewards.shape
-    next_value = rewards.new_zeros(batch)
-    next_adv = rewards.new_zeros(batch)
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(length)):
-        m = mask[:, t]
-        delta = rewards[:, t] + config.gamma * next_value - values[:, t]
-        adv_t = delta + config.gamma * config.lam * next_adv
-        advantages[:, t] = adv_t * m
-        # A padded position passes the later state through unchanged.
-        next_value = m * values[:, t] + (1 - m) * next_value
-        next_adv = m * adv_t + (1 - m) * next_adv
-    returns = (advantages + values) * mask
+    advantages, returns = gae_scan(rewards, values, mask, config.gamma, config.lam)
+    advantages, returns = advantages.to(rewards.dtype), returns.to(rewards.dtype)
     if config.whiten:
         advantages = masked_whiten(advantages, mask, epsilon=config.epsilon)
     return advantages, returns
@@ -275,13 +264,7 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor
 
 def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = m_t * (r_t + gamma * G_{t+1}), G_T = 0: a masked position holds 0 and cuts the sum."""
-    batch, length = rewards.shape
-    returns = torch.zeros_like(rewards)
-    running = rewards.new_zeros(batch)
-    for t in reversed(range(length)):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
-    return returns
+    return discounted_returns(rewards, mask, gamma).to(rewards.dtype)
 
 
 @register_advantage_estimator("remax")

@@ -20,6 +20,8 @@ __all__ = [
     "peak_memory",
     "current_memory",
     "DEVICE_ENV",
+    "kernel_devices",
+    "synchronize",
 ]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
@@ -38,6 +40,18 @@ def device_type() -> str:
 
 def dist_backend() -> str:
     return "nccl" if accelerator_available() else "gloo"
+
+
+def kernel_devices() -> list[torch.device]:
+    """Every device this process can run the op library on: the CPU, and the GPU when one is visible.
+
+    Unlike ``accelerator_available`` this ignores DEVICE_ENV: kernel tests and
+    benchmarks cover each device present even while training is held to CPU.
+    """
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    return devices
 
 
 def device_for_local_rank(local_rank: int) -> torch.device:
@@ -69,36 +83,46 @@ def prepare_megatron() -> None:
     cpu_compat.enter_thread()
 
 
-def reset_peak_memory() -> int:
-    """Start a new peak-memory window; returns the bytes in use now.
+def _on_accelerator(device: torch.device | None) -> bool:
+    return accelerator_available() if device is None else device.type != "cpu"
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for the work queued on ``device`` (a no-op on CPU)."""
+    if _on_accelerator(device):
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device | None = None) -> int:
+    """Start a new peak-memory window on ``device`` (default: this process's device); returns the bytes in use now.
 
     On GPU this is the caching allocator's count. On CPU it is the process's
     resident set (Linux: VmHWM is reset through /proc/self/clear_refs), which
     follows allocations closely when glibc's mmap threshold is fixed
     (MALLOC_MMAP_THRESHOLD_), as the benchmarks set it.
     """
-    if accelerator_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
+    if _on_accelerator(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _proc_status_bytes("VmRSS")
 
 
-def current_memory() -> int:
+def current_memory(device: torch.device | None = None) -> int:
     """Bytes in use now, counted as ``reset_peak_memory`` counts them."""
-    if accelerator_available():
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
+    if _on_accelerator(device):
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
     return _proc_status_bytes("VmRSS")
 
 
-def peak_memory() -> int:
+def peak_memory(device: torch.device | None = None) -> int:
     """Peak bytes in use since the last ``reset_peak_memory``."""
-    if accelerator_available():
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+    if _on_accelerator(device):
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
     return _proc_status_bytes("VmHWM")
 
 

@@ -25,6 +25,8 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
     parser.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
+    parser.add_argument("--logits-output", action="store_true",
+                        help="the actor keeps megatron's output layer (fused_output_layer: false)")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -43,7 +45,8 @@ def main():
         pool, Actor, role="actor",
         kwargs=dict(
             model_path=args.model,
-            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
+                    "fused_output_layer": not args.logits_output},
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": args.dist_opt},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
                  "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},

@@ -111,8 +111,9 @@ def test_actor_sequence_mean_modes_over_data_parallel_ranks(model_dir, tmp_path)
     run_and_compare(model_dir, tmp_path, 1, 1, 2, "seq-mean-token-sum")
 
 
-def test_distributed_optimizer_over_tp2_dp2(model_dir, tmp_path):
-    run_and_compare(model_dir, tmp_path, 2, 1, 4, "token-mean", extra=["--dist-opt"])
+def test_distributed_optimizer_over_tp2_dp2_with_megatrons_output_layer(model_dir, tmp_path):
+    # Also the unfused path: logits from megatron's output layer, then the vocab-parallel log-prob op.
+    run_and_compare(model_dir, tmp_path, 2, 1, 4, "token-mean", extra=["--dist-opt", "--logits-output"])
 
 
 def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):

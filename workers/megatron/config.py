@@ -45,12 +45,19 @@ class EngineConfig:
     pipeline_parallel: int = 1
     micro_batch_size: int = 1  # sequences per forward pass on one DP rank
     seed: int = 1
+    # Log-prob roles (actor, reference): the output layer runs fused with the
+    # log-prob and entropy (hybridengine.ops.linear_log_prob), so the
+    # [tokens, vocab] logits are never held. False: megatron's output layer
+    # makes the logits, then the fused log-prob op reads them.
+    fused_output_layer: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.fused_output_layer, bool):
+            raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
 
 
 def as_config(cls, value: Any):

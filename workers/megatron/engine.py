@@ -60,6 +60,7 @@ class MegatronEngine:
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp)
         self.optimizer = self.scheduler = None
         self.optim_config = optim
+        self.output_deferred = False
         if optim is None:
             module.requires_grad_(False)
             self.model = module
@@ -177,9 +178,41 @@ class MegatronEngine:
             dist.all_reduce(tensor, group=self.groups.dp_group)
         return tensor.tolist()
 
+    # ------------------------------------------------------- output layer
+    def defer_output_layer(self) -> None:
+        """From now on the last stage's model returns hidden states [B, S, H] instead of logits.
+
+        The caller applies the output layer itself (``output_weight``), fused
+        with what it computes from the logits; the layer's parameters, and so
+        checkpoints, optimizer and resharding, are unchanged. No sequence
+        parallelism here, so the layer's input is the full hidden state on
+        every TP rank, as the fused op expects.
+        """
+        if self.groups.pp_rank != self.layout.pp - 1:
+            return
+        layer = self.gpt_module().output_layer
+        # An instance attribute shadows ColumnParallelLinear.forward; GPTModel
+        # then transposes what it gets ([S, B, H]) to [B, S, H] as it would the logits.
+        layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+        self.output_deferred = True
+
+    def output_weight(self) -> torch.Tensor:
+        """This TP rank's output-layer weight [V / tp, H] (the embedding's when they are tied)."""
+        gpt = self.gpt_module()
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
     # ---------------------------------------------------------- export
     def module(self) -> torch.nn.Module:
         return self.model.module if hasattr(self.model, "module") else self.model
+
+    def gpt_module(self) -> torch.nn.Module:
+        """The GPTModel stage under every wrapper (DDP, Float16Module)."""
+        module = self.model
+        while hasattr(module, "module"):
+            module = module.module
+        return module
 
     def export_hf(self, out_dir: str) -> None:
         """Write the model as a HF checkpoint directory (collective over all ranks)."""

@@ -11,23 +11,31 @@ import torch
 
 from workers.megatron.engine import MegatronEngine, MicroBatch
 from workers.megatron.packing import response_slice, unroll_rows
-from workers.megatron.vocab_parallel import vocab_parallel_log_prob_entropy
+from hybridengine.ops.linear_log_prob import linear_log_prob_entropy
+from hybridengine.ops.log_prob import vocab_parallel_log_prob_entropy
 
 __all__ = ["response_log_probs", "response_values"]
 
 
 def response_log_probs(
-    engine: MegatronEngine, mb: MicroBatch, logits: torch.Tensor, temperature: float
+    engine: MegatronEngine, mb: MicroBatch, output: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(response token) and the policy entropy at each response position, [B, R] fp32.
 
-    ``logits`` are this TP rank's vocab slice; the sampling temperature divides
-    them first, so the log-probs are those of the distribution that sampled.
+    ``output`` is the last stage's model output: hidden states when the engine
+    defers its output layer (the fused linear + log-prob op applies this TP
+    rank's vocab slice of it), else this rank's vocab slice of the logits.
+    The sampling temperature divides the logits first, so the log-probs are
+    those of the distribution that sampled.
     """
     next_tokens = torch.roll(mb["input_ids"], shifts=-1, dims=1)
-    log_prob, entropy = vocab_parallel_log_prob_entropy(
-        logits.float() / temperature, next_tokens, engine.vocab_start(), engine.groups.tp_group
-    )
+    tp_group, vocab_start = engine.groups.tp_group, engine.vocab_start()
+    if engine.output_deferred:
+        log_prob, entropy = linear_log_prob_entropy(
+            output, engine.output_weight(), next_tokens, vocab_start, tp_group, temperature
+        )
+    else:
+        log_prob, entropy = vocab_parallel_log_prob_entropy(output, next_tokens, vocab_start, tp_group, temperature)
     shift, length = mb["shift"], mb["response_length"]
     return (
         response_slice(unroll_rows(log_prob, shift), length),
