@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "../log_prob_entropy_check.h"
 #include "../ops.h"
 #include "vec_math.h"
 
@@ -133,23 +134,10 @@ void dispatch_logits(at::ScalarType type, F&& f) {
   }
 }
 
-at::Tensor checked_logits(const at::Tensor& logits, const char* op) {
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must be 2-D [tokens, vocab], got shape ", logits.sizes());
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kHalf,
-              op, ": logits dtype ", logits.scalar_type(), " is not supported (float32, bfloat16, float16)");
-  return logits.stride(1) == 1 ? logits : logits.contiguous();
-}
-
-void check_rows(const at::Tensor& t, int64_t rows, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, op, ": ", name, " must be 1-D with ", rows,
-              " entries (one per logits row), got shape ", t.sizes());
-}
-
 at::Tensor logit_stats(const at::Tensor& logits_in, const at::Tensor& target_in, int64_t vocab_start, double scale) {
   const at::Tensor logits = checked_logits(logits_in, "logit_stats");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  check_rows(target_in, rows, "logit_stats", "target");
+  check_rows({{"target", &target_in}}, logits, "logit_stats");
   const at::Tensor target = target_in.to(at::kLong).contiguous();
   at::Tensor stats = at::empty({rows, 4}, logits.options().dtype(at::kFloat));
   if (rows == 0) return stats;
@@ -185,11 +173,9 @@ at::Tensor log_prob_entropy_backward(const at::Tensor& grad_log_prob, const at::
   const char* op = "log_prob_entropy_backward";
   const at::Tensor logits = checked_logits(logits_in, op);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  check_rows(target_in, rows, op, "target");
-  check_rows(grad_log_prob, rows, op, "grad_log_prob");
-  check_rows(grad_entropy, rows, op, "grad_entropy");
-  check_rows(log_z, rows, op, "log_z");
-  check_rows(entropy, rows, op, "entropy");
+  check_rows({{"target", &target_in}, {"grad_log_prob", &grad_log_prob}, {"grad_entropy", &grad_entropy},
+              {"log_z", &log_z}, {"entropy", &entropy}},
+             logits, op);
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
   const at::Tensor target = target_in.to(at::kLong).contiguous();
   const at::Tensor g_lp = f32(grad_log_prob), g_ent = f32(grad_entropy), lz = f32(log_z), ent = f32(entropy);

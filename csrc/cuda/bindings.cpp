@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../copy_blocks_check.h"
+#include "../log_prob_entropy_check.h"
 #include "../ops.h"
 #include "kernels.h"
 
@@ -47,27 +48,19 @@ ScalarKind scalar_kind(const at::Tensor& t, const char* op) {
   }
 }
 
-// 2-D logits with unit stride along the vocabulary (copied otherwise).
-at::Tensor checked_logits(const at::Tensor& logits, const char* op) {
+// The shared checks, plus: the logits are on a CUDA device.
+at::Tensor checked_cuda_logits(const at::Tensor& logits, const char* op) {
   TORCH_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got one on ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must be 2-D [tokens, vocab], got shape ", logits.sizes());
-  scalar_kind(logits, op);
-  return logits.stride(1) == 1 ? logits : logits.contiguous();
-}
-
-void check_rows(const at::Tensor& t, int64_t rows, const at::Tensor& logits, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, op, ": ", name, " must be 1-D with ", rows,
-              " entries (one per logits row), got shape ", t.sizes());
-  check_device(t, logits, op, name);
+  return checked_logits(logits, op);
 }
 
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
 at::Tensor logit_stats(const at::Tensor& logits_in, const at::Tensor& target_in, int64_t vocab_start, double scale) {
   const char* op = "logit_stats";
-  const at::Tensor logits = checked_logits(logits_in, op);
+  const at::Tensor logits = checked_cuda_logits(logits_in, op);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  check_rows(target_in, rows, logits, op, "target");
+  check_rows({{"target", &target_in}}, logits, op);
   c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor target = target_in.to(at::kLong).contiguous();
   at::Tensor stats = at::empty({rows, 4}, logits.options().dtype(at::kFloat));
@@ -83,13 +76,11 @@ at::Tensor log_prob_entropy_backward(const at::Tensor& grad_log_prob, const at::
                                      const at::Tensor& logits_in, const at::Tensor& target_in, const at::Tensor& log_z,
                                      const at::Tensor& entropy, int64_t vocab_start, double scale) {
   const char* op = "log_prob_entropy_backward";
-  const at::Tensor logits = checked_logits(logits_in, op);
+  const at::Tensor logits = checked_cuda_logits(logits_in, op);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  check_rows(target_in, rows, logits, op, "target");
-  check_rows(grad_log_prob, rows, logits, op, "grad_log_prob");
-  check_rows(grad_entropy, rows, logits, op, "grad_entropy");
-  check_rows(log_z, rows, logits, op, "log_z");
-  check_rows(entropy, rows, logits, op, "entropy");
+  check_rows({{"target", &target_in}, {"grad_log_prob", &grad_log_prob}, {"grad_entropy", &grad_entropy},
+              {"log_z", &log_z}, {"entropy", &entropy}},
+             logits, op);
   c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor target = target_in.to(at::kLong).contiguous();
   const at::Tensor g_lp = f32(grad_log_prob), g_ent = f32(grad_entropy), lz = f32(log_z), ent = f32(entropy);
