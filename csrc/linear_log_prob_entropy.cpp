@@ -4,7 +4,12 @@
 // only; backward recomputes each tile's logits and folds its gradient into
 // d hidden and d weight. Device-generic (GEMMs through ATen, the per-tile work
 // through the logit_stats / log_prob_entropy_backward kernels).
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <vector>

@@ -2,7 +2,11 @@
 // statistics of several vocabulary slices, and the whole-vocabulary op built
 // from the logit_stats kernel. Registered for CPU here and for CUDA in
 // csrc/cuda/bindings.cpp.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <limits>

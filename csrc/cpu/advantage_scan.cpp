@@ -1,8 +1,9 @@
 // CPU advantage scans over [batch, length]: GAE and the discounted
 // reward-to-go. Each row is one backward scan; rows run in parallel. The
 // arithmetic is the same, step for step, as the torch loops they replace.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>

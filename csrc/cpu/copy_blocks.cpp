@@ -1,7 +1,7 @@
 // CPU resharding copies: rectangular blocks of flat source tensors written
 // into a flat output tensor, one memcpy per block row, blocks in parallel.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstring>

@@ -2,8 +2,9 @@
 // vocab slice of logits (forward) and the gradient with respect to that slice
 // (backward). Neither materialises a [rows, vocab] log-softmax; rows run in
 // parallel, each row in two (forward) or one (backward) vectorised passes.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
