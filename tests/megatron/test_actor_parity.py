@@ -97,7 +97,7 @@ LAYOUTS = [  # (tp, pp, processes)
     pytest.param(1, 1, 1, id="TP1"),
     pytest.param(2, 1, 2, id="TP2"),
     pytest.param(1, 2, 2, id="PP2"),
-    pytest.param(1, 1, 2, id="DP2"),
+    # Data parallelism: the sequence-mean test below (DP2) and the distributed optimizer (TP2 x DP2, token-mean).
     pytest.param(2, 2, 4, id="TP2xPP2"),
 ]
 

@@ -83,7 +83,6 @@ def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
 
 CASES = [  # (model, (t, p, d), (t_g, p_g))
     ("llama", (4, 1, 1), (2, 1)),
-    ("llama", (2, 2, 1), (2, 2)),
     ("qwen2-tied", (2, 2, 1), (1, 2)),
 ]
 

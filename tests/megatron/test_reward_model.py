@@ -41,8 +41,8 @@ def hf_scores(model_dir, batch):
     return torch.stack(scores)
 
 
-@pytest.mark.parametrize("tp,pp,nproc,score_key", [(1, 1, 1, "rm_scores"), (2, 1, 2, "rm_scores"), (1, 2, 2, "cost_scores")],
-                         ids=["TP1", "TP2", "PP2-cost"])
+# The scalar head on each kind of split (the engine under it is held to HF at every layout by the actor tests).
+@pytest.mark.parametrize("tp,pp,nproc,score_key", [(2, 1, 2, "rm_scores"), (1, 2, 2, "cost_scores")], ids=["TP2", "PP2-cost"])
 def test_reward_model_matches_hf(rm_dir, tmp_path, tp, pp, nproc, score_key):
     batch = scoring_batch()
     torch.save({"batch": batch}, tmp_path / "inputs.pt")
