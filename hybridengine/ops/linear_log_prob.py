@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hybridengine.ops.library import kernels_available, kernels_on
 from hybridengine.ops.log_prob import (
     all_gather_stats,
+    check_target_ids,
     inverse_temperature,
     grad_or_zeros,
     finish_logit_stats,
@@ -156,6 +157,8 @@ def linear_log_prob_entropy(
             flat_hidden, weight, flat_target, scale, chunk_rows, chunk_vocab
         )
     else:
+        if not tensor_parallel:  # the kernel op checks this itself
+            check_target_ids(flat_target, weight.shape[0])
         log_prob, entropy = _VocabParallelLinearLogProbEntropy.apply(
             flat_hidden, weight, flat_target, vocab_start, scale, group, chunk_rows, chunk_vocab
         )

@@ -185,6 +185,13 @@ def _flatten(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, 
     return logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long()
 
 
+def check_target_ids(target: torch.Tensor, vocab: int) -> None:
+    """Whole-vocabulary ops: every target id in [0, vocab), as the kernels require."""
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
+        raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary of the logits / weight), "
+                         f"got ids from {int(target.min())} to {int(target.max())}")
+
+
 def inverse_temperature(temperature: float) -> float:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -215,5 +222,7 @@ def vocab_parallel_log_prob_entropy(
     if not tensor_parallel and kernels_on(logits.device):
         log_prob, entropy = torch.ops.hybridflow.log_prob_entropy(flat_logits, flat_target, scale)
     else:
+        if not tensor_parallel:  # the kernel op checks this itself
+            check_target_ids(flat_target, flat_logits.shape[-1])
         log_prob, entropy = _VocabParallelLogProbEntropy.apply(flat_logits, flat_target, vocab_start, scale, group)
     return log_prob.reshape(shape), entropy.reshape(shape)

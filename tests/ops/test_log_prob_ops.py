@@ -228,6 +228,12 @@ torch.testing.assert_close(x.grad.double(), y.grad, atol=1e-5, rtol=0)
 h, w = torch.randn(7, 8, generator=g), torch.randn(50, 8, generator=g)
 lp2, _ = linear_log_prob_entropy(h, w, t)
 torch.testing.assert_close(lp2, log_prob_entropy(h @ w.t(), t)[0], atol=1e-5, rtol=0)
+try:
+    log_prob_entropy(x.detach(), t + 50)
+except ValueError as e:
+    assert "target ids must lie in [0, 50)" in str(e), e
+else:
+    raise AssertionError("an out-of-range target was accepted")
 print("fallback ok")
 """
 
