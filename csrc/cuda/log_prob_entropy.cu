@@ -56,11 +56,24 @@ struct Elem<float> {
   }
 };
 
-template <>
-struct Elem<__nv_bfloat16> {
+// 16-bit types: eight elements per 16 bytes, two per 32-bit word; Codec
+// supplies the per-word conversion.
+template <typename Codec>
+struct PackedHalves {
   static constexpr int kVec = 8;
-  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(__ldg(p)); }
-  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+  __device__ static void unpack(const uint4& raw, float* x) {
+    Codec::unpack_word(raw.x, x);
+    Codec::unpack_word(raw.y, x + 2);
+    Codec::unpack_word(raw.z, x + 4);
+    Codec::unpack_word(raw.w, x + 6);
+  }
+  __device__ static uint4 pack(const float* x) {
+    return make_uint4(Codec::pack_word(x[0], x[1]), Codec::pack_word(x[2], x[3]), Codec::pack_word(x[4], x[5]),
+                      Codec::pack_word(x[6], x[7]));
+  }
+};
+
+struct BFloat16Codec {
   __device__ static void unpack_word(uint32_t word, float* x) {
     x[0] = __uint_as_float(word << 16);
     x[1] = __uint_as_float(word & 0xffff0000u);
@@ -69,22 +82,9 @@ struct Elem<__nv_bfloat16> {
     return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
            (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
   }
-  __device__ static void unpack(const uint4& raw, float* x) {
-    unpack_word(raw.x, x);
-    unpack_word(raw.y, x + 2);
-    unpack_word(raw.z, x + 4);
-    unpack_word(raw.w, x + 6);
-  }
-  __device__ static uint4 pack(const float* x) {
-    return make_uint4(pack_word(x[0], x[1]), pack_word(x[2], x[3]), pack_word(x[4], x[5]), pack_word(x[6], x[7]));
-  }
 };
 
-template <>
-struct Elem<__half> {
-  static constexpr int kVec = 8;
-  __device__ static float load(const __half* p) { return __half2float(__ldg(p)); }
-  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+struct HalfCodec {
   __device__ static void unpack_word(uint32_t word, float* x) {
     x[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(word & 0xffffu)));
     x[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(word >> 16)));
@@ -93,15 +93,18 @@ struct Elem<__half> {
     return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
            (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
   }
-  __device__ static void unpack(const uint4& raw, float* x) {
-    unpack_word(raw.x, x);
-    unpack_word(raw.y, x + 2);
-    unpack_word(raw.z, x + 4);
-    unpack_word(raw.w, x + 6);
-  }
-  __device__ static uint4 pack(const float* x) {
-    return make_uint4(pack_word(x[0], x[1]), pack_word(x[2], x[3]), pack_word(x[4], x[5]), pack_word(x[6], x[7]));
-  }
+};
+
+template <>
+struct Elem<__nv_bfloat16> : PackedHalves<BFloat16Codec> {
+  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(__ldg(p)); }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Elem<__half> : PackedHalves<HalfCodec> {
+  __device__ static float load(const __half* p) { return __half2float(__ldg(p)); }
+  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
 };
 
 // Elements of type T before the first 16-byte boundary at or after p (p itself
