@@ -4,6 +4,7 @@
 // csrc/cuda/bindings.cpp.
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
@@ -17,8 +18,9 @@ namespace hybridflow {
 
 void check_targets(const at::Tensor& target, int64_t vocab, const char* op) {
   if (target.numel() == 0) return;
-  const int64_t low = target.min().item<int64_t>();
-  const int64_t high = target.max().item<int64_t>();
+  const auto [min_id, max_id] = at::aminmax(target);  // one pass (and one device sync) for both
+  const int64_t low = min_id.item<int64_t>();
+  const int64_t high = max_id.item<int64_t>();
   TORCH_CHECK(low >= 0 && high < vocab, op, ": target ids must lie in [0, ", vocab, ") (the vocabulary of the ",
               "logits / weight), got ids from ", low, " to ", high);
 }

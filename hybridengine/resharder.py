@@ -28,7 +28,7 @@ from hybridengine.hf_mapping import REPLICATED
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
 from hybridengine.stage_params import StageParam, stage_params
-from hybridengine.ops.copy_blocks import copy_blocks, whole_block
+from hybridengine.ops.copy_blocks import copy_blocks
 from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
 from hybridengine.transport import Transport
 
@@ -118,6 +118,11 @@ class Resharder:
                              f"unexpected {extra[:3]}, wrong shapes {wrong[:3]}")
         self.params = training_params
         self.sources = generation_sources(spec, plan, rank)
+        # Where each generation parameter starts in the flat buffer (the order of self.sources).
+        self.offsets, offset = {}, 0
+        for s in self.sources:
+            self.offsets[s.param.name] = offset
+            offset += s.param.numel
         # Every rank of the world creates every micro-DP group, in the same order.
         self.group_keys = {group: transport.new_group(group) for group in plan.micro_dp_groups}
         self.my_group = me.micro_dp_group
@@ -148,12 +153,10 @@ class Resharder:
         if self.buffer is None or self.buffer.numel() != total or self.buffer.device != device:
             # An offloaded buffer is not reused in place: its contents are rebuilt anyway.
             self.buffer = torch.empty(total, dtype=dtype, device=device)
-        views, offset = {}, 0
-        self.offsets = {}
+        views = {}
         for s in self.sources:
+            offset = self.offsets[s.param.name]
             views[s.param.name] = self.buffer[offset : offset + s.param.numel].view(s.param.shape)
-            self.offsets[s.param.name] = offset
-            offset += s.param.numel
         element = self.buffer.element_size()
         self.weights = views
         for bucket in self._buckets(element):
@@ -179,8 +182,8 @@ class Resharder:
         for s in bucket:
             for m, shape in zip(s.members, s.train_shapes):
                 sizes[m] += _numel(shape)
-        own_pieces = [self.params[name] for s in bucket for m, name in zip(s.members, s.train_names) if m == self.my_index]
-        own = self._pack(own_pieces)
+        own_pieces = [self.params[name].reshape(-1) for s in bucket for m, name in zip(s.members, s.train_names) if m == self.my_index]
+        own = torch.cat(own_pieces) if own_pieces else next(iter(self.params.values())).new_empty(0)
         parts = self.transport.gather_parts(self.group_keys[self.my_group], self.my_group, own, sizes)
         # Every parameter of the bucket joined into the buffer by one block copy.
         cursor, blocks = [0] * d_g, []
@@ -191,16 +194,6 @@ class Resharder:
                 cursor[m] += _numel(shape)
             blocks += join_blocks(s.param.kind, pieces, self.offsets[s.param.name], s.param.shape)
         copy_blocks(self.buffer, [p.reshape(-1) for p in parts], blocks)
-
-    def _pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The tensors' elements back to back in one new flat tensor (what this rank sends)."""
-        reference = next(iter(self.params.values()))
-        out = reference.new_empty(sum(t.numel() for t in tensors))
-        blocks, offset = [], 0
-        for i, t in enumerate(tensors):
-            blocks.append(whole_block(i, 0, offset, t.numel()))
-            offset += t.numel()
-        return copy_blocks(out, [t.contiguous() for t in tensors], blocks)
 
     def _own_pieces(self):
         """(training parameter, its copy inside the generation buffer) for every parameter this rank holds."""

@@ -187,9 +187,12 @@ def _flatten(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, 
 
 def check_target_ids(target: torch.Tensor, vocab: int) -> None:
     """Whole-vocabulary ops: every target id in [0, vocab), as the kernels require."""
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
+    if not target.numel():
+        return
+    low, high = (int(x) for x in torch.aminmax(target))
+    if low < 0 or high >= vocab:
         raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary of the logits / weight), "
-                         f"got ids from {int(target.min())} to {int(target.max())}")
+                         f"got ids from {low} to {high}")
 
 
 def inverse_temperature(temperature: float) -> float:
