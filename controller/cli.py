@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: train, plot, export."""
+"""The ``hybridflow`` command: train, plot, export, data."""
 
 from __future__ import annotations
 
@@ -23,7 +23,46 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's trained actor (newest checkpoint) as an HF checkpoint")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
+    _data_parser(commands)
     return parser
+
+
+def _data_parser(commands) -> None:
+    from controller.data.arithmetic import ARITHMETIC_INSTRUCTION, ARITHMETIC_OPERATORS
+    from controller.data.gsm8k import GSM8K_INSTRUCTION
+
+    data = commands.add_parser("data", help="write ready-to-train parquet files in verl's row schema")
+    kinds = data.add_subparsers(dest="kind", required=True)
+    arithmetic = kinds.add_parser("arithmetic", help="a op b problems as chat prompts: OUT/train.parquet, OUT/val.parquet")
+    arithmetic.add_argument("--out", required=True)
+    arithmetic.add_argument("--train-size", type=int, default=2048)
+    arithmetic.add_argument("--val-size", type=int, default=64)
+    arithmetic.add_argument("--seed", type=int, default=0)
+    arithmetic.add_argument("--max-operand", type=int, default=9, help="operands in [0, MAX_OPERAND]")
+    arithmetic.add_argument("--operators", default=ARITHMETIC_OPERATORS, help=f"a subset of {ARITHMETIC_OPERATORS!r}")
+    arithmetic.add_argument("--instruction", default=ARITHMETIC_INSTRUCTION, help="formatted with {a}, {op}, {b}")
+    gsm8k = kinds.add_parser("gsm8k", help="GSM8K rows (question, answer with '#### N') into OUT/SPLIT.parquet")
+    gsm8k.add_argument("--input", required=True, help="a .parquet / .jsonl / .json file or a save_to_disk directory")
+    gsm8k.add_argument("--out", required=True)
+    gsm8k.add_argument("--split", default="train")
+    gsm8k.add_argument("--instruction", default=GSM8K_INSTRUCTION, help="appended to each question")
+
+
+def _data(args) -> int:
+    from controller.data.writers import write_arithmetic_files, write_gsm8k_file
+
+    try:
+        if args.kind == "arithmetic":
+            paths = write_arithmetic_files(args.out, args.train_size, args.val_size, args.seed, args.max_operand,
+                                           args.operators, args.instruction)
+        else:
+            paths = [write_gsm8k_file(args.input, args.out, args.split, args.instruction)]
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"hybridflow data {args.kind}: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
@@ -73,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "export":
         return _export(args, argv)
+    if args.command == "data":
+        return _data(args)
     return 2
 
 

@@ -26,7 +26,7 @@ from workers.megatron.config import EngineConfig, OptimConfig
 from workers.rollout.config import RolloutConfig
 
 __all__ = [
-    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
+    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
     "RewardConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict", "load_config",
 ]
 
@@ -76,24 +76,49 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    fn: str | None = "arithmetic_shaped"  # a built-in name or "module:function"; None with model_path set
+    # "auto": a scorer per sample's data_source (workers.reward.router); or a built-in name, or
+    # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs); None with model_path set
+    fn: str | None = "auto"
     model_path: str | None = None  # an HF sequence-classification checkpoint: the RewardModel worker
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+DATA_TASKS = ("arithmetic", "files", "jsonl")  # "jsonl": the old name of "files"
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "arithmetic"  # built-in prompt generator, or "jsonl" (train_file / val_file)
-    train_file: str | None = None
+    task: str = "arithmetic"  # the built-in prompt generator, or "files" (train_files / val_files)
+    # One path or a list (concatenated): .parquet, .jsonl, .json, or a datasets save_to_disk directory.
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+    train_file: str | None = None  # the old spelling of a single train_files path (data.task: jsonl)
     val_file: str | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "ground_truth"
-    train_size: int = 2048
+    # verl's row schema; a dotted key reaches into a mapping column.
+    prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
+    answer_key: str | None = None  # None: reward_model.ground_truth, else a plain ground_truth column
+    data_source_key: str = "data_source"  # routes the reward when reward.fn is "auto"
+    extra_info_key: str = "extra_info"  # a mapping handed to the reward function
+    apply_chat_template: bool | str = "auto"  # "auto": when the tokenizer has a chat template
+    chat_wrap: bool = False  # a string prompt becomes one user message
+    system_prompt: str | None = None  # prepended as a system message to every chat
+    filter_overlong_prompts: bool = False  # drop prompts over rollout.max_prompt_length (else: an error)
+    cache_dir: str | None = None  # datasets' Arrow cache; None: a temporary directory
+    train_size: int = 2048  # arithmetic task
     val_size: int = 64
     batch_size: int = 16  # prompts per step (each gets rollout.sampling.n responses)
     shuffle: bool = True
     seed: int = 0
     max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
+    operators: str = "+-*"  # arithmetic task
+
+    @property
+    def train_paths(self) -> tuple[str, ...]:
+        return self.train_files or ((self.train_file,) if self.train_file else ())
+
+    @property
+    def val_paths(self) -> tuple[str, ...]:
+        return self.val_files or ((self.val_file,) if self.val_file else ())
 
 
 @dataclass(frozen=True)
@@ -281,12 +306,8 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                         "megatron role spans the whole world")
     if data.batch_size < 1:
         problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
-    if data.task not in ("arithmetic", "jsonl"):
-        problems.append(f"data.task {data.task!r} is not 'arithmetic' or 'jsonl'")
-    elif data.task == "jsonl" and not data.train_file:
-        problems.append("data.task 'jsonl' needs data.train_file")
-    if config.reward.fn is None and config.reward.model_path is None:
-        problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model)")
+    problems += _data_problems(data)
+    problems += _reward_problems(config)
 
     # Layouts: every role spans all trainer.nproc processes.
     sequences = data.batch_size * n
@@ -333,3 +354,50 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                             f"max_position_embeddings {model_spec.max_position_embeddings}")
     if problems:
         raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def _data_problems(data: DataConfig) -> list[str]:
+    from controller.data.arithmetic import ARITHMETIC_OPERATORS
+
+    problems = []
+    if data.task not in DATA_TASKS:
+        return [f"data.task {data.task!r} is not one of {DATA_TASKS} ('jsonl' is the old name of 'files')"]
+    for old, new in (("train_file", "train_files"), ("val_file", "val_files")):
+        if getattr(data, old) and getattr(data, new):
+            problems.append(f"data.{old} and data.{new} are both set; give the paths once, in data.{new}")
+    if data.task == "arithmetic":
+        if data.train_paths or data.val_paths:
+            problems.append(f"data.train_files / val_files are set but data.task is 'arithmetic' (the built-in "
+                            f"generator); set data.task=files to train on them")
+        if data.train_size < 1 or data.val_size < 0:
+            problems.append(f"data.train_size must be >= 1 and data.val_size >= 0, got {data.train_size}, {data.val_size}")
+        if not data.operators or set(data.operators) - set(ARITHMETIC_OPERATORS):
+            problems.append(f"data.operators {data.operators!r}: each must be one of {ARITHMETIC_OPERATORS!r}")
+    elif not data.train_paths:
+        problems.append(f"data.task {data.task!r} needs data.train_file or data.train_files (one path or a list)"
+                        if data.task == "jsonl" else "data.task 'files' needs data.train_files (one path or a list)")
+    for path in (*data.train_paths, *data.val_paths):
+        if not Path(path).exists():
+            problems.append(f"data: prompt file {path} does not exist")
+    if not isinstance(data.apply_chat_template, bool) and data.apply_chat_template != "auto":
+        problems.append(f"data.apply_chat_template must be true, false or auto, got {data.apply_chat_template!r}")
+    return problems
+
+
+def _reward_problems(config: RLConfig) -> list[str]:
+    """Reward and cost functions found and their signatures bound now, not in a worker after start-up."""
+    from workers.reward.router import check_reward_fn
+
+    reward, alg = config.reward, config.algorithm
+    problems = []
+    if reward.fn is None and reward.model_path is None:
+        problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model)")
+    checks = [("reward.fn", reward.fn)] if reward.model_path is None and reward.fn is not None else []
+    if alg.safe_rlhf_cost_fn is not None:
+        checks.append(("algorithm.safe_rlhf_cost_fn", alg.safe_rlhf_cost_fn))
+    for key, spec in checks:
+        try:
+            check_reward_fn(spec, reward.kwargs if key == "reward.fn" else None, key)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems

@@ -13,33 +13,53 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import RLConfig, check_config, config_to_dict
-from controller.data import arithmetic_prompts, load_jsonl_prompts
+from controller.config import ConfigError, RLConfig, check_config, config_to_dict
+from controller.data.prepare import JobPrompts, load_job_prompts
 from controller.models import resolve_model_path, value_model_from_policy
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_model", "run_training"]
+__all__ = ["prepare_job", "prepare_model", "run_training"]
 
 
-def prepare_model(config: RLConfig) -> str:
-    """The policy checkpoint (built-ins written into the run dir), checked against the config; before any process."""
+def prepare_job(config: RLConfig) -> tuple[str, JobPrompts]:
+    """The policy checkpoint and the prompts, checked against the config and each other; before any process.
+
+    The prompts are loaded, rendered and tokenized with the actor's tokenizer,
+    overlong ones dropped or refused, and, with ``reward.fn: auto``, every
+    ``data_source`` must have a scorer.
+    """
     from hybridengine.model_spec import ModelSpec
 
     run_dir = Path(config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_path(config.model_path, run_dir)
     check_config(config, ModelSpec.from_pretrained(model))
-    return model
+    return model, _datasets(config, config.actor.model_path or model)
 
 
-def _datasets(config: RLConfig):
-    data = config.data
-    if data.task == "arithmetic":
-        return (arithmetic_prompts(data.train_size, data.seed, data.max_operand),
-                arithmetic_prompts(data.val_size, data.seed + 1, data.max_operand) if data.val_size else None)
-    train = load_jsonl_prompts(data.train_file, data.prompt_key, data.answer_key)
-    val = load_jsonl_prompts(data.val_file, data.prompt_key, data.answer_key) if data.val_file else None
-    return train, val
+def prepare_model(config: RLConfig) -> str:
+    """``prepare_job``'s checkpoint: every check that needs no worker process."""
+    return prepare_job(config)[0]
+
+
+def _datasets(config: RLConfig, tokenizer_path: str) -> JobPrompts:
+    from transformers import AutoTokenizer
+
+    from workers.reward.router import AUTO, DATA_SOURCE_SCORERS, unknown_data_sources
+
+    rollout = config.rollout
+    prompts = load_job_prompts(config.data, AutoTokenizer.from_pretrained(tokenizer_path), rollout.max_prompt_length,
+                               rollout.truncation)
+    routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),
+                                  ("algorithm.safe_rlhf_cost_fn", config.algorithm.safe_rlhf_cost_fn)) if fn == AUTO]
+    sources = [*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ())]
+    unknown = unknown_data_sources(sources) if routed else []
+    if unknown:
+        raise ConfigError(f"{routed[0]} is 'auto' (score by data_source), but no reward function is known for "
+                          f"data_source {', '.join(map(repr, unknown))} (data.data_source_key "
+                          f"{config.data.data_source_key!r}); known data sources: {sorted(DATA_SOURCE_SCORERS)}. "
+                          f"Set {routed[0]} to a built-in name or 'package.module:function'")
+    return prompts
 
 
 def run_training(config: RLConfig) -> Path:
@@ -57,7 +77,7 @@ def run_training(config: RLConfig) -> Path:
         pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend="torchrun")  # ranks 1.. serve from here on
     else:
         pool = None
-    model = prepare_model(config)
+    model, prompts = prepare_job(config)
     if pool is None:
         pool = ResourcePool([trainer_cfg.nproc], backend="ray")
     run_dir = Path(trainer_cfg.run_dir)
@@ -82,13 +102,12 @@ def run_training(config: RLConfig) -> Path:
         reward_model = RewardModel.from_pretrained(config.reward.model_path,
                                                    tensor_parallel=config.actor.engine.tensor_parallel,
                                                    pipeline_parallel=config.actor.engine.pipeline_parallel)
-    train, val = _datasets(config)
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
                            config=config_to_dict(config), resume=trainer_cfg.resume)
     trainer = RLTrainer(
         actor=actor, rollout=rollout, critic=critic, reward_model=reward_model,
         reward_fn=config.reward.fn if reward_model is None else None, cost_fn=alg.safe_rlhf_cost_fn,
-        algorithm=alg, train_data=train, val_data=val, batch_size=config.data.batch_size, pool=pool,
+        algorithm=alg, train_data=prompts.train, val_data=prompts.val, batch_size=config.data.batch_size, pool=pool,
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle,
     )

@@ -191,6 +191,14 @@ class RLTrainer:
             return
         from transformers import AutoTokenizer
 
+        tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
+        # Loaders first: a prompt the rollout cannot take is an error before any worker starts.
+        rollout_cfg = RolloutConfig.from_value(self.specs["rollout"].kwargs.get("config"))
+        # With truncation "left" the rollout keeps a long prompt's end; otherwise the loader refuses it up front.
+        max_prompt = rollout_cfg.max_prompt_length if rollout_cfg.truncation == "error" else None
+        self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
+        self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
+                                        shuffle=False) if self.val_data is not None else None)
         for name, size in self.pool_sizes.items():
             if name in self.pools:
                 continue
@@ -201,11 +209,6 @@ class RLTrainer:
             if role in self.specs:
                 spec = self.specs[role]
                 self.groups[role] = WorkerGroup(self.pools[self.placement[role]], spec.worker_cls, role=role, kwargs=spec.kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
-        max_prompt = RolloutConfig.from_value(self.specs["rollout"].kwargs.get("config")).max_prompt_length
-        self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
-        self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
-                                        shuffle=False) if self.val_data is not None else None)
 
     # --------------------------------------------------------------------- step
     def step(self, step: int | None = None) -> dict[str, float]:

@@ -18,7 +18,8 @@ from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.register import register
-from workers.reward.functions import RewardFn, resolve_reward_fn
+from workers.reward.functions import RewardFn
+from workers.reward.router import resolve_scorer
 
 __all__ = ["RewardFunctionError", "RuleReward", "last_token_scores"]
 
@@ -53,9 +54,10 @@ def _function_name(fn: Callable, spec: Any) -> str:
 class RuleReward(BaseWorker):
     """A reward worker around a Python function of (prompt, response, ground truth, extra fields).
 
-    ``reward_fn`` is a callable, a built-in name (``REWARD_FUNCTIONS``) or an
-    import path ``"package.module:function"``; ``reward_kwargs`` are passed
-    to every call as keyword arguments.
+    ``reward_fn`` is a callable, a built-in name (``REWARD_FUNCTIONS``), an
+    import path ``"package.module:function"`` or ``"auto"`` (a scorer per
+    sample's ``data_source``, ``workers.reward.router``); ``reward_kwargs``
+    are passed to every call as keyword arguments.
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class RuleReward(BaseWorker):
     ) -> None:
         from transformers import AutoTokenizer
 
-        self.reward_fn = resolve_reward_fn(reward_fn)
+        self.reward_fn = resolve_scorer(reward_fn)
         self.reward_fn_name = _function_name(self.reward_fn, reward_fn)
         self.reward_kwargs = dict(reward_kwargs or {})
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

@@ -1,0 +1,67 @@
+"""The job's prompts from its ``data`` config: loaded, rendered, tokenized and length-checked.
+
+``hybridflow train`` calls this before torchrun or Ray starts a process, so a
+missing column, a chat prompt without a template or an overlong prompt is an
+exit code and a message, not a worker traceback at the first generation.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from controller.data.arithmetic import arithmetic_prompts
+from controller.data.chat_template import PromptFormat, encode_prompts
+from controller.data.dataset import PromptDataset, RowKeys
+from controller.data.files import load_prompt_files
+from controller.data.overlong import drop_or_refuse_overlong
+
+__all__ = ["JobPrompts", "load_job_prompts", "prompt_format", "raw_job_prompts"]
+
+
+@dataclass(frozen=True)
+class JobPrompts:
+    train: PromptDataset
+    val: PromptDataset | None
+
+
+def prompt_format(data: Any) -> PromptFormat:
+    """The ``data`` config's (a controller.config.DataConfig) chat-template settings."""
+    return PromptFormat(data.apply_chat_template, data.chat_wrap, data.system_prompt)
+
+
+def raw_job_prompts(data: Any) -> JobPrompts:
+    """The prompts as read (not yet tokenized): the arithmetic generator, or the files."""
+    if data.task == "arithmetic":
+        val = arithmetic_prompts(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else None
+        return JobPrompts(arithmetic_prompts(data.train_size, data.seed, data.max_operand, data.operators), val)
+    keys = RowKeys(data.prompt_key, data.answer_key, data.data_source_key, data.extra_info_key)
+    val = load_prompt_files(data.val_paths, keys, data.cache_dir) if data.val_paths else None
+    return JobPrompts(load_prompt_files(data.train_paths, keys, data.cache_dir), val)
+
+
+def load_job_prompts(data: Any, tokenizer: Any, max_prompt_length: int, truncation: str = "error",
+                     log=None) -> JobPrompts:
+    """Encoded train / val prompts, overlong ones dropped (``data.filter_overlong_prompts``) or refused.
+
+    With ``rollout.truncation: left`` the rollout keeps a long prompt's end,
+    so long prompts pass unless the filter drops them.
+    """
+    log = log or (lambda line: print(line, file=sys.stderr))
+    raw = raw_job_prompts(data)
+    fmt = prompt_format(data)
+    out = []
+    for name, dataset in (("training", raw.train), ("validation", raw.val)):
+        if dataset is None:
+            out.append(None)
+            continue
+        dataset = encode_prompts(dataset, tokenizer, fmt, name=name)
+        if data.filter_overlong_prompts or truncation == "error":
+            dataset = drop_or_refuse_overlong(dataset, max_prompt_length, data.filter_overlong_prompts, name, log)
+        out.append(dataset)
+    train, val = out
+    if len(train) < data.batch_size:
+        raise ValueError(f"data.batch_size {data.batch_size} is larger than the {len(train)} training prompts"
+                         + (" left after dropping overlong ones" if data.filter_overlong_prompts else ""))
+    return JobPrompts(train, val)
