@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from controller.torchrun_backend import under_torchrun
+from workers.console import configure_console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +78,7 @@ def _train(args, argv: list[str]) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
+        configure_console(config.trainer.verbose)  # before the libraries that log at import
         if not under_torchrun():
             prepare_model(config)  # every check that needs no process, before any starts
     except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -93,6 +95,7 @@ def _export(args, argv: list[str]) -> int:
     from controller.train_job import export_checkpoint
 
     config = load_config(Path(args.run_dir) / "config.yaml")
+    configure_console(config.trainer.verbose)
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer.nproc, argv)
     export_checkpoint(config, args.out)

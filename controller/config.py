@@ -135,6 +135,7 @@ class TrainerConfig:
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
     plots: bool = True  # write PNG curves of the metrics at the end
     seed: int = 0
+    verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,17 @@ def value_model_from_policy(policy_path: str, out_dir: str | Path) -> str:
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return str(out)
+    import transformers.utils.logging as hf_logging
+
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        policy_path, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32)
+    # transformers' load report would warn that lm_head is unused and the score head new: both by design.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            policy_path, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     with torch.no_grad():
         model.score.weight.zero_()  # V = 0 everywhere at the start: no made-up value estimates
     tmp = out.with_name(out.name + ".tmp")

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.errors import HostLostError
 from controller.hosts import HostSet, map_failure
+from workers.console import console_env, verbose_console
 from workers.host import WorkerHost
 
 __all__ = ["RayHostSet", "ensure_ray"]
@@ -47,7 +48,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     # Worker processes import user modules (test files, scripts) by the
     # driver's path, as the driver itself does.
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+    # The console choice (workers.console) travels to the workers in their environment too.
+    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           **{k: os.environ.get(k, v) for k, v in console_env(verbose_console()).items()}}
+    runtime_env = {"env_vars": env}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return

@@ -51,6 +51,9 @@ class WorkerHost:
     """The workers of one process, and the process's torch.distributed membership."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int = 0) -> None:
+        from workers.console import configure_console
+
+        configure_console()  # this process's share of the run's console choice (HYBRIDFLOW_VERBOSE)
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank

@@ -146,11 +146,15 @@ if kernels_available():
     torch.library.register_autograd("hybridflow::log_prob_entropy", _backward, setup_context=_setup_context)
 
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 # ----------------------------------------------------------------- public API
 def all_gather_stats(stats: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     gathered = stats.new_empty((world * stats.shape[0], *stats.shape[1:]))
-    dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group)
+    _all_gather_single(gathered, stats.contiguous(), group=group)
     return gathered.view(world, *stats.shape)
 
 

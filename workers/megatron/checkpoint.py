@@ -79,9 +79,10 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)  # empty: megatron takes a non-empty directory for an interrupted save
     dist.barrier()
     dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         torch.save(
