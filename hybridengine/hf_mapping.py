@@ -14,62 +14,50 @@ Layouts (megatron-core local spec):
     cat(gate.chunk(N)[r], up.chunk(N)[r]).
   - embeddings and output layer are vocab-sharded (rows); linear_proj and
     linear_fc2 split their input dimension (columns); norms are replicated.
+  - a padded vocabulary (``ModelSpec.vocab_rows`` > ``vocab_size``) gets zero
+    rows on import; export drops them, so the HF tensors come back bit-exact.
+
+Which HF tensors make up which megatron parameter, and the shard shapes,
+come from the parameter catalogue (``hybridengine.param_catalogue``).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from hybridengine.model_spec import ModelSpec
+from hybridengine.param_catalogue import ShardKind, lookup
 
-__all__ = ["ParamSource", "hf_source", "cut_shard", "merge_shards", "Reader"]
+__all__ = ["ParamSource", "hf_source", "cut_shard", "merge_shards", "Reader",
+           "VOCAB_ROWS", "REPLICATED", "QKV", "COLUMNS", "FC1"]
 
 Reader = Callable[[str, tuple], torch.Tensor]  # (hf_name, index of slices) -> tensor
 
-VOCAB_ROWS, REPLICATED, QKV, COLUMNS, FC1 = "vocab_rows", "replicated", "qkv", "columns", "fc1"
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LAYER_PARAMS = {
-    "input_layernorm.weight": (REPLICATED, ["input_layernorm.weight"]),
-    "pre_mlp_layernorm.weight": (REPLICATED, ["post_attention_layernorm.weight"]),
-    "self_attention.linear_qkv.weight": (QKV, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-    "self_attention.linear_qkv.bias": (QKV, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
-    "self_attention.linear_proj.weight": (COLUMNS, ["self_attn.o_proj.weight"]),
-    "mlp.linear_fc1.weight": (FC1, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    "mlp.linear_fc2.weight": (COLUMNS, ["mlp.down_proj.weight"]),
-    # The transformer-engine spec fuses each norm into the linear layer after it.
-    "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ["input_layernorm.weight"]),
-    "mlp.linear_fc1.layer_norm_weight": (REPLICATED, ["post_attention_layernorm.weight"]),
-}
+# The shard kinds under their historical names.
+VOCAB_ROWS, REPLICATED, QKV, COLUMNS, FC1 = (
+    ShardKind.VOCAB_ROWS, ShardKind.REPLICATED, ShardKind.QKV, ShardKind.COLUMNS, ShardKind.FC1)
 
 
 @dataclass(frozen=True)
 class ParamSource:
-    kind: str
+    kind: ShardKind
     hf_names: tuple[str, ...]
+    name: str = ""  # the megatron parameter, for the shard shape at a TP size
+    pp_rank: int = 0
+    pipeline_parallel: int = 1
 
 
 def hf_source(name: str, spec: ModelSpec, pp_rank: int, pipeline_parallel: int) -> ParamSource:
     """The HF tensors behind megatron parameter ``name`` on pipeline stage ``pp_rank``."""
-    if name == "embedding.word_embeddings.weight":
-        return ParamSource(VOCAB_ROWS, ("model.embed_tokens.weight",))
-    if name == "decoder.final_layernorm.weight":
-        return ParamSource(REPLICATED, ("model.norm.weight",))
-    if name == "output_layer.weight":
-        if spec.is_value_model:
-            return ParamSource(REPLICATED, ("score.weight",))
-        tied = spec.tie_word_embeddings
-        return ParamSource(VOCAB_ROWS, ("model.embed_tokens.weight" if tied else "lm_head.weight",))
-    match = _LAYER.match(name)
-    if match and match.group(2) in _LAYER_PARAMS:
-        layer = spec.layers_of_stage(pp_rank, pipeline_parallel)[int(match.group(1))]
-        kind, suffixes = _LAYER_PARAMS[match.group(2)]
-        return ParamSource(kind, tuple(f"model.layers.{layer}.{s}" for s in suffixes))
-    raise KeyError(f"no Hugging Face source known for megatron parameter {name!r}")
+    param = lookup(name, spec, pp_rank, pipeline_parallel)
+    return ParamSource(param.kind, param.hf_names, name, pp_rank, pipeline_parallel)
+
+
+def _shard_shape(source: ParamSource, spec: ModelSpec, tp: int) -> tuple[int, ...]:
+    return lookup(source.name, spec, source.pp_rank, source.pipeline_parallel, tp).shape
 
 
 def _qkv_rows(spec: ModelSpec, tp_rank: int, tp: int) -> tuple[slice, slice, int]:
@@ -82,20 +70,31 @@ def _qkv_rows(spec: ModelSpec, tp_rank: int, tp: int) -> tuple[slice, slice, int
     return q_rows, kv_rows, groups
 
 
+def _vocab_shard(read: Reader, name: str, spec: ModelSpec, tp_rank: int, rows: int) -> torch.Tensor:
+    """Rows [r * rows, (r + 1) * rows) of the padded vocabulary: the real ones read, padding rows zero."""
+    start = tp_rank * rows
+    end = min(start + rows, spec.vocab_size)
+    real = read(name, (slice(min(start, end), end),))  # empty (but typed) on a rank of padding only
+    if real.shape[0] == rows:
+        return real
+    out = real.new_zeros(rows, *real.shape[1:])
+    out[: real.shape[0]] = real
+    return out
+
+
 def cut_shard(source: ParamSource, read: Reader, spec: ModelSpec, tp_rank: int, tp: int) -> torch.Tensor:
     """The TP rank's shard of one megatron parameter, reading only what it needs."""
     kind, names = source.kind, source.hf_names
     if kind == REPLICATED:
         return read(names[0], ())
+    shape = _shard_shape(source, spec, tp)
     if kind == VOCAB_ROWS:
-        rows = spec.vocab_size // tp
-        return read(names[0], (slice(tp_rank * rows, (tp_rank + 1) * rows),))
+        return _vocab_shard(read, names[0], spec, tp_rank, shape[0])
     if kind == COLUMNS:
-        full_cols = spec.num_attention_heads * spec.head_dim if "o_proj" in names[0] else spec.ffn_hidden_size
-        cols = full_cols // tp
+        cols = shape[1]
         return read(names[0], (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)))
     if kind == FC1:
-        rows = spec.ffn_hidden_size // tp
+        rows = shape[0] // 2
         part = (slice(tp_rank * rows, (tp_rank + 1) * rows),)
         return torch.cat([read(names[0], part), read(names[1], part)])
     if kind == QKV:
@@ -104,7 +103,7 @@ def cut_shard(source: ParamSource, read: Reader, spec: ModelSpec, tp_rank: int, 
         tail = q.shape[1:]
         per_group = [t.reshape(groups, -1, *tail) for t in (q, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *tail)
-    raise ValueError(f"unknown mapping kind {kind!r}")
+    raise ValueError(f"unknown shard kind {kind!r}; valid: {[k.value for k in ShardKind]}")
 
 
 def merge_shards(source: ParamSource, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -113,7 +112,7 @@ def merge_shards(source: ParamSource, shards: list[torch.Tensor], spec: ModelSpe
     if kind == REPLICATED:
         return {names[0]: shards[0]}
     if kind == VOCAB_ROWS:
-        return {names[0]: torch.cat(shards)}
+        return {names[0]: torch.cat(shards)[: spec.vocab_size]}  # padding rows are not part of the model
     if kind == COLUMNS:
         return {names[0]: torch.cat(shards, dim=1)}
     if kind == FC1:
@@ -126,4 +125,4 @@ def merge_shards(source: ParamSource, shards: list[torch.Tensor], spec: ModelSpe
         grouped = torch.cat([s.reshape(-1, (heads_per_group + 2) * d, *tail) for s in shards])
         q, k, v = grouped.split([heads_per_group * d, d, d], dim=1)
         return {n: t.reshape(-1, *tail) for n, t in zip(names, (q, k, v))}
-    raise ValueError(f"unknown mapping kind {kind!r}")
+    raise ValueError(f"unknown shard kind {kind!r}; valid: {[k.value for k in ShardKind]}")

@@ -1,28 +1,47 @@
 """ModelSpec: what the training engine needs to know about a Hugging Face model.
 
-Read from ``config.json`` of a Llama / Qwen2 / Mistral-family decoder-only LM
-(causal LM, or sequence classification for critics and reward models) and
-checked against a TP/PP layout before any process group forms, so a bad
-pairing fails with one message that names the value and what would work.
+Read from ``config.json`` of a Llama / Qwen2 / Qwen3 / Mistral-family
+decoder-only LM (causal LM, or sequence classification for critics and
+reward models) and checked against a TP/PP layout before any process group
+forms, so a bad pairing fails with one message that names the value and what
+would work. The spec is also the one place that knows which layers a
+pipeline stage holds (``layers_of_stage``) and how many embedding rows the
+(possibly padded) vocabulary has (``vocab_rows``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "ModelConfigError"]
+__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling"]
 
 # architecture -> (family, has a scalar head)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("llama", False),
     "Qwen2ForCausalLM": ("qwen2", False),
+    "Qwen3ForCausalLM": ("qwen3", False),
     "LlamaForSequenceClassification": ("llama", True),
     "MistralForSequenceClassification": ("llama", True),
     "Qwen2ForSequenceClassification": ("qwen2", True),
+    "Qwen3ForSequenceClassification": ("qwen3", True),
 }
+# Families whose attention normalizes each query and key head (RMSNorm over head_dim) before RoPE.
+QK_NORM_FAMILIES = ("qwen3",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.x RoPE: low frequencies divided by ``factor``, a smooth ramp between the two bounds."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 class ModelConfigError(ValueError):
@@ -49,10 +68,35 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     num_labels: int = 0  # > 0: a sequence-classification (scalar head) model
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over each query / key head
+    rope_scaling: Llama3RopeScaling | None = None
+    # Embedding / output-layer rows; None: the vocabulary is not padded (see with_padded_vocab).
+    padded_vocab_size: int | None = None
 
     @property
     def is_value_model(self) -> bool:
         return self.num_labels > 0
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and output layer: the padded vocabulary (ids >= vocab_size are padding)."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def with_padded_vocab(self, divisible_by: int | None, tensor_parallel: int) -> "ModelSpec":
+        """This spec with the vocabulary padded as megatron's ``make_vocab_size_divisible_by`` does.
+
+        Rows are padded up to a multiple of ``divisible_by`` x ``tensor_parallel``,
+        so every TP size that divides that multiple works. Padded ids never
+        take probability mass (their logits are masked) and checkpoints keep
+        the real vocabulary only. ``divisible_by`` None: no padding (this spec).
+        """
+        if divisible_by is None:
+            return self
+        if not isinstance(divisible_by, int) or divisible_by < 1:
+            raise ModelConfigError(f"make_vocab_size_divisible_by must be a positive integer, got {divisible_by!r}")
+        multiple = divisible_by * tensor_parallel
+        padded = -(-self.vocab_size // multiple) * multiple
+        return replace(self, padded_vocab_size=padded)
 
     @property
     def kv_channels(self) -> int:
@@ -73,18 +117,7 @@ class ModelSpec:
         activation = config.get("hidden_act", "silu")
         if activation != "silu":
             raise ModelConfigError(f"{source}: hidden_act {activation!r} is not supported; only 'silu' (SwiGLU)")
-        if config.get("rope_scaling"):
-            raise ModelConfigError(
-                f"{source}: rope_scaling {config['rope_scaling']!r} is not supported yet; only plain RoPE"
-            )
-        # transformers >= 5 writes RoPE settings as rope_parameters {rope_theta, rope_type}; older ones rope_theta.
-        rope = config.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ModelConfigError(
-                f"{source}: rope_parameters {rope!r} (rope_type {rope['rope_type']!r}) are not supported yet; "
-                f"only plain RoPE (rope_type 'default')"
-            )
-        rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_theta, rope_scaling = _read_rope(config, source)
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
@@ -103,6 +136,8 @@ class ModelSpec:
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_layernorm=family in QK_NORM_FAMILIES,
+            rope_scaling=rope_scaling,
             # HF writes id2label (one entry per label), not num_labels, into config.json.
             num_labels=(len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 1)))
             if value_head else 0,
@@ -127,12 +162,16 @@ class ModelSpec:
             ("attention heads", self.num_attention_heads),
             ("key/value heads (query groups)", self.num_query_groups),
             ("FFN hidden size", self.ffn_hidden_size),
-            ("vocab size", self.vocab_size),
+            ("vocab size", self.vocab_rows),
         ]
         for what, size in checks:
             if size % tp != 0:
                 valid = [d for d in _divisors(size) if all(s % d == 0 for _, s in checks)]
-                hint = " (the vocabulary is not padded: pick a TP size that divides it)" if what == "vocab size" else ""
+                hint = ""
+                if what == "vocab size":
+                    hint = (" (the vocabulary is not padded: pick a TP size that divides it, or pad it: "
+                            "engine make_vocab_size_divisible_by: 128)" if self.padded_vocab_size is None else
+                            f" (padded from {self.vocab_size}: pad to a multiple of this TP size)")
                 raise ModelConfigError(
                     f"tensor_parallel {tp} does not divide the {what} {size}{hint}; "
                     f"TP sizes that divide every split dimension of this model: {valid}"
@@ -144,5 +183,42 @@ class ModelSpec:
             )
 
     def layers_of_stage(self, pp_rank: int, pipeline_parallel: int) -> range:
+        """The global layer indices that pipeline stage ``pp_rank`` of ``pipeline_parallel`` holds.
+
+        The only place that splits layers over stages: everything else
+        (HF mapping, parameter catalogue, resharder) asks here.
+        """
         per_stage = self.num_layers // pipeline_parallel
         return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+    def stage_of_layer(self, layer: int, pipeline_parallel: int) -> tuple[int, int]:
+        """(pipeline stage, local index in it) of global layer ``layer``; the inverse of ``layers_of_stage``."""
+        for stage in range(pipeline_parallel):
+            layers = self.layers_of_stage(stage, pipeline_parallel)
+            if layer in layers:
+                return stage, layers.index(layer)
+        raise ValueError(f"layer {layer} is outside the model's {self.num_layers} layers")
+
+
+def _read_rope(config: dict, source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE theta and scaling, from transformers 5's ``rope_parameters`` or older ``rope_theta`` / ``rope_scaling``."""
+    rope = dict(config.get("rope_parameters") or {})
+    rope.update(config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{source}: rope_type {rope_type!r} (RoPE settings {rope!r}) is not supported; "
+            f"supported rope types: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    missing = [key for key in _LLAMA3_KEYS if key not in rope]
+    if missing:
+        raise ModelConfigError(f"{source}: rope_type 'llama3' needs {list(_LLAMA3_KEYS)}; missing {missing} in {rope!r}")
+    scaling = Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    if scaling.high_freq_factor <= scaling.low_freq_factor or scaling.factor <= 0:
+        raise ModelConfigError(f"{source}: llama3 RoPE needs factor > 0 and high_freq_factor > low_freq_factor, "
+                               f"got {scaling}")
+    return theta, scaling

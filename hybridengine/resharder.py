@@ -24,8 +24,8 @@ from typing import Sequence
 
 import torch
 
-from hybridengine.hf_mapping import REPLICATED
 from hybridengine.model_spec import ModelSpec
+from hybridengine.param_catalogue import ShardKind
 from hybridengine.reshard_plan import ReshardPlan
 from hybridengine.stage_params import StageParam, stage_params
 from hybridengine.ops.copy_blocks import copy_blocks
@@ -47,9 +47,9 @@ class GenParamSource:
 def _training_stage_and_name(spec: ModelSpec, plan: ReshardPlan, gen_param: StageParam) -> tuple[int, str]:
     train = plan.train
     if gen_param.layer is not None:
-        per_stage = spec.num_layers // train.pp
+        stage, local = spec.stage_of_layer(gen_param.layer, train.pp)
         suffix = gen_param.name.split(".", 3)[3]
-        return gen_param.layer // per_stage, f"decoder.layers.{gen_param.layer % per_stage}.{suffix}"
+        return stage, f"decoder.layers.{local}.{suffix}"
     if gen_param.name.startswith("embedding."):
         return 0, gen_param.name
     return train.pp - 1, gen_param.name
@@ -69,7 +69,7 @@ def generation_sources(spec: ModelSpec, plan: ReshardPlan, rank: int) -> list[Ge
         members = tuple(sorted(
             (m for m, (tp, pp) in enumerate(me.source_shards) if pp == stage), key=lambda m: me.source_shards[m][0]
         ))
-        if param.kind == REPLICATED:
+        if param.kind == ShardKind.REPLICATED:
             members = members[:1]  # identical on every TP rank: one copy is enough
         sources.append(GenParamSource(param, stage, members, (train_name,) * len(members),
                                       (train_shapes[(stage, train_name)],) * len(members)))
@@ -202,7 +202,7 @@ class Resharder:
             if s.stage != own_stage:
                 continue
             gen_tensor = self.weights[s.param.name]
-            if s.param.kind == REPLICATED:  # the same on every TP rank, whichever member sent it
+            if s.param.kind == ShardKind.REPLICATED:  # the same on every TP rank, whichever member sent it
                 yield self.params[s.train_names[0]], gen_tensor
             else:
                 position = s.members.index(self.my_index)

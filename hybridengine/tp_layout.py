@@ -13,7 +13,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hybridengine.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
+from hybridengine.param_catalogue import ShardKind
+
+VOCAB_ROWS, REPLICATED, QKV, COLUMNS, FC1 = (
+    ShardKind.VOCAB_ROWS, ShardKind.REPLICATED, ShardKind.QKV, ShardKind.COLUMNS, ShardKind.FC1)
 from hybridengine.ops.copy_blocks import Block, copy_blocks, whole_block
 
 __all__ = ["Piece", "join_blocks", "join_into", "join_tp_shards", "split_tp_shard"]
@@ -37,7 +40,7 @@ def join_tp_shards(kind: str, shards: list[torch.Tensor]) -> torch.Tensor:
     if kind == FC1:
         gates, ups = zip(*(s.chunk(2) for s in shards))
         return torch.cat([*gates, *ups])
-    raise ValueError(f"unknown mapping kind {kind!r}")
+    raise ValueError(f"unknown shard kind {kind!r}; valid: {[k.value for k in ShardKind]}")
 
 
 def join_blocks(kind: str, pieces: Sequence[Piece], dst_offset: int, out_shape: Sequence[int]) -> list[Block]:
@@ -67,7 +70,7 @@ def join_blocks(kind: str, pieces: Sequence[Piece], dst_offset: int, out_shape: 
             blocks.append(whole_block(source, offset + half, dst_offset + up_start, half))
             dst_offset += half
     else:
-        raise ValueError(f"unknown mapping kind {kind!r}")
+        raise ValueError(f"unknown shard kind {kind!r}; valid: {[k.value for k in ShardKind]}")
     return blocks
 
 
@@ -89,4 +92,4 @@ def split_tp_shard(kind: str, tensor: torch.Tensor, parts: int, index: int) -> t
     if kind == FC1:
         gate, up = tensor.chunk(2)
         return torch.cat([gate.chunk(parts)[index], up.chunk(parts)[index]])
-    raise ValueError(f"unknown mapping kind {kind!r}")
+    raise ValueError(f"unknown shard kind {kind!r}; valid: {[k.value for k in ShardKind]}")

@@ -4,8 +4,10 @@ vLLM keeps, per TP rank, ``qkv_proj`` as [q; k; v] (all of the rank's query
 heads, then its key heads, then its value heads) and ``gate_up_proj`` as
 [gate; up]. A megatron TP shard holds the same rows in a different order for
 QKV (group-major: per query group its query heads, key head, value head) and
-already in vLLM's order for fc1. Names follow vLLM's checkpoint names with
-the layer index made global.
+already in vLLM's order for fc1. Names come from the parameter catalogue
+(vLLM's checkpoint names with the layer index made global). Embedding and
+output-layer shards keep only the rows of the real vocabulary: megatron's
+padding rows are not vLLM's (see ``workers.rollout.vocab_rows``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from hybridengine.model_spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks, whole_block
-from hybridengine.stage_params import stage_params
+from hybridengine.param_catalogue import ShardKind, stage_params
 
 __all__ = ["qkv_group_major_to_vllm", "to_vllm_shard"]
 
@@ -35,36 +37,24 @@ def qkv_group_major_to_vllm(tensor: torch.Tensor, spec: ModelSpec, tp: int) -> t
     return copy_blocks(torch.empty_like(tensor, memory_format=torch.contiguous_format), [tensor.contiguous()], blocks)
 
 
-_NAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
-    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-
-
 def to_vllm_shard(
-    spec: ModelSpec, weights: dict[str, torch.Tensor], tp: int, pp: int, pp_rank: int
+    spec: ModelSpec, weights: dict[str, torch.Tensor], tp: int, pp: int, pp_rank: int, tp_rank: int = 0
 ) -> dict[str, torch.Tensor]:
     """A generation shard (megatron names local to its stage) under vLLM's names and per-rank layout.
 
-    Everything but QKV stays a view of the generation buffer.
+    Everything but QKV stays a view of the generation buffer. Vocabulary
+    shards of TP rank ``tp_rank`` are cut to their rows of the real
+    vocabulary (none of megatron's padding rows).
     """
     out = {}
     for param in stage_params(spec, tp, pp, pp_rank):
+        if param.vllm_name is None:
+            raise ValueError(f"{param.name} of a {spec.architecture} has no vLLM counterpart (a value head cannot generate)")
         tensor = weights[param.name]
-        if param.layer is not None:
-            suffix = param.name.split(".", 3)[3]
-            if suffix.startswith("self_attention.linear_qkv"):
-                tensor = qkv_group_major_to_vllm(tensor, spec, tp)
-            out[f"model.layers.{param.layer}.{_NAMES[suffix]}"] = tensor
-        elif param.name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = tensor
-        elif param.name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = tensor
-        elif param.name == "output_layer.weight":
-            out["lm_head.weight"] = tensor
+        if param.kind == ShardKind.QKV:
+            tensor = qkv_group_major_to_vllm(tensor, spec, tp)
+        elif param.kind == ShardKind.VOCAB_ROWS:
+            rows = param.shape[0]
+            tensor = tensor[: max(0, min(rows, spec.vocab_size - tp_rank * rows))]
+        out[param.vllm_name] = tensor
     return out

@@ -1,0 +1,179 @@
+"""One table of every megatron parameter of a pipeline stage: shard kind, shard shape, HF names, vLLM name.
+
+The HF mapping (``hf_mapping``), the resharder and its baselines
+(``stage_params``), and the vLLM layout (``vllm_layout``) all read this
+table, so a new family (q/k norm, a padded vocabulary) is one edit here.
+Which layers a stage holds comes from ``ModelSpec.layers_of_stage`` only.
+
+Names follow megatron-core's local layer spec; decoder-layer entries carry
+the suffix after ``decoder.layers.{i}.`` (HF: after ``model.layers.{i}.``,
+vLLM: after ``model.layers.{i}.`` with the global layer index). Shapes are
+those of one TP rank's shard.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from hybridengine.model_spec import ModelSpec
+
+__all__ = [
+    "ShardKind", "CatalogueEntry", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
+    "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup",
+]
+
+
+class ShardKind(str, Enum):
+    """How the TP shards of one parameter join (a str, so ``kind == "qkv"`` keeps working)."""
+
+    VOCAB_ROWS = "vocab_rows"  # rows of the (padded) vocabulary, contiguous per TP rank
+    REPLICATED = "replicated"  # the same tensor on every TP rank
+    QKV = "qkv"  # group-major [q_g, k_g, v_g] rows per query group, contiguous groups per rank
+    COLUMNS = "columns"  # the input dimension (dim 1) split contiguously
+    FC1 = "fc1"  # SwiGLU [gate_r; up_r] per TP rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Shape = Callable[[ModelSpec, int], tuple[int, ...]]  # (spec, tp) -> the shard's shape
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    suffix: str  # megatron name (after "decoder.layers.{i}." for layer parameters)
+    kind: ShardKind
+    hf_names: tuple[str, ...]  # HF tensors it is made of (after "model.layers.{i}." for layer parameters)
+    vllm_name: str | None  # vLLM's (fused) name; None where vLLM has no such tensor (a value head)
+    shape: Shape
+    present: Callable[[ModelSpec], bool] = lambda spec: True
+
+
+def _qkv_rows(s: ModelSpec, t: int) -> int:
+    return (s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim // t
+
+
+def _has_qk_norm(s: ModelSpec) -> bool:
+    return s.qk_layernorm
+
+
+LAYER_ENTRIES: tuple[CatalogueEntry, ...] = (
+    CatalogueEntry("input_layernorm.weight", ShardKind.REPLICATED, ("input_layernorm.weight",),
+                   "input_layernorm.weight", lambda s, t: (s.hidden_size,)),
+    CatalogueEntry("self_attention.linear_qkv.weight", ShardKind.QKV,
+                   ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                   "self_attn.qkv_proj.weight", lambda s, t: (_qkv_rows(s, t), s.hidden_size)),
+    CatalogueEntry("self_attention.linear_qkv.bias", ShardKind.QKV,
+                   ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                   "self_attn.qkv_proj.bias", lambda s, t: (_qkv_rows(s, t),), lambda s: s.qkv_bias),
+    # Qwen3: one RMSNorm weight of head_dim shared by every query (key) head, so replicated.
+    CatalogueEntry("self_attention.q_layernorm.weight", ShardKind.REPLICATED, ("self_attn.q_norm.weight",),
+                   "self_attn.q_norm.weight", lambda s, t: (s.head_dim,), _has_qk_norm),
+    CatalogueEntry("self_attention.k_layernorm.weight", ShardKind.REPLICATED, ("self_attn.k_norm.weight",),
+                   "self_attn.k_norm.weight", lambda s, t: (s.head_dim,), _has_qk_norm),
+    CatalogueEntry("self_attention.linear_proj.weight", ShardKind.COLUMNS, ("self_attn.o_proj.weight",),
+                   "self_attn.o_proj.weight", lambda s, t: (s.hidden_size, s.num_attention_heads * s.head_dim // t)),
+    CatalogueEntry("pre_mlp_layernorm.weight", ShardKind.REPLICATED, ("post_attention_layernorm.weight",),
+                   "post_attention_layernorm.weight", lambda s, t: (s.hidden_size,)),
+    CatalogueEntry("mlp.linear_fc1.weight", ShardKind.FC1, ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                   "mlp.gate_up_proj.weight", lambda s, t: (2 * s.ffn_hidden_size // t, s.hidden_size)),
+    CatalogueEntry("mlp.linear_fc2.weight", ShardKind.COLUMNS, ("mlp.down_proj.weight",),
+                   "mlp.down_proj.weight", lambda s, t: (s.hidden_size, s.ffn_hidden_size // t)),
+)
+_LAYER_BY_SUFFIX = {e.suffix: e for e in LAYER_ENTRIES}
+
+# The transformer-engine spec fuses each norm into the linear layer after it: same tensor, other name.
+TRANSFORMER_ENGINE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+def _vocab_shape(s: ModelSpec, t: int) -> tuple[int, ...]:
+    return (s.vocab_rows // t, s.hidden_size)
+
+
+def _stage_entry(name: str, spec: ModelSpec) -> CatalogueEntry:
+    """The entries outside the decoder layers; the output layer depends on the head and on tying."""
+    if name == EMBEDDING:
+        return CatalogueEntry(EMBEDDING, ShardKind.VOCAB_ROWS, ("model.embed_tokens.weight",),
+                              "model.embed_tokens.weight", _vocab_shape)
+    if name == FINAL_NORM:
+        return CatalogueEntry(FINAL_NORM, ShardKind.REPLICATED, ("model.norm.weight",), "model.norm.weight",
+                              lambda s, t: (s.hidden_size,))
+    if name == OUTPUT_LAYER:
+        if spec.is_value_model:
+            return CatalogueEntry(OUTPUT_LAYER, ShardKind.REPLICATED, ("score.weight",), None,
+                                  lambda s, t: (s.num_labels, s.hidden_size))
+        hf = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        return CatalogueEntry(OUTPUT_LAYER, ShardKind.VOCAB_ROWS, (hf,), "lm_head.weight", _vocab_shape)
+    raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class StageParam:
+    name: str  # megatron name, layers numbered locally within the stage
+    shape: tuple[int, ...]  # the shard's shape at this TP size
+    kind: ShardKind  # how TP shards join
+    layer: int | None = None  # global layer index, None for embedding / final norm / output layer
+    hf_names: tuple[str, ...] = field(default=(), compare=False)  # HF tensors, global layer index
+    vllm_name: str | None = field(default=None, compare=False)  # vLLM's name, global layer index
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _param(entry: CatalogueEntry, spec: ModelSpec, tp: int, name: str, layer: int | None) -> StageParam:
+    prefix_hf = "" if layer is None else f"model.layers.{layer}."
+    vllm = None if entry.vllm_name is None else prefix_hf + entry.vllm_name
+    return StageParam(name, entry.shape(spec, tp), entry.kind, layer,
+                      tuple(prefix_hf + n for n in entry.hf_names), vllm)
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> list[StageParam]:
+    """Every parameter of stage ``pp_rank`` of ``pp`` at TP size ``tp``, in a fixed order."""
+    params: list[StageParam] = []
+    if pp_rank == 0:
+        params.append(_param(_stage_entry(EMBEDDING, spec), spec, tp, EMBEDDING, None))
+    for local, layer in enumerate(spec.layers_of_stage(pp_rank, pp)):
+        for entry in LAYER_ENTRIES:
+            if entry.present(spec):
+                params.append(_param(entry, spec, tp, f"decoder.layers.{local}.{entry.suffix}", layer))
+    if pp_rank == pp - 1:
+        params.append(_param(_stage_entry(FINAL_NORM, spec), spec, tp, FINAL_NORM, None))
+        # With tied embeddings a single stage has no output layer of its own; the last of several keeps a copy.
+        if spec.is_value_model or not spec.tie_word_embeddings or pp > 1:
+            params.append(_param(_stage_entry(OUTPUT_LAYER, spec), spec, tp, OUTPUT_LAYER, None))
+    return params
+
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def lookup(name: str, spec: ModelSpec, pp_rank: int, pp: int, tp: int = 1) -> StageParam:
+    """The catalogue's description of megatron parameter ``name`` on stage ``pp_rank`` (at TP ``tp``).
+
+    Accepts the transformer-engine names of the fused norms as well.
+    """
+    match = _LAYER_NAME.match(name)
+    if match:
+        suffix = TRANSFORMER_ENGINE_ALIASES.get(match.group(2), match.group(2))
+        entry = _LAYER_BY_SUFFIX.get(suffix)
+        if entry is not None:
+            layers = spec.layers_of_stage(pp_rank, pp)
+            local = int(match.group(1))
+            if local >= len(layers):
+                raise KeyError(f"megatron parameter {name!r}: stage {pp_rank} of {pp} holds {len(layers)} layers")
+            return _param(entry, spec, tp, name, layers[local])
+    elif name in (EMBEDDING, FINAL_NORM, OUTPUT_LAYER):
+        return _param(_stage_entry(name, spec), spec, tp, name, None)
+    raise KeyError(f"no Hugging Face source known for megatron parameter {name!r}")
