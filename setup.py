@@ -75,7 +75,7 @@ setup(
     version="0.1.0",
     description="Single-controller RL post-training with a 3D-HybridEngine",
     python_requires=">=3.10",
-    packages=find_packages(include=["hybridengine*", "workers*", "controller*"]),
+    packages=find_packages(include=["hybridflow", "hybridengine*", "workers*", "controller*"]),
     install_requires=CORE,
     extras_require=EXTRAS,
     ext_modules=EXT_MODULES,

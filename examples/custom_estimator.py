@@ -11,20 +11,23 @@ import tempfile
 
 import torch
 
-from controller.algorithms import (
+from hybridflow import (
+    Actor,
     AdvantageConfig,
     AdvantageInputs,
+    BaseWorker,
+    DataProto,
+    Dispatch,
+    RLTrainer,
+    RoleSpec,
+    Rollout,
+    arithmetic_prompts,
     group_rows,
+    last_token_scores,
+    register,
     register_advantage_estimator,
+    resolve_model_path,
 )
-from controller.data import arithmetic_prompts
-from controller.models import resolve_model_path
-from controller.trainer import RLTrainer
-from workers import BaseWorker, DataProto, Dispatch, register
-from workers.actor import Actor
-from workers.reward.rule_reward import last_token_scores
-from workers.role_spec import RoleSpec
-from workers.rollout import Rollout
 
 
 @register_advantage_estimator("median_baseline")

@@ -1,8 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from controller import ResourcePool, WorkerGroup
-from workers import BaseWorker, DataProto, Dispatch, register
+from hybridflow import BaseWorker, DataProto, Dispatch, ResourcePool, WorkerGroup, register
 
 
 class LengthReward(BaseWorker):

@@ -9,12 +9,7 @@ a reference policy for it). The loop reports the beta it used.
 
 import tempfile
 
-from controller.data import arithmetic_prompts
-from controller.models import resolve_model_path
-from controller.trainer import RLTrainer
-from workers.actor import Actor
-from workers.policy_losses import kl_penalty
-from workers.rollout import Rollout
+from hybridflow import Actor, RLTrainer, Rollout, arithmetic_prompts, kl_penalty, resolve_model_path
 
 
 def beta(step: int) -> float:
