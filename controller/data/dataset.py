@@ -104,14 +104,14 @@ def _answer(row: dict[str, Any], key: str | None) -> Any:
 
 
 def _prompt(row: dict[str, Any], key: str, where: str) -> Prompt:
-    value = row.get(key)
+    found, value = _lookup(row, key)
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
         # Arrow fills keys that other rows' messages have with None; they are not part of this message.
         return [{k: v for k, v in m.items() if v is not None} for m in value]
-    if key not in row:
+    if not found:
         raise ValueError(f"{where} has no prompt column {key!r} (data.prompt_key); columns: {sorted(row)}")
     raise ValueError(f"{where}: {key!r} is {type(value).__name__} {str(value)[:80]!r}; expected a string or a "
                      f"non-empty list of {{'role': str, 'content': str}} messages")
@@ -124,11 +124,11 @@ def rows_to_dataset(rows: Iterable[dict[str, Any]], keys: RowKeys = RowKeys(), s
         where = f"{source} row {number}"
         prompts.append(_prompt(row, keys.prompt, where))
         answers.append(_answer(row, keys.answer))
-        data_source = row.get(keys.data_source)
+        data_source = _lookup(row, keys.data_source)[1]
         if data_source is not None and not isinstance(data_source, str):
             raise ValueError(f"{where}: {keys.data_source!r} must be a string, got {data_source!r}")
         data_sources.append(data_source)
-        extra = row.get(keys.extra_info)
+        extra = _lookup(row, keys.extra_info)[1]
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(f"{where}: {keys.extra_info!r} must be a mapping, got {type(extra).__name__} {extra!r}")
         extra_infos.append(dict(extra or {}))

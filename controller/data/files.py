@@ -17,12 +17,13 @@ from typing import Any
 
 from controller.data.dataset import PromptDataset, RowKeys, rows_to_dataset
 
-__all__ = ["FILE_FORMATS", "load_jsonl_prompts", "load_prompt_files", "read_rows"]
+__all__ = ["FILE_FORMATS", "hf_datasets", "load_jsonl_prompts", "load_prompt_files", "read_rows"]
 
 FILE_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 
-def _datasets():
+def hf_datasets():
+    """The ``datasets`` module, with the hub off."""
     # Set before the first import: datasets reads these once, when it loads its config.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +48,7 @@ def read_rows(path: str | Path, cache_dir: str | Path | None = None) -> list[dic
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    datasets = _datasets()
+    datasets = hf_datasets()
     if path.is_dir():
         if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
             raise ValueError(f"{path} is a directory but not one written by datasets' save_to_disk "

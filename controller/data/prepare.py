@@ -8,14 +8,18 @@ exit code and a message, not a worker traceback at the first generation.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controller.data.arithmetic import arithmetic_prompts
 from controller.data.chat_template import PromptFormat, encode_prompts
 from controller.data.dataset import PromptDataset, RowKeys
 from controller.data.files import load_prompt_files
 from controller.data.overlong import drop_or_refuse_overlong
+
+if TYPE_CHECKING:
+    from controller.config import DataConfig
 
 __all__ = ["JobPrompts", "load_job_prompts", "prompt_format", "raw_job_prompts"]
 
@@ -26,12 +30,12 @@ class JobPrompts:
     val: PromptDataset | None
 
 
-def prompt_format(data: Any) -> PromptFormat:
-    """The ``data`` config's (a controller.config.DataConfig) chat-template settings."""
+def prompt_format(data: DataConfig) -> PromptFormat:
+    """The ``data`` config's chat-template settings."""
     return PromptFormat(data.apply_chat_template, data.chat_wrap, data.system_prompt)
 
 
-def raw_job_prompts(data: Any) -> JobPrompts:
+def raw_job_prompts(data: DataConfig) -> JobPrompts:
     """The prompts as read (not yet tokenized): the arithmetic generator, or the files."""
     if data.task == "arithmetic":
         val = arithmetic_prompts(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else None
@@ -41,8 +45,8 @@ def raw_job_prompts(data: Any) -> JobPrompts:
     return JobPrompts(load_prompt_files(data.train_paths, keys, data.cache_dir), val)
 
 
-def load_job_prompts(data: Any, tokenizer: Any, max_prompt_length: int, truncation: str = "error",
-                     log=None) -> JobPrompts:
+def load_job_prompts(data: DataConfig, tokenizer: Any, max_prompt_length: int, truncation: str = "error",
+                     log: Callable[[str], None] | None = None) -> JobPrompts:
     """Encoded train / val prompts, overlong ones dropped (``data.filter_overlong_prompts``) or refused.
 
     With ``rollout.truncation: left`` the rollout keeps a long prompt's end,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.data.arithmetic import ARITHMETIC_INSTRUCTION, ARITHMETIC_OPERATORS, arithmetic_rows
-from controller.data.files import _datasets, read_rows
+from controller.data.files import hf_datasets, read_rows
 from controller.data.gsm8k import GSM8K_INSTRUCTION, gsm8k_rows
 
 __all__ = ["write_arithmetic_files", "write_gsm8k_file", "write_parquet"]
@@ -19,7 +19,7 @@ __all__ = ["write_arithmetic_files", "write_gsm8k_file", "write_parquet"]
 def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _datasets().Dataset.from_list(rows).to_parquet(str(path))
+    hf_datasets().Dataset.from_list(rows).to_parquet(str(path))
     return path
 
 
