@@ -74,19 +74,21 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
 
 def _train(args, argv: list[str]) -> int:
     from controller.config import ConfigError, load_config
-    from controller.train_job import prepare_model, run_training
+    from controller.train_job import prepare_job, run_training
 
+    prepared = None
     try:
         config = load_config(args.config, args.overrides)
         configure_console(config.trainer.verbose)  # before the libraries that log at import
         if not under_torchrun():
-            prepare_model(config)  # every check that needs no process, before any starts
+            # Every check that needs no process (the model, the data, the reward functions), before any starts.
+            prepared = prepare_job(config)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"hybridflow train: {exc}", file=sys.stderr)
         return 2
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer.nproc, argv)
-    run_training(config)
+    run_training(config, prepared)
     return 0
 
 

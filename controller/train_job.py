@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -21,7 +22,7 @@ from controller.torchrun_backend import under_torchrun
 __all__ = ["prepare_job", "prepare_model", "run_training"]
 
 
-def prepare_job(config: RLConfig) -> tuple[str, JobPrompts]:
+def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None) -> tuple[str, JobPrompts]:
     """The policy checkpoint and the prompts, checked against the config and each other; before any process.
 
     The prompts are loaded, rendered and tokenized with the actor's tokenizer,
@@ -34,7 +35,7 @@ def prepare_job(config: RLConfig) -> tuple[str, JobPrompts]:
     run_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_path(config.model_path, run_dir)
     check_config(config, ModelSpec.from_pretrained(model))
-    return model, _datasets(config, config.actor.model_path or model)
+    return model, _datasets(config, config.actor.model_path or model, log)
 
 
 def prepare_model(config: RLConfig) -> str:
@@ -42,14 +43,14 @@ def prepare_model(config: RLConfig) -> str:
     return prepare_job(config)[0]
 
 
-def _datasets(config: RLConfig, tokenizer_path: str) -> JobPrompts:
+def _datasets(config: RLConfig, tokenizer_path: str, log: Callable[[str], None] | None) -> JobPrompts:
     from transformers import AutoTokenizer
 
     from workers.reward.router import AUTO, DATA_SOURCE_SCORERS, unknown_data_sources
 
     rollout = config.rollout
     prompts = load_job_prompts(config.data, AutoTokenizer.from_pretrained(tokenizer_path), rollout.max_prompt_length,
-                               rollout.truncation)
+                               rollout.truncation, log)
     routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),
                                   ("algorithm.safe_rlhf_cost_fn", config.algorithm.safe_rlhf_cost_fn)) if fn == AUTO]
     sources = [*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ())]
@@ -62,7 +63,8 @@ def _datasets(config: RLConfig, tokenizer_path: str) -> JobPrompts:
     return prompts
 
 
-def run_training(config: RLConfig) -> Path:
+def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:
+    """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process)."""
     from controller.metrics_log import MetricsLogger
     from controller.resource_pool import ResourcePool
     from controller.trainer import RLTrainer
@@ -77,7 +79,8 @@ def run_training(config: RLConfig) -> Path:
         pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend="torchrun")  # ranks 1.. serve from here on
     else:
         pool = None
-    model, prompts = prepare_job(config)
+    # Under torchrun the launching process has already checked and reported the data: rank 0 stays quiet.
+    model, prompts = prepared or prepare_job(config, log=(lambda line: None) if under_torchrun() else None)
     if pool is None:
         pool = ResourcePool([trainer_cfg.nproc], backend="ray")
     run_dir = Path(trainer_cfg.run_dir)
@@ -109,6 +112,7 @@ def run_training(config: RLConfig) -> Path:
         reward_fn=config.reward.fn if reward_model is None else None, cost_fn=alg.safe_rlhf_cost_fn,
         algorithm=alg, train_data=prompts.train, val_data=prompts.val, batch_size=config.data.batch_size, pool=pool,
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
+        val_before_train=trainer_cfg.val_before_train,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle,
     )
     for role, devices in trainer_cfg.placement.items():

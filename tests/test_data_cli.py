@@ -35,7 +35,7 @@ def launches(monkeypatch):
     """Every launch `hybridflow train` would make, recorded instead of started."""
     calls = []
     monkeypatch.setattr(cli, "_torchrun", lambda nproc, argv: calls.append((nproc, argv)) or 0)
-    monkeypatch.setattr("controller.train_job.run_training", lambda config: pytest.fail("run_training was called"))
+    monkeypatch.setattr("controller.train_job.run_training", lambda *args: pytest.fail("run_training was called"))
     return calls
 
 
@@ -106,6 +106,9 @@ def test_overlong_prompts_are_refused_before_any_process(tmp_path, chat_model, l
     assert "Set data.filter_overlong_prompts=true" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert seconds < 30, seconds  # loading and tokenizing, no start-up
+    # The Ray launcher starts its workers from this process: the same refusal comes before it.
+    code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files={path}", "trainer.launcher=ray")
+    assert code == 2 and "1 of 6 training prompts are longer" in capsys.readouterr().err
     # With the filter on the row is dropped, said so, and the job launches.
     code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files=[{path}, {path}]",
                     "data.filter_overlong_prompts=true")
