@@ -126,6 +126,7 @@ class TrainerConfig:
     total_steps: int = 20
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: no validation
+    val_before_train: bool = False  # validate once before the first step too (logged as step 0)
     run_dir: str = "runs/hybridflow"
     resume: bool = False
     launcher: str = "torchrun"

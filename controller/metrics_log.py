@@ -258,7 +258,8 @@ class MetricsLogger:
             self._wandb_run.log(numeric, step=step)
         if self._bar is not None:
             self._bar.write(format_step_line(step, self.total_steps, metrics), file=sys.stderr)
-            self._bar.update(1)
+            if step > 0:  # step 0 holds what was measured before training (validation), not a step
+                self._bar.update(1)
 
     def truncate_after(self, step: int) -> int:
         """Forget steps ``>= step`` before a resumed run logs them again; returns how many records remain.
@@ -272,7 +273,7 @@ class MetricsLogger:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})")
-        kept = step
+        kept = steps_kept = step
         if self._jsonl is not None:
             self._jsonl.close()
             records = [r for r in read_metrics(self.run_dir) if r["step"] < step] \
@@ -290,12 +291,13 @@ class MetricsLogger:
                 raise
             self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
             kept = len(records)
+            steps_kept = sum(r["step"] > 0 for r in records)  # a step-0 record (before training) is not a step
         if "tensorboard" in self.backends:
             if self._tb is not None:
                 self._tb.close()
             self._tb = self._open_tensorboard(purge_step=step)
         if self._bar is not None:
-            self._bar.n = kept
+            self._bar.n = steps_kept
             self._bar.refresh()
         return kept
 

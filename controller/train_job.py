@@ -109,7 +109,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
                            config=config_to_dict(config), resume=trainer_cfg.resume)
     trainer = RLTrainer(
         actor=actor, rollout=rollout, critic=critic, reward_model=reward_model,
-        reward_fn=config.reward.fn if reward_model is None else None, cost_fn=alg.safe_rlhf_cost_fn,
+        reward_fn=config.reward.fn if reward_model is None else None, reward_kwargs=config.reward.kwargs,
+        cost_fn=alg.safe_rlhf_cost_fn,
         algorithm=alg, train_data=prompts.train, val_data=prompts.val, batch_size=config.data.batch_size, pool=pool,
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         val_before_train=trainer_cfg.val_before_train,

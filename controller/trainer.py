@@ -67,6 +67,7 @@ class RLTrainer:
         ref_policy: RoleSpec | None = None,
         reward_model: RoleSpec | None = None,
         reward_fn: str | Callable | None = None,
+        reward_kwargs: dict[str, Any] | None = None,
         reward_worker: RoleSpec | None = None,
         cost_fn: str | Callable | None = None,
         cost_model: RoleSpec | None = None,
@@ -80,6 +81,7 @@ class RLTrainer:
         logger=None,
         save_every: int = 0,
         val_every: int = 0,
+        val_before_train: bool = False,
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
@@ -113,7 +115,8 @@ class RLTrainer:
         if reward_model is not None:
             self.specs["reward_model"] = reward_model
         if reward_fn is not None:
-            self.specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": reward_fn})
+            self.specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": reward_fn,
+                                                         "reward_kwargs": reward_kwargs})
         if reward_worker is not None:
             self.specs["reward"] = reward_worker
         if cost_fn is not None:
@@ -128,7 +131,7 @@ class RLTrainer:
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.logger = logger
-        self.save_every, self.val_every = save_every, val_every
+        self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
         ctrl = dict(algorithm.kl_ctrl)
         self.kl_ctrl: KLController = make_kl_controller(ctrl.pop("kind", "fixed"), **ctrl)
         self.lagrange = LagrangeMultiplier(algorithm.safe_rlhf_lambda_init, algorithm.safe_rlhf_lambda_lr,
@@ -333,6 +336,10 @@ class RLTrainer:
 
     def fit(self, total_steps: int) -> list[dict[str, float]]:
         history = []
+        if self.val_before_train and self.global_step == 0:  # the starting point of the validation curve: step 0
+            metrics = self.validate()
+            if self.logger is not None and metrics:
+                self.logger.log(0, metrics)
         while self.global_step < total_steps:
             history.append(self.step())
         if self.run_dir is not None and (not self.save_every or self.global_step % self.save_every):

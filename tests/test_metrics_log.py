@@ -242,3 +242,14 @@ def test_plot_metrics_cli(tmp_path):
     missing = subprocess.run([sys.executable, str(script), str(tmp_path / "nope")],
                              check=False, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "metrics.jsonl" in missing.stderr
+
+
+def test_step_zero_is_logged_before_the_steps(tmp_path, capsys):
+    """Validation before the first step is logged at step 0, kept on resume, and shown on the console."""
+    with MetricsLogger(tmp_path, backends=("console", "jsonl"), total_steps=2) as logger:
+        logger.log(0, {"val/reward/mean": 0.25})
+        logger.log(1, step_metrics(1))
+    assert "step 0/2 | val 0.25" in capsys.readouterr().err
+    with MetricsLogger(tmp_path, backends=("console", "jsonl"), total_steps=2, resume=True) as logger:
+        assert logger.truncate_after(2) == 2  # the records of step 0 and step 1
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]

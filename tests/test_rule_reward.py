@@ -184,3 +184,18 @@ def test_last_token_scores():
     out = last_token_scores(torch.tensor([0.5, 2.0, -1.0, 3.0], dtype=torch.float64), mask)
     assert out.dtype == torch.float32
     assert out.tolist() == [[0, 0, 0.5, 0], [0, 0, 0, 0], [0, 0, 0, -1.0], [3.0, 0, 0, 0]]
+
+
+def test_trainer_hands_reward_kwargs_to_its_rule_reward_worker():
+    """``reward.kwargs`` of a job reach every call of the reward function (through the RuleReward spec)."""
+    from controller.data import arithmetic_prompts
+    from controller.trainer import RLTrainer
+    from workers.actor import Actor
+    from workers.rollout import Rollout
+
+    trainer = RLTrainer(actor=Actor.from_pretrained("model"), rollout=Rollout.from_pretrained("model"),
+                        reward_fn="format_check", reward_kwargs={"scale": 2.0}, algorithm="grpo",
+                        train_data=arithmetic_prompts(8, seed=0), batch_size=4)
+    spec = trainer.specs["reward"]
+    assert spec.worker_cls is RuleReward
+    assert spec.kwargs["reward_kwargs"] == {"scale": 2.0}
