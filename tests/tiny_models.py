@@ -54,3 +54,50 @@ def make_rl_batch(batch_size: int = 8, prompt_length: int = 6, response_length: 
         "responses": responses,
         "response_mask": response_mask,
     })
+
+
+def _perturb_norms_and_save(model, path: Path) -> Path:
+    with torch.no_grad():  # norms away from 1 and non-zero biases, so a mapping slip shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_qwen3(path: Path, layers: int = 2, vocab: int = 256, head_dim: int = 64, heads: int = 4, kv_heads: int = 2,
+               hidden: int = 128, tie: bool = False, seed: int = 0) -> Path:
+    """A random Qwen3 checkpoint: q/k norm, and a head_dim other than hidden / heads (64 x 4 heads vs hidden 128)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=tie, initializer_range=0.05,
+        attention_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return _perturb_norms_and_save(Qwen3ForCausalLM(config), path)
+
+
+def make_llama3(path: Path, layers: int = 2, vocab: int = 256, head_dim: int = 32, heads: int = 4, kv_heads: int = 2,
+                factor: float = 8.0, low_freq_factor: float = 2.0, high_freq_factor: float = 8.0,
+                original_max_position_embeddings: int = 64, tie: bool = False, seed: int = 0) -> Path:
+    """A random Llama 3.x checkpoint with ``rope_type: llama3`` scaling.
+
+    The defaults put the frequency bounds where a tiny model's wavelengths
+    fall in all three bands (kept, ramped, divided), and away from megatron's
+    hard-coded 1 / 4 / 8192.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=head_dim * heads, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                         "low_freq_factor": low_freq_factor, "high_freq_factor": high_freq_factor,
+                         "original_max_position_embeddings": original_max_position_embeddings},
+    )
+    return _perturb_norms_and_save(LlamaForCausalLM(config), path)

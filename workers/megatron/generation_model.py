@@ -19,6 +19,7 @@ from hybridengine.device import prepare_megatron
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
 from workers.megatron.model import gpt_config, layer_spec
+from workers.megatron.rope import install_rope
 
 __all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 
@@ -105,8 +106,8 @@ def build_generation_model(
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
     model = GPTModel(
         config=gpt_config(spec, tp, pp, dtype, initialize=False),  # the weights are replaced at once
-        transformer_layer_spec=layer_spec(),
-        vocab_size=spec.vocab_size,
+        transformer_layer_spec=layer_spec(spec.qk_layernorm),
+        vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=me.gen_pp_rank == 0,
         post_process=me.gen_pp_rank == pp - 1,
@@ -116,6 +117,7 @@ def build_generation_model(
         parallel_output=True,
         pg_collection=pg_collection,
     )
+    install_rope(model, spec)
     params = dict(model.named_parameters())
     # Model order, then shard order, so the error names the same first mismatch on every run.
     for name in params:
@@ -138,8 +140,10 @@ def build_generation_model(
 def generation_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """Forward ``input_ids`` [b, s] through the generation pipeline; collective over its PP group.
 
-    Returns this rank's vocab-parallel logits [b, s, vocab / t_g] on the last
-    generation stage and None elsewhere. RoPE positions are 0..s-1 for every
+    Returns this rank's vocab-parallel logits [b, s, vocab_rows / t_g] on the
+    last generation stage and None elsewhere. Columns of ids >= spec.vocab_size
+    (a padded vocabulary) are the padding rows' logits: cut them off before
+    any softmax. RoPE positions are 0..s-1 for every
     row (megatron's RoPE ignores position ids), so rows must not be left-padded;
     ``attention_mask`` None means a plain causal mask.
     """

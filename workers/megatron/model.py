@@ -1,7 +1,8 @@
 """Build the megatron-core GPTModel of one pipeline stage from a ModelSpec.
 
-Llama / Qwen2 family: RMSNorm, SwiGLU, RoPE (theta from the config), GQA,
-optional QKV bias, tied or untied embeddings. The local layer spec is used
+Llama / Qwen2 / Qwen3 family: RMSNorm, SwiGLU, RoPE (theta from the config,
+Llama 3.x scaling), GQA, optional QKV bias, optional q/k norm (Qwen3), tied
+or untied embeddings, a vocabulary padded to ``spec.vocab_rows``. The local layer spec is used
 unless transformer-engine is installed and a GPU is present. A value model
 (critic, reward model) swaps the vocab output layer for a scalar head.
 """
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from hybridengine.device import accelerator_available
 from hybridengine.model_spec import ModelSpec
+from workers.megatron.rope import install_rope
 
 __all__ = ["build_gpt_stage", "gpt_config", "layer_spec", "ValueHead"]
 
@@ -34,7 +36,8 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def layer_spec():
+def layer_spec(qk_layernorm: bool = False):
+    """megatron's layer spec; ``qk_layernorm``: an RMSNorm over each query and key head (Qwen3)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if accelerator_available():
@@ -42,10 +45,10 @@ def layer_spec():
             import transformer_engine  # noqa: F401
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
         except ImportError:
             pass
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True):
@@ -89,8 +92,8 @@ def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torc
     tied = spec.tie_word_embeddings and not spec.is_value_model
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
-        vocab_size=spec.vocab_size,
+        transformer_layer_spec=layer_spec(spec.qk_layernorm),
+        vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp - 1,
@@ -99,6 +102,7 @@ def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torc
         rotary_base=int(spec.rope_theta),
         parallel_output=True,
     )
+    install_rope(model, spec)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype)
     return config, model
