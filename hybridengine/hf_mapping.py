@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core parameter mapping for Llama / Qwen2-family models.
+"""Hugging Face <-> megatron-core parameter mapping for Llama / Qwen2 / Qwen3-family models.
 
 Pure functions: given a megatron parameter name on one pipeline stage, which
 HF tensors it comes from and how a tensor-parallel rank's shard is cut from

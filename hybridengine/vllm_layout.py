@@ -1,4 +1,4 @@
-"""Generation shards in vLLM's per-rank layout (Llama / Qwen2 models in vLLM).
+"""Generation shards in vLLM's per-rank layout (Llama / Qwen2 / Qwen3 models in vLLM).
 
 vLLM keeps, per TP rank, ``qkv_proj`` as [q; k; v] (all of the rank's query
 heads, then its key heads, then its value heads) and ``gate_up_proj`` as

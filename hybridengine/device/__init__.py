@@ -80,6 +80,7 @@ def prepare_megatron() -> None:
     from hybridengine.device import cpu_compat
 
     cpu_compat.install()
+    cpu_compat.restore_timing_events()  # vLLM, built in the same process, swaps in its own
     cpu_compat.enter_thread()
 
 

@@ -153,8 +153,21 @@ class _WallClockEvent:
     def query(self) -> bool:
         return True
 
+    def wait(self, stream=None) -> None:
+        pass
+
     def elapsed_time(self, end: "_WallClockEvent") -> float:
         return (end._t - self._t) * 1000.0
+
+
+def restore_timing_events() -> None:
+    """Put the wall-clock event back if an import replaced ``torch.cuda.Event`` since ``install``.
+
+    vLLM's CPU worker installs its own stand-in, which cannot time; the
+    wall-clock event answers vLLM's calls (record / wait / synchronize) too.
+    """
+    if not torch.cuda.is_available() and torch.cuda.Event is not _WallClockEvent:
+        torch.cuda.Event = _WallClockEvent
 
 
 def _static_inference_on_host() -> None:

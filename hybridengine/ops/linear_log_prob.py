@@ -25,7 +25,9 @@ from hybridengine.ops.library import kernels_available, kernels_on
 from hybridengine.ops.log_prob import (
     all_gather_stats,
     check_target_ids,
+    empty_logit_stats,
     inverse_temperature,
+    real_vocab_columns,
     grad_or_zeros,
     finish_logit_stats,
     log_prob_entropy_backward_reference,
@@ -105,7 +107,10 @@ class _VocabParallelLinearLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, vocab_start, scale, group, chunk_rows, chunk_vocab):
         impl = _impl(hidden.device)
-        stats = impl.linear_logit_stats(hidden, weight, target, vocab_start, scale, chunk_rows, chunk_vocab)
+        if weight.shape[0]:
+            stats = impl.linear_logit_stats(hidden, weight, target, vocab_start, scale, chunk_rows, chunk_vocab)
+        else:  # a rank whose rows are all vocabulary padding
+            stats = empty_logit_stats(hidden.shape[0], hidden.device)
         if group is not None and dist.get_world_size(group) > 1:
             stats = impl.merge_logit_stats(all_gather_stats(stats, group))
         log_prob, entropy, log_z = finish_logit_stats(stats)
@@ -117,10 +122,13 @@ class _VocabParallelLinearLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         hidden, weight, target, log_z, entropy = ctx.saved_tensors
         vocab_start, scale, group, chunk_rows, chunk_vocab = ctx.args
-        grad_hidden, grad_weight = _impl(hidden.device).linear_log_prob_entropy_backward(
-            grad_or_zeros(grad_log_prob, log_z), grad_or_zeros(grad_entropy, entropy),
-            hidden, weight, target, log_z, entropy, vocab_start, scale, chunk_rows, chunk_vocab,
-        )
+        if weight.shape[0]:
+            grad_hidden, grad_weight = _impl(hidden.device).linear_log_prob_entropy_backward(
+                grad_or_zeros(grad_log_prob, log_z), grad_or_zeros(grad_entropy, entropy),
+                hidden, weight, target, log_z, entropy, vocab_start, scale, chunk_rows, chunk_vocab,
+            )
+        else:
+            grad_hidden, grad_weight = torch.zeros_like(hidden), torch.empty_like(weight)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(grad_hidden, group=group)
         return grad_hidden, grad_weight, None, None, None, None, None, None
@@ -135,14 +143,20 @@ def linear_log_prob_entropy(
     temperature: float = 1.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and H(p) per token (fp32) of the logits ``hidden @ weight.T`` (divided by ``temperature``).
 
     ``weight`` [V_local, H] is this rank's vocab slice starting at id
     ``vocab_start``; ``group`` the tensor-parallel group (None: the whole
-    vocabulary). Differentiable in ``hidden`` and ``weight``.
+    vocabulary). Differentiable in ``hidden`` and ``weight``. ``vocab_size``:
+    rows of ids from it on are padding and take no part (None: none); their
+    gradient is zero.
     """
     scale = inverse_temperature(temperature)
+    real = real_vocab_columns(weight.shape[0], vocab_start, vocab_size)
+    if real < weight.shape[0]:
+        weight = weight[:real]  # a view: autograd gives the padding rows a zero gradient
     if target.shape != hidden.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must equal hidden shape without the hidden dim "
                          f"{tuple(hidden.shape[:-1])}")

@@ -162,7 +162,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, scale, group):
         impl = _impl(logits.device)
-        stats = impl.logit_stats(logits, target, vocab_start, scale)
+        if logits.shape[-1]:
+            stats = impl.logit_stats(logits, target, vocab_start, scale)
+        else:  # a rank whose slice is all vocabulary padding
+            stats = empty_logit_stats(logits.shape[0], logits.device)
         if group is not None and dist.get_world_size(group) > 1:
             stats = impl.merge_logit_stats(all_gather_stats(stats, group))
         log_prob, entropy, log_z = finish_logit_stats(stats)
@@ -173,6 +176,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
         logits, target, log_z, entropy = ctx.saved_tensors
+        if not logits.shape[-1]:
+            return torch.empty_like(logits), None, None, None, None
         grad = _impl(logits.device).log_prob_entropy_backward(
             grad_or_zeros(grad_log_prob, log_z), grad_or_zeros(grad_entropy, entropy),
             logits, target, log_z, entropy, ctx.vocab_start, ctx.scale,
@@ -186,7 +191,26 @@ def _flatten(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, 
                          f"{tuple(logits.shape[:-1])}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    return logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long()
+    # Rows from the target: a slice with no vocabulary columns (all padding) has no elements to infer them from.
+    return logits.reshape(target.numel(), logits.shape[-1]), target.reshape(-1).long()
+
+
+def empty_logit_stats(rows: int, device) -> torch.Tensor:
+    """The statistics of a vocab slice with no columns: what merging treats as absent (max -inf)."""
+    stats = torch.zeros(rows, 4, dtype=torch.float32, device=device)
+    stats[:, 0] = float("-inf")
+    return stats
+
+
+def real_vocab_columns(local_vocab: int, vocab_start: int, vocab_size: int | None) -> int:
+    """How many of a slice's ``local_vocab`` ids starting at ``vocab_start`` are below ``vocab_size``.
+
+    Ids from ``vocab_size`` on are padding (megatron's make_vocab_size_divisible_by):
+    cutting them off before the softmax gives them no mass at all.
+    """
+    if vocab_size is None:
+        return local_vocab
+    return max(0, min(local_vocab, vocab_size - vocab_start))
 
 
 def check_target_ids(target: torch.Tensor, vocab: int) -> None:
@@ -214,15 +238,20 @@ def log_prob_entropy(logits: torch.Tensor, target: torch.Tensor, temperature: fl
 
 
 def vocab_parallel_log_prob_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, group=None, temperature: float = 1.0
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, group=None, temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and H(p) per token (fp32) when ``logits`` [..., V_local] hold this rank's vocab slice.
 
     The slice starts at id ``vocab_start``; ``group`` is the tensor-parallel
     group (None: the logits cover the whole vocabulary). One all-gather of
-    [tokens, 4] fp32 per call; differentiable in ``logits``.
+    [tokens, 4] fp32 per call; differentiable in ``logits``. ``vocab_size``:
+    ids from it on are padding, left out of the distribution (None: none).
     """
     scale = inverse_temperature(temperature)
+    real = real_vocab_columns(logits.shape[-1], vocab_start, vocab_size)
+    if real < logits.shape[-1]:
+        logits = logits[..., :real].contiguous()
     shape = target.shape
     flat_logits, flat_target = _flatten(logits, target)
     tensor_parallel = group is not None and dist.get_world_size(group) > 1

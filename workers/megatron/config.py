@@ -50,8 +50,16 @@ class EngineConfig:
     # [tokens, vocab] logits are never held. False: megatron's output layer
     # makes the logits, then the fused log-prob op reads them.
     fused_output_layer: bool = True
+    # As megatron's (which uses 128): embedding and output-layer rows are padded to a multiple of this
+    # x tensor_parallel, so any TP size fits any vocabulary; padded ids take no probability mass and are
+    # never exported. None: no padding, TP must divide the vocabulary.
+    make_vocab_size_divisible_by: int | None = None
 
     def __post_init__(self) -> None:
+        value = self.make_vocab_size_divisible_by
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"make_vocab_size_divisible_by must be a positive integer (megatron uses 128) or null "
+                             f"(no padding), got {value!r}")
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

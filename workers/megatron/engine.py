@@ -170,7 +170,8 @@ class MegatronEngine:
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def vocab_start(self) -> int:
-        return self.groups.tp_rank * (self.spec.vocab_size // self.layout.tp)
+        """The first vocabulary id of this TP rank's rows (of the padded vocabulary)."""
+        return self.groups.tp_rank * (self.spec.vocab_rows // self.layout.tp)
 
     def dp_sum(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)

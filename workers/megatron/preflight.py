@@ -33,12 +33,15 @@ def check_training_setup(
 ) -> tuple[ModelSpec, ParallelLayout, HFCheckpointReader]:
     """Raise one clear error for the first thing that cannot work; else return what was read.
 
-    Covers: an unsupported or unreadable config.json, TP that does not divide
-    heads / KV groups / FFN / vocab, PP that does not divide the layers, a
+    The returned spec has the vocabulary padded for the engine's TP size
+    (``make_vocab_size_divisible_by``). Covers: an unsupported or unreadable
+    config.json, TP that does not divide heads / KV groups / FFN, PP that does not divide the layers, a
     world size other than TP*PP*DP, missing or truncated safetensors files,
     and batch sizes that do not split into mini- and micro-batches.
     """
-    spec = ModelSpec.from_pretrained(model_path)
+    spec = ModelSpec.from_pretrained(model_path).with_padded_vocab(
+        engine.make_vocab_size_divisible_by, engine.tensor_parallel
+    )
     spec.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
     layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel)
     reader = HFCheckpointReader(model_path)

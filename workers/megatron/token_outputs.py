@@ -26,16 +26,20 @@ def response_log_probs(
     defers its output layer (the fused linear + log-prob op applies this TP
     rank's vocab slice of it), else this rank's vocab slice of the logits.
     The sampling temperature divides the logits first, so the log-probs are
-    those of the distribution that sampled.
+    those of the distribution that sampled. Padded vocabulary ids (from
+    ``spec.vocab_size`` on) are left out of the distribution.
     """
     next_tokens = torch.roll(mb["input_ids"], shifts=-1, dims=1)
     tp_group, vocab_start = engine.groups.tp_group, engine.vocab_start()
     if engine.output_deferred:
         log_prob, entropy = linear_log_prob_entropy(
-            output, engine.output_weight(), next_tokens, vocab_start, tp_group, temperature
+            output, engine.output_weight(), next_tokens, vocab_start, tp_group, temperature,
+            vocab_size=engine.spec.vocab_size,
         )
     else:
-        log_prob, entropy = vocab_parallel_log_prob_entropy(output, next_tokens, vocab_start, tp_group, temperature)
+        log_prob, entropy = vocab_parallel_log_prob_entropy(
+            output, next_tokens, vocab_start, tp_group, temperature, vocab_size=engine.spec.vocab_size
+        )
     shift, length = mb["shift"], mb["response_length"]
     return (
         response_slice(unroll_rows(log_prob, shift), length),

@@ -14,7 +14,8 @@ prompt sits at RoPE positions 0..len-1, as in a single-prompt forward.
 
 What this module adds to megatron, mixed into its controller (_RolloutSampling):
 
-* the sampler (``sample_from_logits``): logits / T, then top-k and top-p,
+* the sampler (``sample_from_logits``): padded vocabulary ids cut off,
+  logits / T, then top-k and top-p,
   then a draw per row with that row's own ``torch.Generator`` (seeded
   requests) or a generator shared by the unseeded rows, and the log-prob of
   each drawn token under that processed distribution;
@@ -123,7 +124,7 @@ class MegatronGenerator:
                 params_dtype=model.config.params_dtype,
                 # -1: a pipeline always runs the whole batch as one micro-batch (megatron's "small batch" path).
                 inference_batch_times_seqlen_threshold=-1,
-                padded_vocab_size=self.spec.vocab_size,
+                padded_vocab_size=self.spec.vocab_rows,  # megatron gathers the logits of every row, padding too
             )
             wrapper = GPTInferenceWrapper(model, config, _new_context(1, 1), pg_collection=model.pg_collection)
             self._controller = _rollout_controller_class()(
@@ -217,7 +218,8 @@ class MegatronGenerator:
         wrapper.inference_wrapper_config.inference_max_requests = batch
         wrapper.inference_wrapper_config.inference_max_seq_length = max_sequence
         wrapper.inference_context = _new_context(batch, max_sequence)
-        self._controller.start(requests, sampling, self._unseeded_seed(requests, sampling), self.decode)
+        self._controller.start(requests, sampling, self._unseeded_seed(requests, sampling), self.decode,
+                               self.spec.vocab_size)
         megatron_requests = [
             InferenceRequest(request_id=i, prompt="", prompt_tokens=list(r.prompt_ids), sampling_params=params)
             for i, r in enumerate(requests)
@@ -321,8 +323,10 @@ class _RolloutSampling:
     """
 
     def start(self, requests: list[GenerationRequest], sampling: SamplingConfig, unseeded_seed: int | None,
-              decode: Callable[[list[int]], str] | None) -> None:
+              decode: Callable[[list[int]], str] | None, vocab_size: int | None = None) -> None:
+        """``vocab_size``: the real vocabulary; logits of ids from it on (padding rows) are dropped."""
         self._requests, self._sampling, self._decode = requests, sampling, decode
+        self._vocab_size = vocab_size
         self._unseeded_seed = unseeded_seed
         self._rows: dict[int, _Row] = {}
         self._batch_rows: list[_Row] = []
@@ -354,6 +358,9 @@ class _RolloutSampling:
         their prompt get the argmax, which megatron discards.
         """
         sampling = self._sampling
+        if self._vocab_size is not None:
+            # Padded vocabulary ids are not tokens: cut them off before the softmax, so they get no mass.
+            last_token_logits = last_token_logits[..., : self._vocab_size]
         processed = _process_logits(last_token_logits, sampling.logprob_temperature, sampling.top_k, sampling.top_p)
         log_probs = torch.log_softmax(processed, dim=-1)
         tokens = torch.argmax(last_token_logits, dim=-1)

@@ -58,8 +58,14 @@ class Rollout(BaseWorker):
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.tokenizer.pad_token_id
         self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
         check_special_tokens(self.pad_token_id, self.eos_token_id, model_path)
-        spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         self.actor = self.peer(actor_role) if actor_role is not None else None
+        if self.actor is not None:
+            # The actor's spec: its vocabulary padding is what the resharded shards carry.
+            self.spec = spec = self.actor.engine.spec
+            spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        else:
+            # Served from the checkpoint by vLLM, which pads the vocabulary to a multiple of 64 itself.
+            spec.with_padded_vocab(64, 1).check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel)
         if self.actor is not None:
             train = self.actor.engine.layout

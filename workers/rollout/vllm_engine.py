@@ -9,7 +9,9 @@ rank permutation that turns its consecutive blocks into ours, so each
 generation TP group becomes one independent engine (micro-DP replicas).
 
 Weights arrive per rank from the hybrid engine in vLLM's per-rank layout
-(``VLLMShardLoader``); the prefix cache is reset after every sync.
+(``VLLMShardLoader``); the prefix cache is reset after every sync. The
+embedding and output-layer rows are regrouped from megatron's (padded)
+vocabulary split into vLLM's (``workers.rollout.vocab_rows``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 from hybridengine.device import accelerator_available
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
+from hybridengine.param_catalogue import ShardKind, stage_params
 from hybridengine.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.vocab_rows import megatron_vocab_rows, regroup_vocab_rows
 
 __all__ = ["VLLMGenerator", "check_vllm_head_dim", "vllm_rank_permutation"]
 
@@ -107,6 +111,10 @@ class VLLMGenerator:
         if sleep_between_rollouts and not accelerator_available() and rank == 0:
             log.warning("vLLM sleep/wake is a no-op on CPU: the KV cache (%d MiB) and weights stay allocated "
                         "between rollouts", kv_cache_bytes >> 20)
+        # Torch groups for the vocabulary regrouping, one per generation TP group; every rank creates
+        # every group, in one order (new_group is collective over the world).
+        self._tp_groups = {tuple(g): torch.distributed.new_group(list(g)) for g in plan.gen_tp_groups}
+        self._tp_ranks = next(list(g) for g in plan.gen_tp_groups if rank in g)
         with _permuted_groups(vllm_rank_permutation(plan)):
             self.llm = LLM(
                 model=model_path,
@@ -125,6 +133,12 @@ class VLLMGenerator:
                 enable_prefix_caching=True,
             )
         self.asleep = False
+        # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
+        (mine,) = self.llm.collective_rpc("vocab_rows")
+        self.vllm_rows: list[tuple[int, int]] = [None] * len(self._tp_ranks)  # type: ignore[list-item]
+        torch.distributed.all_gather_object(self.vllm_rows, tuple(mine), group=self._tp_groups[tuple(self._tp_ranks)])
+        t_g = plan.gen.tensor_parallel
+        self.megatron_rows = [megatron_vocab_rows(spec.vocab_rows, spec.vocab_size, t_g, r) for r in range(t_g)]
 
     # ----------------------------------------------------------------- weights
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -132,10 +146,14 @@ class VLLMGenerator:
         start = time.perf_counter()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        shard = to_vllm_shard(self.spec, weights, self.plan.gen.tensor_parallel, 1, 0)
-        rows = self.spec.vocab_size // self.plan.gen.tensor_parallel
-        vocab_range = (self.me.gen_tp_rank * rows, (self.me.gen_tp_rank + 1) * rows)
-        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, vocab_range))
+        t_g, tp_rank = self.plan.gen.tensor_parallel, self.me.gen_tp_rank
+        shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank)
+        group = self._tp_groups[tuple(self._tp_ranks)]
+        for param in stage_params(self.spec, t_g, 1, 0):
+            if param.kind == ShardKind.VOCAB_ROWS:
+                shard[param.vllm_name] = regroup_vocab_rows(
+                    shard[param.vllm_name], self.megatron_rows, self.vllm_rows, tp_rank, self._tp_ranks, group)
+        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank]))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"]}
 

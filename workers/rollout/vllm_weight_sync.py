@@ -41,8 +41,7 @@ def _copy_into(name: str, target: torch.Tensor, tensor: torch.Tensor, rows, voca
         if vocab_range is not None and tuple(rows) != tuple(vocab_range):
             raise ShardLoadError(
                 f"{name}: vLLM holds vocabulary rows {rows} on this rank, the shard has rows {tuple(vocab_range)}; "
-                f"vLLM pads the vocabulary to a multiple of 64 before splitting it, so the vocabulary size must "
-                f"be a multiple of 64 x generation TP for shards to line up"
+                f"send the rows vLLM reports through vocab_rows() (workers.rollout.vocab_rows regroups them)"
             )
         count = rows[1] - rows[0]
         if tensor.shape[0] != count:
@@ -82,6 +81,14 @@ class VLLMShardLoader:
     into its worker class, so ``self`` is the worker and ``self.model_runner``
     holds the model.
     """
+
+    def vocab_rows(self) -> tuple[int, int]:
+        """[start, end) of the real vocabulary rows this rank's vocab-parallel layers hold."""
+        for module in self.model_runner.model.modules():
+            rows = _vocab_rows(module)
+            if rows is not None:
+                return rows
+        raise ShardLoadError("the engine's model has no vocab-parallel layer")
 
     def load_shard(self, shard: dict[str, torch.Tensor], vocab_range: tuple[int, int] | None = None) -> dict[str, Any]:
         """Copy ``shard`` (vLLM names, this rank's per-rank layout) into the model; returns bytes and time.

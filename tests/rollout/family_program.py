@@ -1,0 +1,88 @@
+"""Run under torchrun (4 ranks): one model family on megatron at TP2 x PP2, and vLLM after a sync.
+
+    torchrun --nproc-per-node 4 family_program.py MODEL_DIR OUT_DIR [--pad N]
+
+In one launch: full logits and (unfused) log-probs from a reference policy
+that keeps megatron's output layer; the actor's fused log-probs and
+entropies; the actor exported as a HF checkpoint; greedy responses from a
+vLLM rollout (generation TP2, weights synced from the actor) and from the
+megatron rollout (TP2 x PP2). Everything goes to OUT_DIR/family.pt for the
+test to hold against HF transformers.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rollout_program import prompt_batch
+
+from controller import ResourcePool, WorkerGroup
+from workers import DataProto, Dispatch, register
+from workers.actor import Actor, ReferencePolicy
+from workers.megatron.token_outputs import response_log_probs
+from workers.rollout import Rollout
+
+PROMPT, RESPONSE = 7, 5
+
+
+class LogitsProbe(ReferencePolicy):
+    """A reference policy that also returns the full logits (gathered over TP) of every position."""
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def logits(self, data: DataProto) -> DataProto | None:
+        engine = self.engine
+
+        def step(mb, output):
+            parts = [torch.empty_like(output) for _ in range(engine.layout.tp)]
+            dist.all_gather(parts, output.contiguous(), group=engine.groups.tp_group)
+            log_prob, entropy = response_log_probs(engine, mb, output, 1.0)
+            return torch.zeros(()), {"logits": torch.cat(parts, -1), "log_probs": log_prob, "entropy": entropy}
+
+        outputs = engine.run(data, step, forward_only=True)
+        if not outputs:
+            return None
+        return DataProto({key: torch.cat([o[key] for o in outputs]) for key in ("logits", "log_probs", "entropy")})
+
+
+def token_batch(vocab: int, rows: int = 4) -> DataProto:
+    """Unpadded rows (RoPE positions 0..S-1, as in a plain HF forward) of random ids of the real vocabulary."""
+    ids = torch.randint(3, vocab, (rows, PROMPT + RESPONSE), generator=torch.Generator().manual_seed(5))
+    ids[0, -1] = vocab - 1  # the last real id is a target too
+    mask = torch.ones_like(ids)
+    return DataProto({"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(ids.shape[1]).expand_as(ids),
+                      "responses": ids[:, PROMPT:], "response_mask": mask[:, PROMPT:]})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--pad", type=int, default=None, help="make_vocab_size_divisible_by")
+    parser.add_argument("--vocab", type=int, required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    engine = {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_size": 2,
+              "make_vocab_size_divisible_by": args.pad}
+    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
+        model_path=args.model, engine=engine, optim={"lr": 1e-3}, ppo={"ppo_mini_batch_size": 4}))
+    probe = WorkerGroup(pool, LogitsProbe, role="probe", kwargs=dict(
+        model_path=args.model, engine={**engine, "fused_output_layer": False}))
+    batch = token_batch(args.vocab)
+    result = {"batch": batch, "probe": probe.logits(batch), "actor": actor.compute_log_prob(batch)}
+    actor.save_hf(str(out / "exported"))
+    sampling = {"max_new_tokens": 10}
+    vllm = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
+        "engine": "vllm", "tensor_parallel": 2, "max_prompt_length": 8, "sampling": sampling}))
+    result["vllm_greedy"] = vllm.generate_sequences(prompt_batch(greedy=True))
+    megatron = WorkerGroup(pool, Rollout, role="megatron_rollout", kwargs=dict(model_path=args.model, config={
+        "engine": "megatron", "tensor_parallel": 2, "pipeline_parallel": 2, "max_prompt_length": 8,
+        "sampling": sampling}))
+    result["megatron_greedy"] = megatron.generate_sequences(prompt_batch(greedy=True))
+    torch.save(result, out / "family.pt")
+
+
+if __name__ == "__main__":
+    main()
