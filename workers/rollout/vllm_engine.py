@@ -115,6 +115,9 @@ class VLLMGenerator:
         # every group, in one order (new_group is collective over the world).
         self._tp_groups = {tuple(g): torch.distributed.new_group(list(g)) for g in plan.gen_tp_groups}
         self._tp_ranks = next(list(g) for g in plan.gen_tp_groups if rank in g)
+        if self._tp_ranks.index(rank) != self.me.gen_tp_rank:  # vLLM's TP rank is the position in the group
+            raise RuntimeError(f"rank {rank} is generation TP rank {self.me.gen_tp_rank} but at position "
+                               f"{self._tp_ranks.index(rank)} of its generation TP group {self._tp_ranks}")
         with _permuted_groups(vllm_rank_permutation(plan)):
             self.llm = LLM(
                 model=model_path,
@@ -135,8 +138,11 @@ class VLLMGenerator:
         self.asleep = False
         # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
         (mine,) = self.llm.collective_rpc("vocab_rows")
-        self.vllm_rows: list[tuple[int, int]] = [None] * len(self._tp_ranks)  # type: ignore[list-item]
-        torch.distributed.all_gather_object(self.vllm_rows, tuple(mine), group=self._tp_groups[tuple(self._tp_ranks)])
+        by_group_rank: list[tuple[int, int]] = [None] * len(self._tp_ranks)  # type: ignore[list-item]
+        torch.distributed.all_gather_object(by_group_rank, tuple(mine), group=self._tp_groups[tuple(self._tp_ranks)])
+        # all_gather_object orders by global rank; the shards are in generation TP order (the plan's group order).
+        members = sorted(self._tp_ranks)
+        self.vllm_rows = [by_group_rank[members.index(r)] for r in self._tp_ranks]
         t_g = plan.gen.tensor_parallel
         self.megatron_rows = [megatron_vocab_rows(spec.vocab_rows, spec.vocab_size, t_g, r) for r in range(t_g)]
 
