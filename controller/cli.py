@@ -69,7 +69,10 @@ def _data(args) -> int:
 def _torchrun(nproc: int, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "controller.cli", *argv]
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
+    # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads})
 
 
 def _train(args, argv: list[str]) -> int:

@@ -340,7 +340,8 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                             f"micro_batch_size {eng.micro_batch_size}")
         if model_spec is not None and role == "actor":
             try:
-                model_spec.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
+                padded = model_spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)
+                padded.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
             except ValueError as exc:
                 problems.append(f"{role}: {exc}")
     if actor_layout is not None:

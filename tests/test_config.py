@@ -124,3 +124,14 @@ def test_trainer_placement_and_parallelism_by_declaration():
     with pytest.raises(ConfigError, match="needs a critic"):
         RLTrainer(actor=Actor.from_pretrained("policy"), rollout=Rollout.from_pretrained("policy"), reward_fn="x",
                   train_data=arithmetic_prompts(8, seed=0), batch_size=4)
+
+
+def test_a_vocabulary_that_only_padding_fits_passes_the_check(tmp_path):
+    """vocab 301 at TP2: padded to 512 rows by default (megatron's 128 x TP), refused when padding is off."""
+    from dataclasses import replace
+
+    spec = replace(ModelSpec.from_pretrained(make_llama(tmp_path / "m")), vocab_size=301)
+    layout = ["actor.engine.tensor_parallel=2", "trainer.nproc=2", "rollout.tensor_parallel=1"]
+    check_config(load_config(None, layout), spec)
+    with pytest.raises(ConfigError, match="tensor_parallel 2 does not divide the vocab size 301"):
+        check_config(load_config(None, [*layout, "actor.engine.make_vocab_size_divisible_by=null"]), spec)

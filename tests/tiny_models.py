@@ -22,12 +22,7 @@ def make_llama(path: Path, tie: bool = False, qkv_bias: bool = False, layers: in
         model = LlamaForSequenceClassification(LlamaConfig(num_labels=1, pad_token_id=0, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
-    with torch.no_grad():  # norms away from 1 and non-zero biases, so a mapping slip shows
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _perturb_norms_and_save(model, path)
 
 
 def make_rl_batch(batch_size: int = 8, prompt_length: int = 6, response_length: int = 5, seed: int = 0):

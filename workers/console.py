@@ -72,6 +72,12 @@ HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
         # vLLM's layerwise reload visits the rotary embedding, which has no weights (its tables come
         # from the config); every real parameter is loaded and checked by the weight sync.
         r"RotaryEmbedding: Failed to load weights",
+        # With tied embeddings the LM head has no tensor of its own: it is the embedding's, which the sync
+        # loads, and whose tied layers it re-processes (workers/rollout/vllm_weight_sync.py).
+        r"ParallelLMHead: Failed to load weights",
+        # The worker chose its thread count (the trainer in the same process uses them); measured on the
+        # SmolLM2 example, 2 threads in one process beat 1 (README, "A real model").
+        r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads",
     ),
     # torch's op library looks for Triton kernels; CPU runs have none.
     "torch._library.triton": (r"Triton not available",),

@@ -41,8 +41,9 @@ def test_ffn_and_vocab_that_tp_does_not_divide(tmp_path):
         config = json.loads((path / "config.json").read_text())
         config[key] = value
         (path / "config.json").write_text(json.dumps(config))
+        # Unpadded (as before vocabulary padding, now the default, existed): TP must divide the vocabulary.
         with pytest.raises(ModelConfigError, match=f"tensor_parallel 2 does not divide the {message}"):
-            check_training_setup(str(path), EngineConfig(tensor_parallel=2), 2)
+            check_training_setup(str(path), EngineConfig(tensor_parallel=2, make_vocab_size_divisible_by=None), 2)
 
 
 def test_unsupported_architecture(model, tmp_path):

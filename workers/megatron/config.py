@@ -53,7 +53,7 @@ class EngineConfig:
     # As megatron's (which uses 128): embedding and output-layer rows are padded to a multiple of this
     # x tensor_parallel, so any TP size fits any vocabulary; padded ids take no probability mass and are
     # never exported. None: no padding, TP must divide the vocabulary.
-    make_vocab_size_divisible_by: int | None = None
+    make_vocab_size_divisible_by: int | None = 128
 
     def __post_init__(self) -> None:
         value = self.make_vocab_size_divisible_by
