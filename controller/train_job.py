@@ -19,7 +19,7 @@ from controller.data.prepare import JobPrompts, load_job_prompts
 from controller.models import resolve_model_path, value_model_from_policy
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_job", "prepare_model", "run_training"]
+__all__ = ["prepare_job", "run_training"]
 
 
 def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None) -> tuple[str, JobPrompts]:
@@ -36,11 +36,6 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None) -> t
     model = resolve_model_path(config.model_path, run_dir)
     check_config(config, ModelSpec.from_pretrained(model))
     return model, _datasets(config, config.actor.model_path or model, log)
-
-
-def prepare_model(config: RLConfig) -> str:
-    """``prepare_job``'s checkpoint: every check that needs no worker process."""
-    return prepare_job(config)[0]
 
 
 def _datasets(config: RLConfig, tokenizer_path: str, log: Callable[[str], None] | None) -> JobPrompts:

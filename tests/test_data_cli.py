@@ -18,6 +18,7 @@ from conftest import ROOT
 
 import controller.cli as cli
 from controller.data import load_prompt_files
+from controller.data.writers import write_parquet
 
 SMALL = ["trainer.nproc=1", "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1",
          "actor.engine.micro_batch_size=2", "critic.engine.tensor_parallel=1", "critic.engine.pipeline_parallel=1",
@@ -40,10 +41,7 @@ def launches(monkeypatch):
 
 
 def write_rows(path, rows):
-    import datasets
-
-    datasets.Dataset.from_list(rows).to_parquet(str(path))
-    return str(path)
+    return str(write_parquet(rows, path))
 
 
 def train(tmp_path, model, *overrides):
@@ -51,6 +49,14 @@ def train(tmp_path, model, *overrides):
     code = cli.main(["train", "--config", str(ROOT / "examples" / "ppo_tiny.yaml"), f"model_path={model}",
                      f"trainer.run_dir={tmp_path / 'run'}", *SMALL, "reward.fn=auto", *overrides])
     return code, time.perf_counter() - start
+
+
+def refused(tmp_path, model, path, launches, capsys, *overrides):
+    """Train on the prompt file ``path``: the run must be refused (exit code 2, no launch); returns (stderr, seconds)."""
+    code, seconds = train(tmp_path, model, "data.task=files", f"data.train_files={path}", *overrides)
+    err = capsys.readouterr().err
+    assert (code, launches) == (2, []), overrides
+    return err, seconds
 
 
 def test_data_arithmetic_writes_chat_files_that_load_back(tmp_path, capsys):
@@ -99,16 +105,14 @@ def test_overlong_prompts_are_refused_before_any_process(tmp_path, chat_model, l
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(6)]
     rows[2]["prompt"][0]["content"] = "Please add these two numbers carefully: 2 + 1?"
     path = write_rows(tmp_path / "train.parquet", rows)
-    code, seconds = train(tmp_path, chat_model, "data.task=files", f"data.train_files={path}")
-    err = capsys.readouterr().err
-    assert code == 2 and launches == []
+    err, seconds = refused(tmp_path, chat_model, path, launches, capsys)
     assert "1 of 6 training prompts are longer than rollout.max_prompt_length=40 tokens: row 2 (69 tokens" in err
     assert "Set data.filter_overlong_prompts=true" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert seconds < 30, seconds  # loading and tokenizing, no start-up
     # The Ray launcher starts its workers from this process: the same refusal comes before it.
-    code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files={path}", "trainer.launcher=ray")
-    assert code == 2 and "1 of 6 training prompts are longer" in capsys.readouterr().err
+    err, _ = refused(tmp_path, chat_model, path, launches, capsys, "trainer.launcher=ray")
+    assert "1 of 6 training prompts are longer" in err
     # With the filter on the row is dropped, said so, and the job launches.
     code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files=[{path}, {path}]",
                     "data.filter_overlong_prompts=true")
@@ -117,12 +121,10 @@ def test_overlong_prompts_are_refused_before_any_process(tmp_path, chat_model, l
 
 
 def test_unknown_data_source_and_bad_reward_functions_are_refused_before_launch(tmp_path, chat_model, launches,
-                                                                                 capsys, monkeypatch):
+                                                                                 capsys, monkeypatch, request):
     rows = [{"prompt": "1+1=", "ground_truth": "2", "data_source": "my/riddles"}] * 4
     path = write_rows(tmp_path / "riddles.parquet", rows)
-    code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files={path}")
-    err = capsys.readouterr().err
-    assert code == 2 and launches == []
+    err, _ = refused(tmp_path, chat_model, path, launches, capsys)
     assert "reward.fn is 'auto' (score by data_source), but no reward function is known for data_source 'my/riddles'" in err
     assert "known data sources: ['DigitalLearningGmbH/MATH-lighteval', " in err
 
@@ -134,6 +136,7 @@ def test_unknown_data_source_and_bad_reward_functions_are_refused_before_launch(
             return 1.0
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: sys.modules.pop("riddle_rewards", None))  # the checks below import it
     refusals = {
         "reward.fn=riddle_rewards:old_style": "reward.fn: 'riddle_rewards:old_style' has the signature (response, ground_truth)",
         "reward.fn=no_such_reward_module:score": "module 'no_such_reward_module' failed to import (ModuleNotFoundError",
@@ -141,13 +144,10 @@ def test_unknown_data_source_and_bad_reward_functions_are_refused_before_launch(
                                                               "'riddle_rewards:missing': module 'riddle_rewards' has no attribute",
     }
     for override, message in refusals.items():
-        code, _ = train(tmp_path, chat_model, "data.task=files", f"data.train_files={path}", override)
-        assert (code, launches) == (2, []), override
-        assert message in capsys.readouterr().err, override
+        assert message in refused(tmp_path, chat_model, path, launches, capsys, override)[0], override
     # A function of the user's, or the old spelling of a single file, and the job launches.
     code, _ = train(tmp_path, chat_model, "data.task=jsonl", f"data.train_file={path}", "reward.fn=riddle_rewards:score")
     assert code == 0 and len(launches) == 1, capsys.readouterr().err
-    sys.modules.pop("riddle_rewards", None)
 
 
 def test_refusal_through_the_real_command_starts_no_process(tmp_path, chat_model):

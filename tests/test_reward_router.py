@@ -60,9 +60,13 @@ def test_rule_reward_worker_routes_by_the_batch_data_source(tmp_path):
                        extra_info=[{}, {}, {}])
     scores = RuleReward(tokenizer, reward_fn="auto").compute_reward(batch).batch["scores"]
     assert scores.tolist() == [1.0, 1.0, 0.5]
+    # reward.kwargs pass the check for "auto" and reach every routed scorer, which take **kwargs.
+    routed = RuleReward(tokenizer, reward_fn="auto", reward_kwargs={"note": "x"}).compute_reward(batch)
+    assert routed.batch["scores"].tolist() == [1.0, 1.0, 0.5]
 
 
-def test_reward_functions_are_imported_and_their_signature_bound_before_launch(tmp_path, monkeypatch):
+def test_reward_functions_are_imported_and_their_signature_bound_before_launch(tmp_path, monkeypatch, request):
+    request.addfinalizer(lambda: sys.modules.pop("my_rewards", None))  # imported by the checks below
     (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
         def good(prompt, response, ground_truth, extra, **kwargs):
             return 1.0
@@ -98,4 +102,3 @@ def test_reward_functions_are_imported_and_their_signature_bound_before_launch(t
         check_reward_fn("my_rewards:not_a_function")
     with pytest.raises(ValueError, match="reward.fn: unknown reward function 'gsm8k'; built-in functions"):
         check_reward_fn("gsm8k")
-    sys.modules.pop("my_rewards", None)

@@ -51,7 +51,8 @@ CPU_ONLY_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r".*CUDA_DEVICE_MAX_CONNECTIONS.*", UserWarning),
 )
 
-# Logger name prefix -> message regexes of WARNING records that are expected in every hybridflow run.
+# Logger name -> message regexes of WARNING records that are expected in every hybridflow run
+# ("vllm": the whole vLLM logger tree, through its handler).
 HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
     "vllm": (
         # The engine seeds the process RNG; hybridflow seeds every request itself (SamplingConfig.seed).
@@ -109,7 +110,7 @@ def console_env(verbose: bool) -> dict[str, str]:
 class HarmlessRecords(logging.Filter):
     """Drops the WARNING (and lower) records of ``HARMLESS_LOG_RECORDS[logger_prefix]``; errors always pass."""
 
-    def __init__(self, logger_prefix: str = "vllm") -> None:
+    def __init__(self, logger_prefix: str = "vllm") -> None:  # a key of HARMLESS_LOG_RECORDS
         super().__init__()
         self.pattern = re.compile("|".join(f"(?:{p})" for p in HARMLESS_LOG_RECORDS[logger_prefix]))
 
@@ -121,18 +122,6 @@ class HarmlessRecords(logging.Filter):
         except Exception:  # a malformed record is not ours to drop
             return True
         return not self.pattern.search(message)
-
-
-def _filter_logger_tree(prefix: str) -> None:
-    """Drop harmless records of ``prefix`` and its children.
-
-    Records of child loggers reach the parent's handlers without passing the
-    parent logger's own filters, so the filter goes on the handlers too.
-    """
-    logger = logging.getLogger(prefix)
-    for target in (logger, *logger.handlers):
-        if not any(isinstance(f, HarmlessRecords) for f in target.filters):
-            target.addFilter(HarmlessRecords(prefix))
 
 
 def vllm_logging_config() -> dict:
@@ -189,8 +178,12 @@ def configure_console(verbose: bool | None = None) -> None:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET or logger.level < logging.WARNING:
             logger.setLevel(logging.WARNING)
-    for prefix in HARMLESS_LOG_RECORDS:
-        _filter_logger_tree(prefix)
+    # vLLM's records pass the filter on its own handler (vllm_logging_config); the others are filtered
+    # where they are logged (a logger's filters see only its own records, not its children's).
+    for name in HARMLESS_LOG_RECORDS.keys() - {"vllm"}:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, HarmlessRecords) for f in logger.filters):
+            logger.addFilter(HarmlessRecords(name))
     try:  # transformers' own verbosity switch also covers its progress bars
         import transformers.utils.logging as hf_logging
 

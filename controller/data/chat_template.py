@@ -1,9 +1,9 @@
 """Prompts into the token ids the rollout sees: chats through the tokenizer's chat template.
 
 A message list is rendered by ``tokenizer.apply_chat_template(...,
-add_generation_prompt=True)`` and its ids are taken from that call directly:
-re-tokenizing the rendered text would add the BOS (or other special tokens)
-a second time on tokenizers whose template already writes it. A string
+add_generation_prompt=True)`` and its text tokenized with no special tokens
+added, as ``apply_chat_template(tokenize=True)`` does: adding them would put a
+second BOS in front on tokenizers whose template already writes it. A string
 prompt is tokenized as is, without special tokens, unless
 ``chat_wrap`` makes it a user message.
 """
@@ -67,9 +67,10 @@ def render_prompt(prompt: Prompt, tokenizer: Any, fmt: PromptFormat, chat: bool,
         raise ValueError(f"{where}: {why}, but the chat template is off (data.apply_chat_template="
                          f"{fmt.apply_chat_template!r}; the tokenizer has "
                          f"{'a' if getattr(tokenizer, 'chat_template', None) else 'no'} chat template)")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # What apply_chat_template(tokenize=True) does, rendering once: the text, then its tokens with no
+    # special tokens added (the template writes its own).
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(ids), text
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
 
 def encode_prompts(dataset: PromptDataset, tokenizer: Any, fmt: PromptFormat = PromptFormat(),

@@ -9,6 +9,7 @@ the rows are in memory).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -58,10 +59,11 @@ def read_rows(path: str | Path, cache_dir: str | Path | None = None) -> list[dic
     if builder is None:
         raise ValueError(f"prompt file {path}: unsupported format {path.suffix!r}; accepted: "
                          f"{sorted(FILE_FORMATS)} files or a datasets save_to_disk directory")
-    with tempfile.TemporaryDirectory(prefix="hybridflow-datasets-") as scratch:
+    with contextlib.ExitStack() as stack:
+        if cache_dir is None:
+            cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridflow-datasets-"))
         try:
-            loaded = datasets.load_dataset(builder, data_files=[str(path)], split="train",
-                                           cache_dir=str(cache_dir or scratch))
+            loaded = datasets.load_dataset(builder, data_files=[str(path)], split="train", cache_dir=str(cache_dir))
         except Exception as exc:  # datasets raises many kinds (Arrow, JSON, schema); the file is what matters
             raise ValueError(f"prompt file {path} could not be read as {builder} "
                              f"({type(exc).__name__}: {str(exc)[:300]})") from exc

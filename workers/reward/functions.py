@@ -89,7 +89,7 @@ def _answer_text(number: Decimal) -> str:
     return "0" if text in ("-0", "0") else text
 
 
-def arithmetic_answer(prompt: str, response: str, ground_truth: str | None, extra: dict) -> float:
+def arithmetic_answer(prompt: str, response: str, ground_truth: str | None, extra: dict, **kwargs: Any) -> float:
     """1.0 if the response's final answer equals the ground truth's as a number, else 0.0.
 
     Both sides go through ``final_answer``, so a GSM8K ground truth
@@ -100,12 +100,12 @@ def arithmetic_answer(prompt: str, response: str, ground_truth: str | None, extr
     return 1.0 if answer is not None and answer == expected else 0.0
 
 
-def format_check(prompt: str, response: str, ground_truth: str | None, extra: dict) -> float:
+def format_check(prompt: str, response: str, ground_truth: str | None, extra: dict, **kwargs: Any) -> float:
     """1.0 if the response ends with ``#### <number>`` (trailing whitespace allowed), else 0.0."""
     return 1.0 if _FORMAT_RE.search(response) else 0.0
 
 
-def arithmetic_shaped(prompt: str, response: str, ground_truth: str | None, extra: dict) -> float:
+def arithmetic_shaped(prompt: str, response: str, ground_truth: str | None, extra: dict, **kwargs: Any) -> float:
     """``arithmetic_answer`` plus a partial score that a random policy can climb.
 
     A correct final answer scores 1.0. Otherwise the score is

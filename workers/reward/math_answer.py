@@ -10,6 +10,7 @@ anchors on it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -27,6 +28,14 @@ def _gold_text(ground_truth: Any) -> str:
     return text if "\\boxed" in text or "$" in text else "\\boxed{" + text + "}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(text: str, timeout: int | None) -> list:
+    """A ground truth parses the same for every response to its prompt, step after step: parse it once."""
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=timeout)
+
+
 def math_equivalence(prompt: str, response: str, ground_truth: Any, extra: dict, **kwargs: Any) -> float:
     """1.0 if the response's answer is mathematically equal to the ground truth, else 0.0.
 
@@ -42,7 +51,7 @@ def math_equivalence(prompt: str, response: str, ground_truth: Any, extra: dict,
         return 0.0
     truths = ground_truth if isinstance(ground_truth, list) else [ground_truth]
     for truth in truths:
-        gold = parse(_gold_text(truth), parsing_timeout=timeout)
+        gold = _parsed_gold(_gold_text(truth), timeout)
         if gold and verify(gold, answer, timeout_seconds=timeout):
             return 1.0
     return 0.0
