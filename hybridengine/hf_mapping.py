@@ -70,11 +70,11 @@ def _qkv_rows(spec: ModelSpec, tp_rank: int, tp: int) -> tuple[slice, slice, int
     return q_rows, kv_rows, groups
 
 
-def _vocab_shard(read: Reader, name: str, spec: ModelSpec, tp_rank: int, rows: int) -> torch.Tensor:
-    """Rows [r * rows, (r + 1) * rows) of the padded vocabulary: the real ones read, padding rows zero."""
-    start = tp_rank * rows
-    end = min(start + rows, spec.vocab_size)
-    real = read(name, (slice(min(start, end), end),))  # empty (but typed) on a rank of padding only
+def _vocab_shard(read: Reader, name: str, spec: ModelSpec, tp_rank: int, tp: int) -> torch.Tensor:
+    """TP rank r's rows of the padded vocabulary: the real ones read, padding rows zero."""
+    rows = spec.vocab_rows // tp
+    start, end = spec.real_vocab_rows(tp, tp_rank)
+    real = read(name, (slice(start, end),))  # empty (but typed) on a rank of padding only
     if real.shape[0] == rows:
         return real
     out = real.new_zeros(rows, *real.shape[1:])
@@ -89,7 +89,7 @@ def cut_shard(source: ParamSource, read: Reader, spec: ModelSpec, tp_rank: int, 
         return read(names[0], ())
     shape = _shard_shape(source, spec, tp)
     if kind == VOCAB_ROWS:
-        return _vocab_shard(read, names[0], spec, tp_rank, shape[0])
+        return _vocab_shard(read, names[0], spec, tp_rank, tp)
     if kind == COLUMNS:
         cols = shape[1]
         return read(names[0], (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)))

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling"]
+__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling",
+           "real_vocab_rows"]
 
 # architecture -> (family, has a scalar head)
 SUPPORTED_ARCHITECTURES = {
@@ -46,6 +47,13 @@ class Llama3RopeScaling:
 
 class ModelConfigError(ValueError):
     """config.json describes a model, or a model/layout pair, that the engine cannot build."""
+
+
+def real_vocab_rows(vocab_rows: int, vocab_size: int, tensor_parallel: int, tp_rank: int) -> tuple[int, int]:
+    """[start, end) of the real ids among TP rank ``tp_rank``'s ``vocab_rows / tensor_parallel`` padded rows."""
+    per_rank = vocab_rows // tensor_parallel
+    start = min(tp_rank * per_rank, vocab_size)
+    return start, min(start + per_rank, vocab_size)
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,6 +89,10 @@ class ModelSpec:
     def vocab_rows(self) -> int:
         """Rows of the embedding and output layer: the padded vocabulary (ids >= vocab_size are padding)."""
         return self.padded_vocab_size or self.vocab_size
+
+    def real_vocab_rows(self, tensor_parallel: int, tp_rank: int) -> tuple[int, int]:
+        """[start, end) of the real (unpadded) vocabulary ids in TP rank ``tp_rank``'s shard of ``vocab_rows``."""
+        return real_vocab_rows(self.vocab_rows, self.vocab_size, tensor_parallel, tp_rank)
 
     def with_padded_vocab(self, divisible_by: int | None, tensor_parallel: int) -> "ModelSpec":
         """This spec with the vocabulary padded as megatron's ``make_vocab_size_divisible_by`` does.

@@ -8,11 +8,6 @@ how they join.
 
 from __future__ import annotations
 
-from hybridengine.model_spec import ModelSpec
 from hybridengine.param_catalogue import StageParam, stage_params
 
-__all__ = ["StageParam", "stage_params", "global_layer"]
-
-
-def global_layer(spec: ModelSpec, pipeline_parallel: int, pp_rank: int, local_layer: int) -> int:
-    return spec.layers_of_stage(pp_rank, pipeline_parallel)[local_layer]
+__all__ = ["StageParam", "stage_params"]

@@ -13,10 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hybridengine.param_catalogue import ShardKind
-
-VOCAB_ROWS, REPLICATED, QKV, COLUMNS, FC1 = (
-    ShardKind.VOCAB_ROWS, ShardKind.REPLICATED, ShardKind.QKV, ShardKind.COLUMNS, ShardKind.FC1)
+from hybridengine.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
 from hybridengine.ops.copy_blocks import Block, copy_blocks, whole_block
 
 __all__ = ["Piece", "join_blocks", "join_into", "join_tp_shards", "split_tp_shard"]

@@ -54,7 +54,7 @@ def to_vllm_shard(
         if param.kind == ShardKind.QKV:
             tensor = qkv_group_major_to_vllm(tensor, spec, tp)
         elif param.kind == ShardKind.VOCAB_ROWS:
-            rows = param.shape[0]
-            tensor = tensor[: max(0, min(rows, spec.vocab_size - tp_rank * rows))]
+            start, end = spec.real_vocab_rows(tp, tp_rank)
+            tensor = tensor[: end - start]
         out[param.vllm_name] = tensor
     return out

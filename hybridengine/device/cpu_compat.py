@@ -177,7 +177,7 @@ def _static_inference_on_host() -> None:
     # (the broadcast itself works on gloo). Time on the wall clock; accept CPU tensors.
     from megatron.core.inference import communication_utils
 
-    torch.cuda.Event = _WallClockEvent
+    restore_timing_events()
 
     def _is_on_device(tensor):
         assert tensor is not None

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from hybridengine.device import prepare_megatron
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
-from workers.megatron.model import gpt_config, layer_spec
-from workers.megatron.rope import install_rope
+from workers.megatron.model import gpt_config, gpt_model
 
 __all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 
@@ -92,8 +91,6 @@ def build_generation_model(
     / ``.half()`` on it: ``Module._apply`` replaces each parameter's data and
     so detaches it from the resharder's buffer.
     """
-    from megatron.core.models.gpt import GPTModel
-
     if spec.is_value_model:
         raise ValueError("a generation model is a causal LM; a value model (scalar head) does not generate")
     prepare_megatron()
@@ -104,20 +101,9 @@ def build_generation_model(
         raise RuntimeError(f"rank {rank}: generation groups have sizes TP{pg_collection.tp.size()} x "
                            f"PP{pg_collection.pp.size()}, the plan says {plan.gen}")
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
-    model = GPTModel(
-        config=gpt_config(spec, tp, pp, dtype, initialize=False),  # the weights are replaced at once
-        transformer_layer_spec=layer_spec(spec.qk_layernorm),
-        vocab_size=spec.vocab_rows,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=me.gen_pp_rank == 0,
-        post_process=me.gen_pp_rank == pp - 1,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta),
-        parallel_output=True,
-        pg_collection=pg_collection,
-    )
-    install_rope(model, spec)
+    config = gpt_config(spec, tp, pp, dtype, initialize=False)  # the weights are replaced at once
+    model = gpt_model(spec, config, me.gen_pp_rank == 0, me.gen_pp_rank == pp - 1, spec.tie_word_embeddings,
+                      pg_collection=pg_collection)
     params = dict(model.named_parameters())
     # Model order, then shard order, so the error names the same first mismatch on every run.
     for name in params:

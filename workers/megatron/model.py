@@ -16,7 +16,7 @@ from hybridengine.device import accelerator_available
 from hybridengine.model_spec import ModelSpec
 from workers.megatron.rope import install_rope
 
-__all__ = ["build_gpt_stage", "gpt_config", "layer_spec", "ValueHead"]
+__all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "ValueHead"]
 
 
 class ValueHead(torch.nn.Module):
@@ -85,24 +85,32 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
     )
 
 
-def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, tied: bool, **kwargs):
+    """megatron's GPTModel of one stage of ``spec`` (the padded vocabulary, q/k norm, its RoPE); training and
+    generation build theirs here. ``kwargs`` go to GPTModel (``pg_collection``)."""
     from megatron.core.models.gpt import GPTModel
 
-    config = gpt_config(spec, tp, pp, dtype)
-    tied = spec.tie_word_embeddings and not spec.is_value_model
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec.qk_layernorm),
         vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp - 1,
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
         parallel_output=True,
+        **kwargs,
     )
     install_rope(model, spec)
+    return model
+
+
+def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+    config = gpt_config(spec, tp, pp, dtype)
+    tied = spec.tie_word_embeddings and not spec.is_value_model
+    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype)
     return config, model

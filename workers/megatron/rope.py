@@ -1,16 +1,15 @@
-"""RoPE inverse frequencies as Hugging Face computes them, installed into megatron's RotaryEmbedding.
+"""RoPE inverse frequencies with the checkpoint's Llama 3.x scaling, installed into megatron's RotaryEmbedding.
 
-megatron-core 0.16.1's RotaryEmbedding knows Llama 3.x scaling only with
-hard-coded bounds (low_freq_factor 1, high_freq_factor 4, original context
-8192) and takes just the factor. A checkpoint may set other bounds, so the
-inverse frequencies are computed here, step for step as transformers'
-``_compute_llama3_parameters`` does (bit-identical), and put in place of
-megatron's before the first forward (its cos/sin cache is filled lazily).
+megatron-core 0.16.1's RotaryEmbedding applies Llama 3.x scaling with its
+defaults for the frequency bounds (low_freq_factor 1, high_freq_factor 4,
+original context 8192) and takes only the factor from its caller. A
+checkpoint may set other bounds, so the inverse frequencies are computed
+here with megatron's own scaling function given all four values (it follows
+transformers' ``_compute_llama3_parameters``; a test holds the two
+bit-identical) and put in place of megatron's before the first forward.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -26,17 +25,12 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
-    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-    old_context_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_context_len / low
-    high_freq_wavelen = old_context_len / high
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths (low frequencies) are divided by the factor, short ones kept, a ramp between.
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low) / (high - low)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    # A plain function in all but name: it reads nothing from the instance.
+    return RotaryEmbedding._apply_scaling(None, inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+                                          high_freq_factor=scaling.high_freq_factor,
+                                          original_max_position_embeddings=scaling.original_max_position_embeddings)
 
 
 def install_rope(model: torch.nn.Module, spec: ModelSpec) -> None:

@@ -45,6 +45,8 @@ from workers.rollout.config import RolloutConfig
 
 __all__ = ["Rollout"]
 
+VLLM_VOCAB_PADDING = 64
+
 
 class Rollout(BaseWorker):
     def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor") -> None:
@@ -63,9 +65,10 @@ class Rollout(BaseWorker):
             # The actor's spec: its vocabulary padding is what the resharded shards carry.
             self.spec = spec = self.actor.engine.spec
             spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
-        else:
-            # Served from the checkpoint by vLLM, which pads the vocabulary to a multiple of 64 itself.
-            spec.with_padded_vocab(64, 1).check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        if cfg.engine == "vllm":
+            # vLLM pads the vocabulary to a multiple of 64 itself (its DEFAULT_VOCAB_PADDING_SIZE) and splits that.
+            spec.with_padded_vocab(VLLM_VOCAB_PADDING, 1).check_layout(
+                cfg.tensor_parallel, cfg.pipeline_parallel)
         self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel)
         if self.actor is not None:
             train = self.actor.engine.layout

@@ -111,10 +111,12 @@ class VLLMGenerator:
         if sleep_between_rollouts and not accelerator_available() and rank == 0:
             log.warning("vLLM sleep/wake is a no-op on CPU: the KV cache (%d MiB) and weights stay allocated "
                         "between rollouts", kv_cache_bytes >> 20)
-        # Torch groups for the vocabulary regrouping, one per generation TP group; every rank creates
+        # The torch group of our generation TP group, for the vocabulary regrouping; every rank creates
         # every group, in one order (new_group is collective over the world).
-        self._tp_groups = {tuple(g): torch.distributed.new_group(list(g)) for g in plan.gen_tp_groups}
-        self._tp_ranks = next(list(g) for g in plan.gen_tp_groups if rank in g)
+        for ranks in plan.gen_tp_groups:
+            group = torch.distributed.new_group(list(ranks))
+            if rank in ranks:
+                self._tp_group, self._tp_ranks = group, list(ranks)
         if self._tp_ranks.index(rank) != self.me.gen_tp_rank:  # vLLM's TP rank is the position in the group
             raise RuntimeError(f"rank {rank} is generation TP rank {self.me.gen_tp_rank} but at position "
                                f"{self._tp_ranks.index(rank)} of its generation TP group {self._tp_ranks}")
@@ -139,12 +141,15 @@ class VLLMGenerator:
         # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
         (mine,) = self.llm.collective_rpc("vocab_rows")
         by_group_rank: list[tuple[int, int]] = [None] * len(self._tp_ranks)  # type: ignore[list-item]
-        torch.distributed.all_gather_object(by_group_rank, tuple(mine), group=self._tp_groups[tuple(self._tp_ranks)])
+        torch.distributed.all_gather_object(by_group_rank, tuple(mine), group=self._tp_group)
         # all_gather_object orders by global rank; the shards are in generation TP order (the plan's group order).
         members = sorted(self._tp_ranks)
         self.vllm_rows = [by_group_rank[members.index(r)] for r in self._tp_ranks]
         t_g = plan.gen.tensor_parallel
         self.megatron_rows = [megatron_vocab_rows(spec.vocab_rows, spec.vocab_size, t_g, r) for r in range(t_g)]
+        # The tensors whose rows move at every sync: none where the two splits agree (the common case).
+        self._regrouped = [] if self.megatron_rows == self.vllm_rows else [
+            p.vllm_name for p in stage_params(spec, t_g, 1, 0) if p.kind == ShardKind.VOCAB_ROWS]
 
     # ----------------------------------------------------------------- weights
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -154,11 +159,9 @@ class VLLMGenerator:
             self.llm.wake_up(tags=["weights"])
         t_g, tp_rank = self.plan.gen.tensor_parallel, self.me.gen_tp_rank
         shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank)
-        group = self._tp_groups[tuple(self._tp_ranks)]
-        for param in stage_params(self.spec, t_g, 1, 0):
-            if param.kind == ShardKind.VOCAB_ROWS:
-                shard[param.vllm_name] = regroup_vocab_rows(
-                    shard[param.vllm_name], self.megatron_rows, self.vllm_rows, tp_rank, self._tp_ranks, group)
+        for name in self._regrouped:
+            shard[name] = regroup_vocab_rows(shard[name], self.megatron_rows, self.vllm_rows, tp_rank, self._tp_ranks,
+                                             self._tp_group)
         (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank]))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"]}

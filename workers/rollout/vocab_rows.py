@@ -16,16 +16,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridengine.model_spec import real_vocab_rows
+
 __all__ = ["megatron_vocab_rows", "regroup_vocab_rows"]
 
 Rows = tuple[int, int]  # [start, end) of vocabulary ids
 
 
-def megatron_vocab_rows(padded_rows: int, vocab_size: int, tp: int, tp_rank: int) -> Rows:
-    """The real (unpadded) vocabulary rows of megatron TP rank ``tp_rank``'s shard."""
-    per_rank = padded_rows // tp
-    start = min(tp_rank * per_rank, vocab_size)
-    return start, min(start + per_rank, vocab_size)
+# The real (unpadded) vocabulary rows of megatron TP rank r's shard: (padded_rows, vocab_size, tp, tp_rank).
+megatron_vocab_rows = real_vocab_rows
 
 
 def regroup_vocab_rows(
