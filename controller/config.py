@@ -370,8 +370,8 @@ def _data_problems(data: DataConfig) -> list[str]:
             problems.append(f"data.{old} and data.{new} are both set; give the paths once, in data.{new}")
     if data.task == "arithmetic":
         if data.train_paths or data.val_paths:
-            problems.append(f"data.train_files / val_files are set but data.task is 'arithmetic' (the built-in "
-                            f"generator); set data.task=files to train on them")
+            problems.append("data.train_files / val_files are set but data.task is 'arithmetic' (the built-in "
+                            "generator); set data.task=files to train on them")
         if data.train_size < 1 or data.val_size < 0:
             problems.append(f"data.train_size must be >= 1 and data.val_size >= 0, got {data.train_size}, {data.val_size}")
         if not data.operators or set(data.operators) - set(ARITHMETIC_OPERATORS):

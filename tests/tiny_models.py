@@ -1,5 +1,6 @@
-"""Tiny Llama-family checkpoints made on the spot, and RL batches for them."""
+"""Tiny Llama-family checkpoints made on the spot, their tensors read back, and RL batches for them."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,6 +24,15 @@ def make_llama(path: Path, tie: bool = False, qkv_bias: bool = False, layers: in
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     return _perturb_norms_and_save(model, path)
+
+
+def all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (one safetensors file or an index of several)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    return {name: t for f in files for name, t in load_file(str(path / f)).items()}
 
 
 def make_rl_batch(batch_size: int = 8, prompt_length: int = 6, response_length: int = 5, seed: int = 0):

@@ -4,19 +4,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import TESTS, run_torchrun
-from tiny_models import make_llama
-
-
-def all_tensors(path):
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(path / f)))
-    return tensors
+from tiny_models import all_tensors, make_llama
 
 
 @pytest.mark.parametrize(

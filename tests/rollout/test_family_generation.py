@@ -11,15 +11,13 @@ The Qwen3 vocabulary (301 ids, odd) only fits TP2 padded: megatron pads to 512 r
 rank) and vLLM to 320 (160 a rank), so the sync must regroup the vocabulary rows between the two ranks.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_torchrun
 from rollout_checks import assert_greedy_matches_hf
-from safetensors.torch import load_file
-from tiny_models import make_llama3, make_qwen3
+from tiny_models import all_tensors, make_llama3, make_qwen3
 
 from controller.char_tokenizer import save_char_tokenizer
 
@@ -28,12 +26,6 @@ FAMILIES = {  # name: (make, vocab, make_vocab_size_divisible_by)
     "qwen3-padded-vocab": (make_qwen3, 301, 128),
     "llama3-rope-scaling": (make_llama3, 256, None),
 }
-
-
-def all_tensors(path):
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    return {name: t for f in files for name, t in load_file(str(path / f)).items()}
 
 
 def hf_outputs(model_dir, batch, prompt_length):
