@@ -1,8 +1,10 @@
 """Run under torchrun: PPO updates with checkpoint save / resume, results to a file.
 
-    resume_program.py MODEL ROOT OUT --tp T --pp P --phase full|resume
-full:   updates on batches 0, 1, 2; checkpoint after update 0; HF export after update 0.
-resume: load ROOT's latest checkpoint; HF export; updates on batches 1, 2.
+    resume_program.py MODEL ROOT OUT --tp T --pp P --phase full|resume [--dist-opt] [--precision P] [--mini-batch M]
+full:   updates on batches 0, 1, 2; checkpoint after update 0; HF export after update 0 and at the end.
+resume: load ROOT's latest checkpoint; HF export; checkpoint again (OUT/resaved); updates on batches 1, 2;
+        HF export at the end.
+Each update is ppo_epochs=2 x (8 / M) optimizer steps. DP = WORLD_SIZE / (T x P).
 """
 
 import argparse
@@ -37,14 +39,17 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--phase", choices=["full", "resume"])
     parser.add_argument("--dist-opt", action="store_true")
+    parser.add_argument("--precision")  # omitted: the engine's default
+    parser.add_argument("--mini-batch", type=int, default=4)
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model,
-        engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+        engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
+                **({"precision": args.precision} if args.precision else {})},
         optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine",
                "use_distributed_optimizer": args.dist_opt},
-        ppo={"ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": True},
+        ppo={"ppo_mini_batch_size": args.mini_batch, "ppo_epochs": 2, "shuffle": True},
     ))
     metrics = []
     if args.phase == "full":
@@ -57,8 +62,10 @@ def main():
         extra = actor.load_checkpoint(args.root)[0]
         assert extra["step"] == 1 and extra["update_count"] == 1, extra
         actor.save_hf(os.path.join(args.out, "weights_loaded"))
+        actor.save_checkpoint(os.path.join(args.out, "resaved"), 1)  # what was loaded, written at this layout
         for update in (1, 2):
             metrics.append(actor.update_actor(batch_for(update))[0])
+    actor.save_hf(os.path.join(args.out, "weights_final"))
     torch.save(metrics, os.path.join(args.out, f"metrics_{args.phase}.pt"))
 
 
