@@ -22,8 +22,9 @@ import yaml
 
 from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
-from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
 from workers.rollout.config import RolloutConfig
+from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
 __all__ = [
     "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
@@ -58,7 +59,9 @@ class AlgorithmConfig:
     kl_in_reward: bool = False  # KL penalty in the reward (PPO-RLHF style); the loss form is actor.ppo.use_kl_loss
     kl_penalty: str = "k1"
     kl_ctrl: dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "value": 0.001})
-    old_log_prob_source: str = "recompute"  # or "rollout": the engine's log-probs for the PPO ratio
+    # The PPO ratio's old log-probs: "auto" (the update's own forward when provably on-policy, else
+    # "recompute"), "recompute" (a separate forward of the actor) or "rollout" (the engine's)
+    old_log_prob_source: str = "auto"
     use_reference: bool | None = None  # None: when a KL term needs it
     safe_rlhf_cost_fn: str | None = None  # a reward function scoring cost; turns on Safe-RLHF
     safe_rlhf_cost_limit: float = 0.0
@@ -134,6 +137,7 @@ class TrainerConfig:
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     placement: dict[str, int] = field(default_factory=dict)  # role -> processes of its own pool (Ray); others share
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
+    export_precision: str | None = None  # its dtype: "bf16" or "fp32"; None: the actor's engine.precision
     plots: bool = True  # write PNG curves of the metrics at the end
     seed: int = 0
     verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
@@ -287,8 +291,11 @@ def check_config(config: RLConfig, model_spec=None) -> None:
         problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
     if alg.estimator in ("grpo", "rloo") and n < 2:
         problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
-    if alg.old_log_prob_source not in ("recompute", "rollout"):
-        problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not 'recompute' or 'rollout'")
+    if alg.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
+        problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not one of {OLD_LOG_PROB_SOURCES}")
+    if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
+        problems.append(f"trainer.export_precision {trainer.export_precision!r} is not one of {sorted(PRECISIONS)} "
+                        "or null (the actor's engine.precision)")
     if trainer.launcher not in LAUNCHERS:
         problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
     for name in ("total_steps", "nproc"):
@@ -335,9 +342,13 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                             f"divide into PPO mini-batches of {mini}")
         elif mini % layout.dp:
             problems.append(f"{role}: ppo_mini_batch_size {mini} does not divide over {layout.dp} data-parallel ranks")
-        elif (mini // layout.dp) % eng.micro_batch_size:
+        elif eng.max_tokens_per_micro_batch is None and (mini // layout.dp) % eng.micro_batch_size:
             problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.dp} sequences, not a multiple of "
                             f"micro_batch_size {eng.micro_batch_size}")
+        longest = rollout.max_prompt_length + rollout.sampling.max_new_tokens
+        if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
+            problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
+                            f"longest sequence, rollout.max_prompt_length + max_new_tokens = {longest}")
         if model_spec is not None and role == "actor":
             try:
                 padded = model_spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)

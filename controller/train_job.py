@@ -122,7 +122,7 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         logger.close()
         outputs = {"metrics": run_dir / "metrics.jsonl"}
         if trainer_cfg.export_hf:
-            outputs["HF checkpoint"] = trainer.export_hf(run_dir / "hf_actor")
+            outputs["HF checkpoint"] = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
         plots = []
         if trainer_cfg.plots:
             from controller.plots import plot_run  # matplotlib only when asked
@@ -155,7 +155,7 @@ def export_checkpoint(config: RLConfig, out: str | Path) -> Path:
         actor = WorkerGroup(pool, Actor, role="actor", kwargs={"model_path": config.actor.model_path or model,
                                                                "engine": config.actor.engine})
         actor.load_checkpoint(str(run_dir / "checkpoints" / "actor"))
-        actor.save_hf(str(out))
+        actor.save_hf(str(out), config.trainer.export_precision)
         AutoTokenizer.from_pretrained(model).save_pretrained(str(out))
         print(f"[hybridflow] wrote the actor of {run_dir} as an HF checkpoint: {out}")
     finally:

@@ -44,10 +44,12 @@ from controller.data import PromptDataset, PromptLoader
 from controller.resource_pool import ResourcePool
 from controller.step_metrics import batch_metrics, reduce_update_metrics
 from controller.worker_group import WorkerGroup
+from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
+from workers.megatron.config import as_config
 from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
-from workers.rollout.agreement import logprob_agreement, use_old_log_probs
+from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
 from workers.rollout.config import RolloutConfig
 
 __all__ = ["RLTrainer"]
@@ -104,10 +106,9 @@ class RLTrainer:
         self.specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
         if critic is not None:
             self.specs["critic"] = critic
-        ppo = actor.kwargs.get("ppo") or {}
-        kl_loss = ppo.get("use_kl_loss") if isinstance(ppo, dict) else ppo.use_kl_loss
+        ppo = as_config(PPOActorConfig, actor.kwargs.get("ppo"))
         needs_ref = algorithm.use_reference if algorithm.use_reference is not None else (
-            algorithm.kl_in_reward or bool(kl_loss) or kl_loss_fn is not None)
+            algorithm.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
         if needs_ref:
             self.specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {
                 "model_path": actor.model_path, "engine": actor.kwargs.get("engine")})
@@ -136,6 +137,10 @@ class RLTrainer:
         self.kl_ctrl: KLController = make_kl_controller(ctrl.pop("kind", "fixed"), **ctrl)
         self.lagrange = LagrangeMultiplier(algorithm.safe_rlhf_lambda_init, algorithm.safe_rlhf_lambda_lr,
                                            algorithm.safe_rlhf_cost_limit) if safe_rlhf else None
+        n = RolloutConfig.from_value(rollout.kwargs.get("config")).sampling.n
+        self.old_log_probs_from_update = old_log_probs_from_update(
+            algorithm.old_log_prob_source, ppo.ppo_epochs, ppo.ppo_mini_batch_size, batch_size * n,
+            read_before_update=algorithm.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": pool} if pool is not None else {}
         self.global_step = 0
@@ -240,11 +245,14 @@ class RLTrainer:
                 baseline = greedy_scores["scores"].repeat_interleave(n)
                 if "cost_scores" in greedy_scores:
                     baseline_cost = greedy_scores["cost_scores"].repeat_interleave(n)
-        with _timer(timing, "old_log_prob"):
-            old = g["actor"].compute_log_prob(batch)
-            batch = batch.union(old)
-        agreement = logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"], batch.batch["response_mask"])
-        batch = use_old_log_probs(batch, alg.old_log_prob_source)
+        if self.old_log_probs_from_update:  # on-policy: the update's own forward gives them, detached
+            batch.meta_info["old_log_probs"] = FROM_UPDATE
+        else:
+            with _timer(timing, "old_log_prob"):
+                batch = batch.union(g["actor"].compute_log_prob(batch))
+            agreement = logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
+                                          batch.batch["response_mask"])
+            batch = use_old_log_probs(batch, alg.old_log_prob_source)
         if "ref_policy" in g:
             with _timer(timing, "ref"):
                 batch = batch.union(g["ref_policy"].compute_ref_log_prob(batch))
@@ -282,6 +290,8 @@ class RLTrainer:
                 batch.meta_info.update({"kl_loss_fn": self.kl_loss_fn, "step": self.global_step})
             update_metrics.update(reduce_update_metrics(g["actor"].update_actor(batch)))
             batch.meta_info.pop("kl_loss_fn", None)
+        if self.old_log_probs_from_update:
+            agreement = {f"rollout/logprob_diff_{s}": update_metrics.pop(f"actor/rollout_logprob_diff_{s}") for s in ("max", "mean")}
         if alg.kl_in_reward:
             self.kl_ctrl.update(kl_metrics.get("actor/reward_kl_penalty", 0.0), n_steps=len(prompts))
         timing["step"] = time.perf_counter() - start
@@ -385,12 +395,13 @@ class RLTrainer:
         self.global_step = step
         return step
 
-    def export_hf(self, path: str | Path) -> Path:
-        """The actor's current weights (and the tokenizer) as an HF checkpoint directory."""
+    def export_hf(self, path: str | Path, precision: str | None = None) -> Path:
+        """The actor's current weights (and the tokenizer) as an HF checkpoint directory, in ``precision``
+        ("bf16" / "fp32"; None: the actor's)."""
         from transformers import AutoTokenizer
 
         self.build()
-        self.groups["actor"].save_hf(str(path))
+        self.groups["actor"].save_hf(str(path), precision)
         AutoTokenizer.from_pretrained(self.specs["actor"].model_path).save_pretrained(str(path))
         return Path(path)
 

@@ -7,6 +7,8 @@ import pytest
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
+if str(ROOT) not in sys.path:  # tests of tools/ import them as the package `tools`
+    sys.path.insert(0, str(ROOT))
 # Tests run on the CPU path even where a GPU is visible, and never reach out.
 os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
 os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")

@@ -18,13 +18,14 @@ from hybridengine.reshard_plan import GenerationLayout
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
-from workers.megatron.engine import MicroBatch
+from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.megatron.hybrid_bridge import HybridBridge
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
 from workers.register import register
+from workers.rollout.agreement import FROM_UPDATE
 
 __all__ = ["Actor", "ReferencePolicy", "PPOActorConfig"]
 
@@ -70,7 +71,7 @@ class _LogProbRole(EngineRole):
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:  # not the last pipeline stage
             return None
-        return torch.cat([o["log_probs"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
+        return self.engine.rows_in_order(outputs, "log_probs"), self.engine.rows_in_order(outputs, "entropy")
 
 
 class ReferencePolicy(_LogProbRole):
@@ -106,17 +107,27 @@ class Actor(_LogProbRole):
 
         ``data.meta_info["kl_loss_fn"]``, a callable ``(log_probs, ref_log_probs, step) -> per-token KL
         term``, replaces the configured KL loss for this update (``meta_info["step"]`` is passed on).
+        ``data.meta_info["old_log_probs"] == "update"`` (``agreement.FROM_UPDATE``): the batch holds no old
+        log-probs; the update is a single optimizer step, so its own forward, detached, is the old policy
+        (the ratio is 1 with the gradient of the recompute path), and the rollout/train agreement on the
+        sampled tokens comes back as ``actor/rollout_logprob_diff_mean`` and ``..._max``.
         """
         ppo = self.ppo
         temperature = float(data.meta_info.get("temperature", 1.0))
         kl_fn = data.meta_info.get("kl_loss_fn")
         if kl_fn is not None:
             kl_fn = partial(kl_fn, step=data.meta_info.get("step", self.update_count))
+        from_update = data.meta_info.get("old_log_probs") == FROM_UPDATE
+        if from_update and (ppo.ppo_epochs != 1 or len(data) * self.engine.layout.dp != ppo.ppo_mini_batch_size):
+            raise ValueError(
+                f"old log-probs from the update need a single optimizer step: ppo_epochs 1 (got {ppo.ppo_epochs}) and "
+                f"the {len(data) * self.engine.layout.dp} sequences in one mini-batch (ppo_mini_batch_size "
+                f"{ppo.ppo_mini_batch_size}); recompute them with compute_log_prob instead")
         metrics = run_ppo_epochs(
             self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,
             seed=self.engine.config.seed + self.update_count,
             make_step=lambda normalizer: partial(
-                self._ppo_loss, temperature=temperature, normalizer=normalizer, kl_fn=kl_fn),
+                self._ppo_loss, temperature=temperature, normalizer=normalizer, kl_fn=kl_fn, from_update=from_update),
             prefix="actor",
         )
         self.update_count += 1
@@ -144,17 +155,22 @@ class Actor(_LogProbRole):
         return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
     def _ppo_loss(self, mb: MicroBatch, output: torch.Tensor, *, temperature: float, normalizer: LossNormalizer,
-                  kl_fn=None):
+                  kl_fn=None, from_update: bool = False):
         ppo = self.ppo
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
+        old_log_prob = log_prob.detach() if from_update else mb["old_log_probs"]
         pg_loss, stats = policy_loss(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask,
+            old_log_prob, log_prob, mb["advantages"], mask,
             ppo.clip_ratio_low, ppo.clip_ratio_high, ppo.clip_ratio_c, ppo.loss_agg_mode, normalizer,
         )
         # Token means over this micro-batch become shares of the mini-batch's token mean.
         share = token_share(mask, normalizer)
         stats = {key: value * share for key, value in stats.items()}
+        if from_update and "rollout_log_probs" in mb:
+            diff = (mb["rollout_log_probs"].float() - log_prob.detach()).abs() * mask
+            stats["rollout_logprob_diff_mean"] = masked_mean(diff, mask) * share
+            stats["rollout_logprob_diff_max"] = diff.max()
         stats["entropy"] = masked_mean(entropy.detach(), mask) * share
         stats["pg_loss"] = pg_loss.detach()
         loss = pg_loss

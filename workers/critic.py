@@ -11,7 +11,7 @@ import torch
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
-from workers.megatron.engine import MicroBatch
+from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_values
@@ -51,7 +51,7 @@ class Critic(EngineRole):
             return torch.zeros(()), {"values": response_values(mb, output)}
 
         outputs = self.engine.run(data, step, forward_only=True)
-        return DataProto({"values": torch.cat([o["values"] for o in outputs])}) if outputs else None
+        return DataProto({"values": self.engine.rows_in_order(outputs, "values")}) if outputs else None
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> dict[str, Any]:

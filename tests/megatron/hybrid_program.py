@@ -19,9 +19,10 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--gen-tp", type=int, default=1)
     parser.add_argument("--gen-pp", type=int, default=1)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    kwargs = dict(model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+    kwargs = dict(model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
                   optim={"lr": 1e-3, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": 4})
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=kwargs)
     twin = WorkerGroup(pool, Actor, role="twin", kwargs=kwargs)

@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
     parser.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--logits-output", action="store_true",
                         help="the actor keeps megatron's output layer (fused_output_layer: false)")
     args = parser.parse_args()
@@ -35,7 +36,7 @@ def main():
         # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
         role = Critic if ModelSpec.from_pretrained(args.model).is_value_model else ReferencePolicy
         group = WorkerGroup(pool, role, role="export", kwargs=dict(
-            model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
+            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
         group.save_hf(str(out / "exported"))
         return
     inputs = torch.load(out / "inputs.pt", weights_only=False)
@@ -45,7 +46,7 @@ def main():
         pool, Actor, role="actor",
         kwargs=dict(
             model_path=args.model,
-            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
+            engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
                     "fused_output_layer": not args.logits_output},
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": args.dist_opt},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
@@ -53,7 +54,7 @@ def main():
         ),
     )
     ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
-        model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4}))
+        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4}))
     batch = inputs["batch"]
     batch.meta_info["temperature"] = args.temperature
     log_probs = actor.compute_log_prob(batch)
@@ -69,7 +70,7 @@ def run_critic(args, pool, inputs, out):
         pool, Critic, role="critic",
         kwargs=dict(
             model_path=args.model,
-            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+            engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
             critic={"ppo_mini_batch_size": 8, "shuffle": False, "clip_range_value": 0.2, "loss_agg_mode": args.agg},
         ),

@@ -27,7 +27,7 @@ def main():
     out = Path(args.out)
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    engine = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": args.micro_batch_size}
+    engine = {"precision": "fp32", "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": args.micro_batch_size}
     rm = WorkerGroup(pool, RewardModel, role="reward_model",
                      kwargs={"model_path": args.model, "engine": engine, "score_key": args.score_key})
     batch = torch.load(out / "inputs.pt", weights_only=False)["batch"]

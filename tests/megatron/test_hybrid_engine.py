@@ -5,24 +5,33 @@ import torch
 
 from conftest import TESTS, run_torchrun
 from hybridengine.hf_mapping import cut_shard, hf_source
+from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import GenerationLayout, plan_reshard
+from hybridengine.resharder import expected_bytes_received
 from hybridengine.stage_params import stage_params
 from tiny_models import make_llama
 from workers.megatron.hf_checkpoint import HFCheckpointReader
 
 
 # More training -> generation pairs (PP2 x DP2 among them) are exercised without training in test_resharder.py.
-@pytest.mark.parametrize("train,gen", [((2, 1), (1, 1)), ((2, 2), (2, 1))], ids=["TP2xDP2->TP1", "TP2xPP2->TP2"])
-def test_actor_reshards_and_trains_on_as_if_it_never_had(tmp_path, train, gen):
+# In bf16 the engine moves bf16 shards: exactly the lower bound, at 2 bytes an element instead of 4.
+@pytest.mark.parametrize("train,gen,precision", [((2, 1), (1, 1), "fp32"), ((2, 2), (2, 1), "fp32"), ((2, 2), (2, 1), "bf16")],
+                         ids=["TP2xDP2->TP1", "TP2xPP2->TP2", "TP2xPP2->TP2-bf16"])
+def test_actor_reshards_and_trains_on_as_if_it_never_had(tmp_path, train, gen, precision):
     model = make_llama(tmp_path / "model")
     proc = run_torchrun(TESTS / "megatron" / "hybrid_program.py",
                         [str(model), str(tmp_path), "--tp", str(train[0]), "--pp", str(train[1]),
-                         "--gen-tp", str(gen[0]), "--gen-pp", str(gen[1])], 4, timeout=400)
+                         "--gen-tp", str(gen[0]), "--gen-pp", str(gen[1]), "--precision", precision], 4, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "hybrid.pt", weights_only=False)
 
     spec = ModelSpec.from_pretrained(tmp_path / "trained")
-    reader = HFCheckpointReader(tmp_path / "trained")  # the trained weights, exported independently
+    reader = HFCheckpointReader(tmp_path / "trained")  # the trained weights, exported independently (in `precision`)
+    element_size = {"fp32": 4, "bf16": 2}[precision]
+    plan = plan_reshard(ParallelLayout.for_world(4, *train), GenerationLayout(*gen))
+    for rank, rank_stats in enumerate(result["micro_dp"]["stats"]):
+        assert rank_stats["reshard/bytes_received"] == expected_bytes_received(spec, plan, rank, element_size)
     bytes_by_method = {}
     for method in ("micro_dp", "full_allgather", "tp_pp_gather"):
         stats, weights = result[method]["stats"], result[method]["weights"]
@@ -33,6 +42,7 @@ def test_actor_reshards_and_trains_on_as_if_it_never_had(tmp_path, train, gen):
                         for p in stage_params(spec, gen[0], gen[1], gpp)}
             assert rank_weights.keys() == expected.keys()
             for name, tensor in expected.items():
+                assert rank_weights[name].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
                 assert torch.equal(rank_weights[name], tensor), (method, name)
     # Equal to the TP/PP gather only when a micro-DP group is a whole model-parallel group (t_g = p_g = 1).
     assert bytes_by_method["micro_dp"] <= bytes_by_method["tp_pp_gather"] <= bytes_by_method["full_allgather"]

@@ -43,7 +43,7 @@ class LogitsProbe(ReferencePolicy):
         outputs = engine.run(data, step, forward_only=True)
         if not outputs:
             return None
-        return DataProto({key: torch.cat([o[key] for o in outputs]) for key in ("logits", "log_probs", "entropy")})
+        return DataProto({key: engine.rows_in_order(outputs, key) for key in ("logits", "log_probs", "entropy")})
 
 
 def token_batch(vocab: int, rows: int = 4) -> DataProto:
@@ -64,7 +64,7 @@ def main():
     args = parser.parse_args()
     out = Path(args.out)
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    engine = {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_size": 2,
+    engine = {"precision": "fp32", "tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_size": 2,
               "make_vocab_size_divisible_by": args.pad}
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model, engine=engine, optim={"lr": 1e-3}, ppo={"ppo_mini_batch_size": 4}))

@@ -53,10 +53,11 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--gen-tp", type=int, default=1)
     parser.add_argument("--gen-pp", type=int, default=1)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
-        model_path=args.model, engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4},
+        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4},
         optim={"lr": 2e-2, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": 12}))
     rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
         "engine": args.engine, "tensor_parallel": args.gen_tp, "pipeline_parallel": args.gen_pp,

@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EngineConfig", "OptimConfig", "LR_DECAY_STYLES", "as_config"]
+import torch
+
+__all__ = ["EngineConfig", "OptimConfig", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES", "as_config",
+           "check_precision"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# bf16: parameters and activations in bf16 (megatron's Float16Module), fp32 master weights and fp32 gradient
+# reduction in megatron's mixed-precision optimizer. fp32: everything in fp32 (what parity tests compare).
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# megatron's activation recomputation: "full" recomputes whole layers in the backward pass (memory for time),
+# "selective" only the attention core.
+RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
 @dataclass(frozen=True)
@@ -39,11 +48,14 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a model is split and fed: TP/PP sizes, micro-batch size, seed."""
+    """How a model is split, stored and fed: TP/PP sizes, precision, micro-batches, seed."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     micro_batch_size: int = 1  # sequences per forward pass on one DP rank
+    # A token budget instead (verl's ppo_max_token_len_per_gpu): rows grouped by length so that each
+    # micro-batch holds at most this many real tokens; micro_batch_size is then unused. None: fixed size.
+    max_tokens_per_micro_batch: int | None = None
     seed: int = 1
     # Log-prob roles (actor, reference): the output layer runs fused with the
     # log-prob and entropy (hybridengine.ops.linear_log_prob), so the
@@ -54,8 +66,23 @@ class EngineConfig:
     # x tensor_parallel, so any TP size fits any vocabulary; padded ids take no probability mass and are
     # never exported. None: no padding, TP must divide the vocabulary.
     make_vocab_size_divisible_by: int | None = 128
+    precision: str = "bf16"  # one of PRECISIONS
+    # Activation recomputation (megatron's recompute_granularity; None: keep every activation). "full" takes
+    # recompute_num_layers layers per recomputed block (megatron's "uniform" method).
+    recompute_granularity: str | None = None
+    recompute_num_layers: int = 1
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ValueError(f"max_tokens_per_micro_batch must be a positive integer or null (fixed micro-batches of "
+                             f"micro_batch_size), got {budget!r}")
+        if self.recompute_granularity is not None and self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or null, "
+                             f"got {self.recompute_granularity!r}")
+        if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers must be a positive integer, got {self.recompute_num_layers!r}")
         value = self.make_vocab_size_divisible_by
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"make_vocab_size_divisible_by must be a positive integer (megatron uses 128) or null "
@@ -66,6 +93,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.fused_output_layer, bool):
             raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+
+def check_precision(value: Any) -> str:
+    if value not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {value!r}")
+    return value
 
 
 def as_config(cls, value: Any):

@@ -5,6 +5,14 @@ schedule, and runs micro-batches through megatron's forward-backward
 schedule (1F1B when pipeline-parallel). It knows nothing of PPO: the roles
 (actor, critic, reference) hand it a per-micro-batch function that turns
 the model's output into a loss and statistics.
+
+Precision (``EngineConfig.precision``): in bf16 the stage's parameters and
+activations are bf16; a trained stage is wrapped in megatron's Float16Module
+and stepped by its mixed-precision optimizer, which keeps fp32 master
+weights, reduces gradients in fp32 and writes the rounded weights back. The
+model output reaches the step function in the model's dtype (no fp32 copy of
+the hidden states or logits); what the step function computes from it
+(log-probs, entropies, values, losses) is fp32.
 """
 
 from __future__ import annotations
@@ -19,23 +27,22 @@ import torch.distributed as dist
 from hybridengine.device import prepare_megatron
 from hybridengine.layout import ParallelLayout
 from workers.data_proto import DataProto
-from workers.megatron.config import EngineConfig, OptimConfig
+from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
 from workers.megatron.lr_schedule import build_lr_scheduler
 from workers.megatron.model import build_gpt_stage
-from workers.megatron.packing import check_contiguous_rows, left_pad_counts, roll_rows
+from workers.megatron.micro_batches import (
+    MicroBatch,
+    PaddingStats,
+    build_micro_batch,
+    fixed_groups,
+    original_order,
+    token_budget_groups,
+)
 from workers.megatron.parallel import MegatronGroups, initialize_megatron
 from workers.megatron.preflight import check_training_setup
 
-__all__ = ["MegatronEngine", "MicroBatch", "StepFn"]
-
-
-class MicroBatch(dict):
-    """A micro-batch as the model sees it: rows rolled so valid tokens start at index 0.
-
-    Keys: ``input_ids`` (rolled), ``shift`` (per-row roll), ``response_length``,
-    and every tensor of the original batch under its own name.
-    """
+__all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
 
 
 # (micro-batch, model output on the last stage) -> (loss, statistics)
@@ -56,7 +63,13 @@ class MegatronEngine:
         self.spec, layout, reader = check_training_setup(model_path, config, world_size)
         self.groups: MegatronGroups = initialize_megatron(layout, config.seed, process_group)
         g = self.groups
-        self.model_config, module = build_gpt_stage(self.spec, layout.tp, layout.pp, g.pp_rank)
+        self.model_config, module = build_gpt_stage(
+            self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype,
+            recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers)
+        # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
+        # activations between pipeline stages change shape: megatron sends each shape ahead.
+        self.model_config.variable_seq_lengths = layout.pp > 1
+        self.last_padding: PaddingStats | None = None
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp)
         self.optimizer = self.scheduler = None
         self.optim_config = optim
@@ -77,9 +90,13 @@ class MegatronEngine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from megatron.core.transformer.module import Float16Module
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.use_distributed_optimizer
         )
+        if self.model_config.bf16:
+            module = Float16Module(self.model_config, module)
         model = DistributedDataParallel(config=self.model_config, ddp_config=ddp_config, module=module)
         self.model_config.finalize_model_grads_func = finalize_model_grads
         optimizer = get_megatron_optimizer(
@@ -92,7 +109,8 @@ class MegatronEngine:
                 adam_beta2=optim.adam_beta2,
                 adam_eps=optim.adam_eps,
                 clip_grad=optim.clip_grad,
-                params_dtype=torch.float32,
+                bf16=self.model_config.bf16,
+                params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=optim.use_distributed_optimizer,
             ),
             [model],
@@ -100,44 +118,56 @@ class MegatronEngine:
         return model, optimizer, build_lr_scheduler(optimizer, optim)
 
     # -------------------------------------------------------------- running
-    def _micro_batches(self, batch: DataProto) -> list[MicroBatch]:
-        size = self.config.micro_batch_size
-        if len(batch) % size != 0:
-            raise ValueError(
-                f"{len(batch)} sequences on this data-parallel rank do not divide into micro-batches of "
-                f"{size}; make the per-rank batch a multiple of micro_batch_size"
-            )
-        response_length = batch.batch["responses"].shape[1]
-        micro = []
-        for part in batch.split(size):
-            mask = part.batch["attention_mask"]
-            check_contiguous_rows(mask, part.batch.get("position_ids"))
-            shift = left_pad_counts(mask)
-            mb = MicroBatch(part.batch)
-            mb.update(input_ids=roll_rows(part.batch["input_ids"], shift), shift=shift, response_length=response_length)
-            micro.append(mb)
+    @property
+    def device(self) -> torch.device:
+        """Where this stage's parameters, and so its micro-batches, live."""
+        return next(self.module().parameters()).device
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        """What a per-rank batch must be a multiple of: micro_batch_size, or 1 under a token budget."""
+        return 1 if self.config.max_tokens_per_micro_batch is not None else self.config.micro_batch_size
+
+    def micro_batches(self, batch: DataProto) -> list[MicroBatch]:
+        """``batch`` cut into micro-batches (fixed size, or by token budget), each trimmed to its longest row."""
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is None:
+            groups = fixed_groups(len(batch), self.config.micro_batch_size)
+        else:
+            groups = token_budget_groups(batch.batch["attention_mask"].long().sum(-1).tolist(), budget)
+        micro = [build_micro_batch(batch.batch, rows, self.device) for rows in groups]
+        mask = batch.batch["attention_mask"]
+        self.last_padding = PaddingStats(real=int(mask.sum()), before=mask.numel(),
+                                         after=sum(mb["input_ids"].numel() for mb in micro))
         return micro
 
     def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> list[dict]:
-        """Every micro-batch of ``batch`` through the schedule; the last stage's statistics.
+        """Every micro-batch of ``batch`` through the schedule; the last stage's statistics, one dict per micro-batch.
 
-        ``loss_scale`` multiplies each micro-batch loss before backward; the
-        schedule itself divides by the number of micro-batches.
+        Each micro-batch loss is multiplied by ``loss_scale`` before backward; the schedule's division
+        by the number of micro-batches (which may differ between DP ranks under a token budget) is
+        undone here, so the gradient is that of the sum of the micro-batch losses. A per-row statistic
+        comes back in the micro-batches' order: ``rows_in_order`` restores the batch's.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         prepare_megatron()
-        micro = self._micro_batches(batch)
-        seq_length = micro[0]["input_ids"].shape[1]
+        micro = self.micro_batches(batch)
+        self._last_micro = micro
+        seq_length = max(mb["input_ids"].shape[1] for mb in micro)
+        scale = loss_scale * len(micro)
 
         def loss_func(mb: MicroBatch, output: torch.Tensor):
             loss, stats = step_fn(mb, output)
-            return loss * loss_scale, stats
+            return loss * scale, stats
+
+        # The last stage's output stays in the model's dtype; step functions compute in fp32 from it.
+        keep_dtype = {"fp32_output": False} if self.optimizer is not None and self.model_config.bf16 else {}
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            position_ids = torch.arange(seq_length).unsqueeze(0).expand_as(mb["input_ids"])
-            output = model(mb["input_ids"], position_ids, None)
+            position_ids = torch.arange(mb["input_ids"].shape[1]).unsqueeze(0).expand_as(mb["input_ids"])
+            output = model(mb["input_ids"], position_ids, None, **keep_dtype)
             return output, partial(loss_func, mb)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -148,9 +178,13 @@ class MegatronEngine:
                 model=[self.model],
                 num_microbatches=len(micro),
                 seq_length=seq_length,
-                micro_batch_size=self.config.micro_batch_size,
+                micro_batch_size=max(len(mb["rows"]) for mb in micro),
                 forward_only=forward_only,
             )
+
+    def rows_in_order(self, outputs: list[dict], key: str) -> torch.Tensor:
+        """The per-row statistic ``key`` of the last ``run``'s outputs, in the batch's row order."""
+        return original_order([o[key] for o in outputs], self._last_micro)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -174,9 +208,15 @@ class MegatronEngine:
         return self.groups.tp_rank * (self.spec.vocab_rows // self.layout.tp)
 
     def dp_sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
+        return self._dp_reduce(values, dist.ReduceOp.SUM)
+
+    def dp_max(self, values: list[float]) -> list[float]:
+        return self._dp_reduce(values, dist.ReduceOp.MAX)
+
+    def _dp_reduce(self, values: list[float], op) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)  # where the DP group's backend reduces
         if self.layout.dp > 1:
-            dist.all_reduce(tensor, group=self.groups.dp_group)
+            dist.all_reduce(tensor, op=op, group=self.groups.dp_group)
         return tensor.tolist()
 
     # ------------------------------------------------------- output layer
@@ -191,7 +231,7 @@ class MegatronEngine:
         """
         if self.groups.pp_rank != self.layout.pp - 1:
             return
-        layer = self.gpt_module().output_layer
+        layer = self.module().output_layer
         # An instance attribute shadows ColumnParallelLinear.forward; GPTModel
         # then transposes what it gets ([S, B, H]) to [B, S, H] as it would the logits.
         layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
@@ -199,33 +239,36 @@ class MegatronEngine:
 
     def output_weight(self) -> torch.Tensor:
         """This TP rank's output-layer weight [V / tp, H] (the embedding's when they are tied)."""
-        gpt = self.gpt_module()
+        gpt = self.module()
         if gpt.share_embeddings_and_output_weights:
             return gpt.shared_embedding_or_output_weight()
         return gpt.output_layer.weight
 
     # ---------------------------------------------------------- export
     def module(self) -> torch.nn.Module:
-        return self.model.module if hasattr(self.model, "module") else self.model
-
-    def gpt_module(self) -> torch.nn.Module:
-        """The GPTModel stage under every wrapper (DDP, Float16Module)."""
+        """The GPTModel stage under every wrapper (DDP, Float16Module): its parameters are the model's."""
         module = self.model
         while hasattr(module, "module"):
             module = module.module
         return module
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write the model as a HF checkpoint directory (collective over all ranks)."""
+    def export_hf(self, out_dir: str, precision: str | None = None) -> None:
+        """Write the model as a HF checkpoint directory (collective over all ranks).
+
+        ``precision`` "bf16" / "fp32": the dtype of the written tensors (None: the engine's). An fp32
+        export of a bf16 engine holds the bf16 weights the model runs with, widened.
+        """
+        dtype = PRECISIONS[check_precision(precision)] if precision is not None else self.config.params_dtype
         g, layout = self.groups, self.layout
         out = Path(out_dir)
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         write = g.tp_rank == 0 and g.dp_rank == 0
-        weight_map = export_hf_shard(self.module(), self.spec, out, g.tp_rank, layout.tp, g.pp_rank, layout.pp, g.tp_group, write)
+        weight_map = export_hf_shard(self.module(), self.spec, out, g.tp_rank, layout.tp, g.pp_rank, layout.pp, g.tp_group,
+                                     write, dtype)
         maps: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(maps, weight_map)
         if dist.get_rank() == 0:
-            write_hf_index(out, maps, self.model_path)
+            write_hf_index(out, maps, self.model_path, dtype)
         dist.barrier()

@@ -43,9 +43,9 @@ class EngineRole(BaseWorker):
         self.set_layout(self.engine.layout)
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_hf(self, path: str) -> str:
-        """Write the current weights as a Hugging Face checkpoint directory."""
-        self.engine.export_hf(path)
+    def save_hf(self, path: str, precision: str | None = None) -> str:
+        """Write the current weights as a Hugging Face checkpoint directory, in ``precision`` (None: the engine's)."""
+        self.engine.export_hf(path, precision)
         return path
 
     @register(Dispatch.ONE_TO_ALL)

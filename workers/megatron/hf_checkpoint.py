@@ -113,15 +113,19 @@ def load_hf_shard(model: torch.nn.Module, reader: HFCheckpointReader, spec: Mode
 
 
 def export_hf_shard(
-    model: torch.nn.Module, spec: ModelSpec, out_dir: Path, tp_rank: int, tp: int, pp_rank: int, pp: int, tp_group, write: bool
+    model: torch.nn.Module, spec: ModelSpec, out_dir: Path, tp_rank: int, tp: int, pp_rank: int, pp: int, tp_group, write: bool,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, str]:
-    """Gather the stage's TP shards; where ``write``, merge and save them. Returns the stage's weight map."""
+    """Gather the stage's TP shards; where ``write``, merge and save them (in ``dtype``; None: the model's).
+
+    Returns the stage's weight map.
+    """
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable_state(model):
         if name == "output_layer.weight" and spec.tie_word_embeddings and not spec.is_value_model:
             continue  # a copy of the embedding that the last stage keeps for tied weights
         source = hf_source(name, spec, pp_rank, pp)
-        local = param.detach().contiguous()
+        local = param.detach().to(dtype or param.dtype).contiguous()
         if tp > 1 and source.kind != "replicated":
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=tp_group)
@@ -135,7 +139,9 @@ def export_hf_shard(
     return {name: file_name for name in tensors}
 
 
-def write_hf_index(out_dir: Path, weight_maps: list[dict[str, str]], config_source: Path) -> None:
+def write_hf_index(out_dir: Path, weight_maps: list[dict[str, str]], config_source: Path,
+                   dtype: torch.dtype | None = None) -> None:
+    """The safetensors index, the tokenizer files and config.json (its dtype set to ``dtype`` when given)."""
     weight_map = {k: v for m in weight_maps for k, v in m.items()}
     total = sum(os.path.getsize(out_dir / f) for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -143,3 +149,8 @@ def write_hf_index(out_dir: Path, weight_maps: list[dict[str, str]], config_sour
     for extra in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (config_source / extra).is_file():
             shutil.copy(config_source / extra, out_dir / extra)
+    if dtype is not None and (out_dir / "config.json").is_file():
+        config = json.loads((out_dir / "config.json").read_text())
+        name = str(dtype).removeprefix("torch.")
+        config.update({key: name for key in ("torch_dtype", "dtype") if key in config} or {"torch_dtype": name})
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))

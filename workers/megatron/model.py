@@ -51,10 +51,22 @@ def layer_spec(qk_layernorm: bool = False):
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
-def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True):
-    """The TransformerConfig of a Llama-family model at TP x PP; training and generation share it."""
+def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True,
+               recompute_granularity: str | None = None, recompute_num_layers: int = 1):
+    """The TransformerConfig of a Llama-family model at TP x PP; training and generation share it.
+
+    ``dtype`` bf16 sets megatron's bf16 flag with it (parameters, activations and pipeline messages in
+    bf16; attention softmax in fp32). ``recompute_granularity`` "full" / "selective": megatron's
+    activation recomputation ("full": blocks of ``recompute_num_layers`` layers, the uniform method).
+    """
     from megatron.core.transformer import TransformerConfig
 
+    recompute = {}
+    if recompute_granularity == "full":
+        recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": recompute_num_layers}
+    elif recompute_granularity == "selective":
+        recompute = {"recompute_granularity": "selective"}
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -80,8 +92,10 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
         perform_initialization=initialize,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        **recompute,
     )
 
 
@@ -104,11 +118,14 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
         **kwargs,
     )
     install_rope(model, spec)
-    return model
+    # megatron's torch norms keep fp32 weights whatever params_dtype says; in bf16 every parameter is bf16,
+    # as Float16Module makes a trained stage and as vLLM holds the model (RoPE frequencies are no buffer: fp32).
+    return model.to(dtype=config.params_dtype)
 
 
-def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
-    config = gpt_config(spec, tp, pp, dtype)
+def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, **recompute):
+    """One training stage of ``spec`` in ``dtype``; ``recompute``: gpt_config's recompute settings."""
+    config = gpt_config(spec, tp, pp, dtype, **recompute)
     tied = spec.tie_word_embeddings and not spec.is_value_model
     model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied)
     if spec.is_value_model and pp_rank == pp - 1:

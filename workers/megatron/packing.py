@@ -1,18 +1,18 @@
-"""Moving left padding to the right, and per-token outputs back to response positions.
+"""Moving left padding to the right.
 
 RL batches are ``[left-padded prompt | right-padded response]``. megatron's
 GPTModel derives rotary positions from the token index (0..S-1) rather than
 from ``position_ids``, so each row is rolled left by its padding count: the
 valid tokens then start at index 0 and sit at exactly the positions HF gives
 them (``cumsum(attention_mask) - 1``), and the causal mask alone keeps every
-valid token from seeing padding. Outputs are rolled back afterwards.
+valid token from seeing padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["left_pad_counts", "roll_rows", "unroll_rows", "response_slice", "check_contiguous_rows"]
+__all__ = ["left_pad_counts", "roll_rows", "check_contiguous_rows"]
 
 
 def left_pad_counts(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -44,17 +44,3 @@ def _rolled_index(shift: torch.Tensor, length: int) -> torch.Tensor:
 def roll_rows(tokens: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Row i rolled left by shift[i]: out[i, t] = tokens[i, (t + shift[i]) % S]."""
     return tokens.gather(1, _rolled_index(shift, tokens.shape[1]))
-
-
-def unroll_rows(values: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Inverse of roll_rows along dim 1 (values may have trailing dims)."""
-    index = _rolled_index(-shift, values.shape[1])
-    if values.dim() > 2:
-        index = index.view(*index.shape, *([1] * (values.dim() - 2))).expand_as(values)
-    return values.gather(1, index)
-
-
-def response_slice(per_position: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Outputs at the positions that predict the response tokens: [S-R-1, S-1)."""
-    seq = per_position.shape[1]
-    return per_position[:, seq - response_length - 1 : seq - 1]

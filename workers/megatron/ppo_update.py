@@ -28,26 +28,27 @@ def run_ppo_epochs(
 
     Every statistic a step function returns must be its micro-batch's share
     of a mini-batch mean (divided by the global token or sequence count), so
-    that summing over micro-batches and DP ranks gives the mini-batch value.
+    that summing over micro-batches and DP ranks gives the mini-batch value;
+    a statistic named ``*_max`` is a maximum instead, and is maximized over them.
     """
     layout = engine.layout
-    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_size)
-    micro_batches = per_rank // engine.config.micro_batch_size
+    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
     for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
         tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
         engine.zero_grad()
-        # The schedule divides each micro-batch loss by their count and DDP
-        # averages gradients over DP ranks; the shares already add up to the
-        # mini-batch mean, so undo both.
-        stats = engine.run(
-            mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=micro_batches * layout.dp
-        )
+        # DDP averages gradients over DP ranks; the shares already add up to the mini-batch mean, so undo it
+        # (the engine undoes the schedule's division by the number of micro-batches).
+        stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
         step_metrics = engine.optimizer_step()
+        padding = engine.last_padding
+        real, before, after = engine.dp_sum([padding.real, padding.before, padding.after])
+        step_metrics.update({"padding_fraction_before": 1 - real / before, "padding_fraction_after": 1 - real / after})
         if stats:  # the last pipeline stage
-            keys = sorted(stats[0])
-            totals = engine.dp_sum([sum(float(s[k]) for s in stats) for k in keys])
-            step_metrics.update(zip(keys, totals))
+            sums = sorted(k for k in stats[0] if not k.endswith("_max"))
+            maxima = sorted(k for k in stats[0] if k.endswith("_max"))
+            step_metrics.update(zip(sums, engine.dp_sum([sum(float(s[k]) for s in stats) for k in sums])))
+            step_metrics.update(zip(maxima, engine.dp_max([max(float(s[k]) for s in stats) for k in maxima])))
         for key, value in step_metrics.items():
             metrics.setdefault(f"{prefix}/{key}", []).append(value)
     return metrics

@@ -1,16 +1,17 @@
 """Per-response-token outputs from the last pipeline stage's model output.
 
-The model ran on rolled rows (see ``packing``); these functions compute the
-per-position quantity, roll it back to the original positions and keep the
-positions that predict the response tokens.
+The model ran on rolled, trimmed rows (see ``micro_batches``); these
+functions read the output only at the positions that predict the response
+tokens (``response_index``), so the output layer, the log-softmax and the
+value head never run on prompt positions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.megatron.engine import MegatronEngine, MicroBatch
-from workers.megatron.packing import response_slice, unroll_rows
+from workers.megatron.engine import MegatronEngine
+from workers.megatron.micro_batches import MicroBatch
 from hybridengine.ops.linear_log_prob import linear_log_prob_entropy
 from hybridengine.ops.log_prob import vocab_parallel_log_prob_entropy
 
@@ -29,24 +30,25 @@ def response_log_probs(
     those of the distribution that sampled. Padded vocabulary ids (from
     ``spec.vocab_size`` on) are left out of the distribution.
     """
-    next_tokens = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+    positions = _at_response(output, mb["response_index"])  # [B, R, H] hidden states or [B, R, V / tp] logits
+    targets = mb["responses"]
     tp_group, vocab_start = engine.groups.tp_group, engine.vocab_start()
     if engine.output_deferred:
-        log_prob, entropy = linear_log_prob_entropy(
-            output, engine.output_weight(), next_tokens, vocab_start, tp_group, temperature,
+        return linear_log_prob_entropy(
+            positions, engine.output_weight(), targets, vocab_start, tp_group, temperature,
             vocab_size=engine.spec.vocab_size,
         )
-    else:
-        log_prob, entropy = vocab_parallel_log_prob_entropy(
-            output, next_tokens, vocab_start, tp_group, temperature, vocab_size=engine.spec.vocab_size
-        )
-    shift, length = mb["shift"], mb["response_length"]
-    return (
-        response_slice(unroll_rows(log_prob, shift), length),
-        response_slice(unroll_rows(entropy, shift), length),
+    return vocab_parallel_log_prob_entropy(
+        positions, targets, vocab_start, tp_group, temperature, vocab_size=engine.spec.vocab_size
     )
 
 
 def response_values(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     """The value head's estimate at each response position, [B, R] fp32."""
-    return response_slice(unroll_rows(output[..., 0].float(), mb["shift"]), mb["response_length"])
+    return _at_response(output, mb["response_index"])[..., 0].float()
+
+
+def _at_response(output: torch.Tensor, response_index: torch.Tensor) -> torch.Tensor:
+    """``output`` [B, W, D] at the positions ``response_index`` [B, R]: [B, R, D]."""
+    index = response_index.to(output.device).unsqueeze(-1).expand(-1, -1, output.shape[-1])
+    return output.gather(1, index)

@@ -15,7 +15,7 @@ from hybridengine.model_spec import ModelSpec
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig
-from workers.megatron.engine import MicroBatch
+from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.register import register
 from workers.reward.rule_reward import last_token_scores
@@ -58,6 +58,6 @@ class RewardModel(EngineRole):
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:
             return None
-        scores = torch.cat([o["scores"] for o in outputs])
+        scores = self.engine.rows_in_order(outputs, "scores")
         token_level = last_token_scores(scores, data.batch["response_mask"])
         return DataProto({"token_level_scores": token_level, self.score_key: scores})

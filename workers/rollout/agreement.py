@@ -1,8 +1,15 @@
-"""How far the rollout's log-probs are from the actor's, and which of the two the PPO ratio uses.
+"""How far the rollout's log-probs are from the actor's, and where the PPO ratio's old log-probs come from.
 
 The rollout engine and the training engine compute the same distribution
 with different kernels (and, on GPU, often different precision); their gap
 on the sampled tokens is the first thing to look at when PPO misbehaves.
+
+Sources of the old log-probs: "recompute" (a forward pass of the actor
+before the update), "rollout" (the engine's own), or "auto": when the
+update is provably on-policy (one PPO epoch, the step's sequences in one
+mini-batch, nothing before the update reading them), the update's own
+forward, detached, is the old policy, and the separate pass is skipped;
+otherwise "recompute".
 """
 
 from __future__ import annotations
@@ -11,9 +18,26 @@ import torch
 
 from workers.data_proto import DataProto
 
-__all__ = ["OLD_LOG_PROB_SOURCES", "logprob_agreement", "use_old_log_probs"]
+__all__ = ["OLD_LOG_PROB_SOURCES", "FROM_UPDATE", "logprob_agreement", "old_log_probs_from_update", "use_old_log_probs"]
 
-OLD_LOG_PROB_SOURCES = ("recompute", "rollout")
+OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")
+# meta_info["old_log_probs"] of a batch handed to update_actor with no old log-probs: take the update's own.
+FROM_UPDATE = "update"
+
+
+def old_log_probs_from_update(source: str, ppo_epochs: int, ppo_mini_batch_size: int, sequences_per_step: int,
+                              read_before_update: bool) -> bool:
+    """Whether the update's own forward can give the old log-probs (and the separate pass be skipped).
+
+    Only for ``source`` "auto", and only when the update is provably on-policy: a single optimizer step
+    (one epoch over one mini-batch holding the step's ``sequences_per_step`` sequences) taken from the
+    weights that generated the batch, and nothing before the update (``read_before_update``: a KL penalty
+    in the reward, say) needing the old log-probs.
+    """
+    if source not in OLD_LOG_PROB_SOURCES:
+        raise ValueError(f"old log-prob source {source!r} is not one of {OLD_LOG_PROB_SOURCES}")
+    return (source == "auto" and ppo_epochs == 1 and ppo_mini_batch_size == sequences_per_step
+            and not read_before_update)
 
 
 def logprob_agreement(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
@@ -31,13 +55,13 @@ def logprob_agreement(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor, 
 def use_old_log_probs(batch: DataProto, source: str = "recompute") -> DataProto:
     """A copy of ``batch`` whose ``old_log_probs`` come from ``source``, for the PPO ratio.
 
-    "recompute" (the default) keeps the actor's ``compute_log_prob`` result,
-    which the batch must already hold; "rollout" uses the engine's
-    ``rollout_log_probs`` and saves that forward pass.
+    "recompute" (and "auto" when it did not take them from the update) keeps the actor's
+    ``compute_log_prob`` result, which the batch must already hold; "rollout" uses the engine's
+    ``rollout_log_probs``.
     """
     if source not in OLD_LOG_PROB_SOURCES:
         raise ValueError(f"old log-prob source {source!r} is not one of {OLD_LOG_PROB_SOURCES}")
-    key = "old_log_probs" if source == "recompute" else "rollout_log_probs"
+    key = "rollout_log_probs" if source == "rollout" else "old_log_probs"
     if key not in batch.batch:
         raise KeyError(f"old log-prob source {source!r} needs {key!r} in the batch; it has {sorted(batch.batch)}")
     return DataProto({**batch.batch, "old_log_probs": batch.batch[key]}, batch.non_tensor_batch, batch.meta_info)

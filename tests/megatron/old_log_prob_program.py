@@ -1,0 +1,69 @@
+"""Run under torchrun: one PPO update with the old log-probs recomputed, and one with them taken from the
+update's own forward, on twin actors (same weights), in fp32 and bf16; results to a file.
+
+    torchrun --nproc-per-node N old_log_prob_program.py MODEL OUT
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from controller import ResourcePool, WorkerGroup
+from tiny_models import make_rl_batch
+from workers import DataProto
+from workers.actor import Actor
+from workers.rollout.agreement import FROM_UPDATE
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    batch = make_rl_batch(seed=5)
+    g = torch.Generator().manual_seed(6)
+    mask = batch.batch["response_mask"]
+    extra = DataProto({"advantages": torch.randn(mask.shape, generator=g) * mask,
+                       "rollout_log_probs": (-4.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask})
+    batch = batch.union(extra)
+    batch.meta_info["temperature"] = 0.8
+    result = {}
+    for precision in ("fp32", "bf16"):
+        kwargs = dict(model_path=args.model, engine={"precision": precision, "micro_batch_size": 2},
+                      optim={"lr": 1e-3, "adam_eps": 1e-4},
+                      ppo={"ppo_mini_batch_size": len(batch), "entropy_coeff": 0.01})
+        recompute = WorkerGroup(pool, Actor, role=f"recompute_{precision}", kwargs=kwargs)
+        from_update = WorkerGroup(pool, Actor, role=f"from_update_{precision}", kwargs=kwargs)
+        old = recompute.compute_log_prob(batch)
+        recompute_metrics = recompute.update_actor(batch.union(old))
+        on_policy = DataProto(batch.batch, batch.non_tensor_batch, {**batch.meta_info, "old_log_probs": FROM_UPDATE})
+        update_metrics = from_update.update_actor(on_policy)
+        result[precision] = {
+            "old_log_probs": old.batch["old_log_probs"], "recompute": recompute_metrics, "from_update": update_metrics,
+            "weights": [_weights(recompute), _weights(from_update)],
+        }
+    result["batch"] = batch
+    # Not on-policy: two mini-batches. The actor refuses to take old log-probs from the update.
+    two = WorkerGroup(pool, Actor, role="two_mini_batches", kwargs=dict(
+        model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2}, ppo={"ppo_mini_batch_size": len(batch) // 2}))
+    try:
+        two.update_actor(DataProto(batch.batch, batch.non_tensor_batch, {"old_log_probs": FROM_UPDATE}))
+        result["refusal"] = None
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        result["refusal"] = str(error)
+    torch.save(result, Path(args.out) / "result.pt")
+
+
+def _weights(group) -> dict[str, torch.Tensor]:
+    """The actor's parameters after its update (through the generation layout TP1: the whole model)."""
+    group.to_generation(1, 1)
+    weights = group.generation_weights()
+    group.to_training()
+    return weights[0]
+
+
+if __name__ == "__main__":
+    main()
