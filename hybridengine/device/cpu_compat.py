@@ -136,6 +136,20 @@ def _cpu_rng_tracker() -> None:
                 torch.set_rng_state(orig)
 
     random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # Activation recomputation (CheckpointFunction) saves and restores the CPU generator, the tracker's
+    # states and the CUDA generator around each recomputed block. There is no CUDA generator here, and
+    # everything draws from the other two, so its state is empty and restoring it does nothing.
+    random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+    # The recomputed forward runs inside autograd's backward, where the thread's TorchFunctionMode is not
+    # in effect: enter one for it.
+    recompute_backward = random.CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpu():
+            return recompute_backward(ctx, *grads)
+
+    random.CheckpointFunction.backward = staticmethod(backward)
 
 
 class _WallClockEvent:

@@ -1,0 +1,46 @@
+"""Run under torchrun: one PPO update without, with full and with selective activation recomputation, on
+triplet actors (same weights); results to a file.
+
+    torchrun --nproc-per-node N recompute_program.py MODEL OUT
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from controller import ResourcePool, WorkerGroup
+from tiny_models import make_rl_batch
+from workers import DataProto
+from workers.actor import Actor
+
+SETTINGS = {"none": {}, "full": {"recompute_granularity": "full", "recompute_num_layers": 2},
+            "selective": {"recompute_granularity": "selective"}}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    batch = make_rl_batch(seed=3)
+    g = torch.Generator().manual_seed(4)
+    mask = batch.batch["response_mask"]
+    batch = batch.union(DataProto({"advantages": torch.randn(mask.shape, generator=g) * mask,
+                                   "old_log_probs": (-5 + torch.randn(mask.shape, generator=g)) * mask}))
+    result = {}
+    for name, setting in SETTINGS.items():
+        actor = WorkerGroup(pool, Actor, role=name, kwargs=dict(
+            model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2, **setting},
+            optim={"lr": 1e-3, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": len(batch)}))
+        metrics = actor.update_actor(batch)
+        actor.to_generation(1, 1)
+        result[name] = {"metrics": metrics, "weights": actor.generation_weights()[0]}
+        actor.to_training()
+    torch.save(result, Path(args.out) / "result.pt")
+
+
+if __name__ == "__main__":
+    main()
