@@ -44,8 +44,10 @@ def test_smollm2_example_pipeline_on_a_tiny_qwen3(tmp_path):
     for step in records[1:]:
         assert 0.0 <= step["critic/score/mean"] <= 1.0
         assert step["response_length/mean"] <= 16  # sampling.max_new_tokens of the example
-        # vLLM (Qwen3 weights synced from the megatron actor) and the actor's recompute agree per token.
-        assert step["rollout/logprob_diff_max"] < 1e-3, step["rollout/logprob_diff_max"]
+        # vLLM (Qwen3 weights synced from the megatron actor) and the actor's update agree per token, to what
+        # the example's bf16 allows (fp32 agrees to 1e-3: tests/test_train_cli.py).
+        assert step["rollout/logprob_diff_max"] < 0.1 and step["rollout/logprob_diff_mean"] < 0.02, step
+        assert "timing_s/old_log_prob" not in step  # one epoch over one mini-batch: the update gives them
     assert "val/reward/mean" in records[2]
     assert (run / "plots" / "reward.png").is_file()  # the curve the README shows for the real run
     third_party = [line for line in proc.stdout.splitlines()
