@@ -91,8 +91,10 @@ def _both(tmp_path: Path, precision: str = "fp32", bf16_mode: str = "autocast"):
     settings = e2e.GRPOSettings(steps=5, max_new_tokens=16)
     train = tmp_path / "train.parquet"
     train.write_bytes(b"")
+    # Without actor.engine.precision in this checkout's EngineConfig the YAML leaves the key out (fp32 only).
+    precision_key = precision != "fp32" or e2e.hybridflow_has_precision()
     yaml_cfg = e2e.hybridflow_config(settings, str(tmp_path / "model"), str(train), str(tmp_path / "run"),
-                                     precision, max_prompt_length=48, kv_bytes=256 << 20)
+                                     precision, max_prompt_length=48, kv_bytes=256 << 20, precision_key=precision_key)
     spec = e2e.trl_spec(settings, str(tmp_path / "model"), str(train), str(tmp_path / "trl"), precision, bf16_mode,
                         threads=2, expected_prompt_ids=[[1, 2]])
     return settings, yaml_cfg, spec, trl_side.grpo_config_kwargs(spec)
@@ -134,7 +136,7 @@ def test_hybridflow_yaml_and_trl_spec_agree_on_every_shared_setting(tmp_path):
         "row order": (cfg["data"]["shuffle"], g["shuffle_dataset"]),
         "seed": (cfg["trainer"]["seed"], g["seed"]),
         "no recompute": (actor.get("recompute_granularity"), None if not g["gradient_checkpointing"] else "full"),
-        "fp32": ((actor["precision"], False), (spec["precision"], g["bf16"])),
+        "fp32": ((actor.get("precision", "fp32"), False), (spec["precision"], g["bf16"])),
     }
     for name, (hybridflow_value, trl_value) in pairs.items():
         assert hybridflow_value == trl_value, f"{name}: hybridflow {hybridflow_value!r} vs TRL {trl_value!r}"
