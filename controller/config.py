@@ -342,7 +342,7 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                             f"divide into PPO mini-batches of {mini}")
         elif mini % layout.dp:
             problems.append(f"{role}: ppo_mini_batch_size {mini} does not divide over {layout.dp} data-parallel ranks")
-        elif eng.max_tokens_per_micro_batch is None and (mini // layout.dp) % eng.micro_batch_size:
+        elif (mini // layout.dp) % eng.micro_batch_multiple:
             problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.dp} sequences, not a multiple of "
                             f"micro_batch_size {eng.micro_batch_size}")
         longest = rollout.max_prompt_length + rollout.sampling.max_new_tokens

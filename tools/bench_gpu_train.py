@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tools.bench_e2e import ModelShape, mfu, update_flops  # noqa: E402  (one FLOP count for both tools)
+
 # SmolLM2-135M(-Instruct)'s config: 134.5M parameters, tied embeddings (ENVIRONMENT.md).
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -45,31 +47,6 @@ SHAPES = {
 
 
 # ------------------------------------------------------------------ pure arithmetic (tests/test_gpu_check_tools.py)
-def forward_flops_per_token(shape: dict, seq_len: int) -> float:
-    """Forward FLOPs per token of a Llama-shaped model on sequences of ``seq_len`` tokens (PaLM's count).
-
-    Weight matrices: q, k, v, o and the gated MLP's three per layer, and the output layer (tied or not: it is a
-    matmul either way; the embedding lookup is not). Attention: QK^T and AV, 2 * seq_len * (heads * head_dim)
-    multiply-accumulates per token and layer, counted over the full sequence as PaLM does (not halved for the
-    causal mask).
-    """
-    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    q_width = shape["num_attention_heads"] * head_dim
-    kv_width = shape["num_key_value_heads"] * head_dim
-    per_layer = hidden * q_width + 2 * hidden * kv_width + q_width * hidden + 3 * hidden * shape["intermediate_size"]
-    weights = layers * per_layer + shape["vocab_size"] * hidden
-    attention = layers * 2 * seq_len * q_width
-    return 2.0 * (weights + attention)
-
-
-def mfu(flops_per_token: float, tokens: int, seconds: float, peak_flops: float, passes: int) -> float:
-    """Model FLOP utilization: ``passes`` forward-equivalents (1 forward, 3 training) of ``tokens`` in ``seconds``."""
-    if seconds <= 0 or peak_flops <= 0:
-        raise ValueError(f"seconds ({seconds}) and peak_flops ({peak_flops}) must be positive")
-    return flops_per_token * passes * tokens / seconds / peak_flops
-
-
 def matmul_flops(n: int) -> float:
     return 2.0 * n ** 3
 
@@ -232,18 +209,20 @@ def train_inner(args) -> dict:
     batch = make_batch(shape["vocab_size"], args.batch, args.prompt, args.response)
     seq_len = args.prompt + args.response
     tokens = args.batch * seq_len
-    flops = forward_flops_per_token(shape, seq_len)
+    # bench_e2e's count: every block's matmuls on all tokens, the output layer on the response's (where the
+    # engine applies it), causal attention; a forward pass is a third of the update's.
+    update = update_flops(ModelShape.from_hf_config(shape), args.batch, args.batch * args.prompt, args.batch * args.response)
     peak = row["peak_tflops"] * 1e12
     log_prob_s, _ = _timed(actor.compute_log_prob, batch, args.repeats)
     update_s, _ = _timed(actor.update_actor, batch, args.repeats)
     info = actor.worker_info()[0]
     row.update({
         "sequences": args.batch, "seq_len": seq_len, "micro_batch": args.micro_batch, "tokens_per_batch": tokens,
-        "forward_gflops_per_token": round(flops / 1e9, 4),
+        "update_gflops": round(update / 1e9, 2),
         "log_prob_s": round(log_prob_s, 4), "update_s": round(update_s, 4),
         "log_prob_tokens_per_s": round(tokens / log_prob_s, 1), "update_tokens_per_s": round(tokens / update_s, 1),
-        "log_prob_mfu": round(mfu(flops, tokens, log_prob_s, peak, passes=1), 4),
-        "update_mfu": round(mfu(flops, tokens, update_s, peak, passes=3), 4),
+        "log_prob_mfu": round(mfu(update / 3, log_prob_s, peak), 4),
+        "update_mfu": round(mfu(update, update_s, peak), 4),
         "peak_memory_gb": round(info["peak_memory_gb"], 2), "worker_device": info["device"],
     })
     return row

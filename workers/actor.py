@@ -25,7 +25,7 @@ from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
 from workers.register import register
-from workers.rollout.agreement import FROM_UPDATE
+from workers.rollout.agreement import FROM_UPDATE, old_log_probs_from_update
 
 __all__ = ["Actor", "ReferencePolicy", "PPOActorConfig"]
 
@@ -71,7 +71,7 @@ class _LogProbRole(EngineRole):
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:  # not the last pipeline stage
             return None
-        return self.engine.rows_in_order(outputs, "log_probs"), self.engine.rows_in_order(outputs, "entropy")
+        return outputs.rows("log_probs"), outputs.rows("entropy")
 
 
 class ReferencePolicy(_LogProbRole):
@@ -118,10 +118,12 @@ class Actor(_LogProbRole):
         if kl_fn is not None:
             kl_fn = partial(kl_fn, step=data.meta_info.get("step", self.update_count))
         from_update = data.meta_info.get("old_log_probs") == FROM_UPDATE
-        if from_update and (ppo.ppo_epochs != 1 or len(data) * self.engine.layout.dp != ppo.ppo_mini_batch_size):
+        sequences = len(data) * self.engine.layout.dp
+        if from_update and not old_log_probs_from_update("auto", ppo.ppo_epochs, ppo.ppo_mini_batch_size, sequences,
+                                                         read_before_update=False):
             raise ValueError(
                 f"old log-probs from the update need a single optimizer step: ppo_epochs 1 (got {ppo.ppo_epochs}) and "
-                f"the {len(data) * self.engine.layout.dp} sequences in one mini-batch (ppo_mini_batch_size "
+                f"the {sequences} sequences in one mini-batch (ppo_mini_batch_size "
                 f"{ppo.ppo_mini_batch_size}); recompute them with compute_log_prob instead")
         metrics = run_ppo_epochs(
             self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,

@@ -51,7 +51,7 @@ class Critic(EngineRole):
             return torch.zeros(()), {"values": response_values(mb, output)}
 
         outputs = self.engine.run(data, step, forward_only=True)
-        return DataProto({"values": self.engine.rows_in_order(outputs, "values")}) if outputs else None
+        return DataProto({"values": outputs.rows("values")}) if outputs else None
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> dict[str, Any]:

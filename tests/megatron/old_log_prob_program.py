@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
+from actor_inputs import whole_weights, with_ppo_inputs
 from tiny_models import make_rl_batch
 from workers import DataProto
 from workers.actor import Actor
@@ -23,12 +24,7 @@ def main():
     parser.add_argument("out")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    batch = make_rl_batch(seed=5)
-    g = torch.Generator().manual_seed(6)
-    mask = batch.batch["response_mask"]
-    extra = DataProto({"advantages": torch.randn(mask.shape, generator=g) * mask,
-                       "rollout_log_probs": (-4.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask})
-    batch = batch.union(extra)
+    batch = with_ppo_inputs(make_rl_batch(seed=5), seed=6, old_log_probs=False, rollout_log_probs=True)
     batch.meta_info["temperature"] = 0.8
     result = {}
     for precision in ("fp32", "bf16"):
@@ -43,7 +39,7 @@ def main():
         update_metrics = from_update.update_actor(on_policy)
         result[precision] = {
             "old_log_probs": old.batch["old_log_probs"], "recompute": recompute_metrics, "from_update": update_metrics,
-            "weights": [_weights(recompute), _weights(from_update)],
+            "weights": [whole_weights(recompute), whole_weights(from_update)],
         }
     result["batch"] = batch
     # Not on-policy: two mini-batches. The actor refuses to take old log-probs from the update.
@@ -55,14 +51,6 @@ def main():
     except Exception as error:  # noqa: BLE001 - the message is what the test checks
         result["refusal"] = str(error)
     torch.save(result, Path(args.out) / "result.pt")
-
-
-def _weights(group) -> dict[str, torch.Tensor]:
-    """The actor's parameters after its update (through the generation layout TP1: the whole model)."""
-    group.to_generation(1, 1)
-    weights = group.generation_weights()
-    group.to_training()
-    return weights[0]
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
+from actor_inputs import whole_weights, with_ppo_inputs
 from tiny_models import make_rl_batch
-from workers import DataProto
 from workers.actor import Actor
 
 SETTINGS = {"none": {}, "full": {"recompute_granularity": "full", "recompute_num_layers": 2},
@@ -25,20 +25,13 @@ def main():
     parser.add_argument("out")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    batch = make_rl_batch(seed=3)
-    g = torch.Generator().manual_seed(4)
-    mask = batch.batch["response_mask"]
-    batch = batch.union(DataProto({"advantages": torch.randn(mask.shape, generator=g) * mask,
-                                   "old_log_probs": (-5 + torch.randn(mask.shape, generator=g)) * mask}))
+    batch = with_ppo_inputs(make_rl_batch(seed=3), seed=4)
     result = {}
     for name, setting in SETTINGS.items():
         actor = WorkerGroup(pool, Actor, role=name, kwargs=dict(
             model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2, **setting},
             optim={"lr": 1e-3, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": len(batch)}))
-        metrics = actor.update_actor(batch)
-        actor.to_generation(1, 1)
-        result[name] = {"metrics": metrics, "weights": actor.generation_weights()[0]}
-        actor.to_training()
+        result[name] = {"metrics": actor.update_actor(batch), "weights": whole_weights(actor)}
     torch.save(result, Path(args.out) / "result.pt")
 
 

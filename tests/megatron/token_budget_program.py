@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
+from actor_inputs import whole_weights, with_ppo_inputs
 from tiny_models import make_rl_batch
-from workers import DataProto
 from workers.actor import Actor
 
 
@@ -31,20 +31,14 @@ def main():
         mask[row, : (row * 5) % 13] = 0
     batch.batch["input_ids"] *= mask
     batch.batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-    g = torch.Generator().manual_seed(8)
-    response_mask = batch.batch["response_mask"]
-    batch = batch.union(DataProto({"advantages": torch.randn(response_mask.shape, generator=g) * response_mask,
-                                   "old_log_probs": (-5 + torch.randn(response_mask.shape, generator=g)) * response_mask}))
+    batch = with_ppo_inputs(batch, seed=8)
     result = {"batch": batch}
     for name, engine in (("fixed", {"micro_batch_size": 2}), ("budget", {"max_tokens_per_micro_batch": args.budget})):
         actor = WorkerGroup(pool, Actor, role=name, kwargs=dict(
             model_path=args.model, engine={"precision": "fp32", "pipeline_parallel": args.pp, **engine},
             optim={"lr": 1e-3, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": 16, "entropy_coeff": 0.01}))
         log_probs = actor.compute_log_prob(batch)
-        metrics = actor.update_actor(batch)
-        actor.to_generation(1, 1)
-        result[name] = {"log_probs": log_probs, "metrics": metrics, "weights": actor.generation_weights()[0]}
-        actor.to_training()
+        result[name] = {"log_probs": log_probs, "metrics": actor.update_actor(batch), "weights": whole_weights(actor)}
     torch.save(result, Path(args.out) / "result.pt")
 
 

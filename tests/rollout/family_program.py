@@ -43,7 +43,7 @@ class LogitsProbe(ReferencePolicy):
         outputs = engine.run(data, step, forward_only=True)
         if not outputs:
             return None
-        return DataProto({key: engine.rows_in_order(outputs, key) for key in ("logits", "log_probs", "entropy")})
+        return DataProto({key: outputs.rows(key) for key in ("logits", "log_probs", "entropy")})
 
 
 def token_batch(vocab: int, rows: int = 4) -> DataProto:

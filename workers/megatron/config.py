@@ -98,6 +98,11 @@ class EngineConfig:
     def params_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
 
+    @property
+    def micro_batch_multiple(self) -> int:
+        """What a per-rank batch must be a multiple of: micro_batch_size, or 1 under a token budget."""
+        return 1 if self.max_tokens_per_micro_batch is not None else self.micro_batch_size
+
 
 def check_precision(value: Any) -> str:
     if value not in PRECISIONS:

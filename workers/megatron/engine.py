@@ -34,9 +34,9 @@ from workers.megatron.model import build_gpt_stage
 from workers.megatron.micro_batches import (
     MicroBatch,
     PaddingStats,
+    RunOutputs,
     build_micro_batch,
     fixed_groups,
-    original_order,
     token_budget_groups,
 )
 from workers.megatron.parallel import MegatronGroups, initialize_megatron
@@ -69,7 +69,6 @@ class MegatronEngine:
         # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
         # activations between pipeline stages change shape: megatron sends each shape ahead.
         self.model_config.variable_seq_lengths = layout.pp > 1
-        self.last_padding: PaddingStats | None = None
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp)
         self.optimizer = self.scheduler = None
         self.optim_config = optim
@@ -123,11 +122,6 @@ class MegatronEngine:
         """Where this stage's parameters, and so its micro-batches, live."""
         return next(self.module().parameters()).device
 
-    @property
-    def micro_batch_multiple(self) -> int:
-        """What a per-rank batch must be a multiple of: micro_batch_size, or 1 under a token budget."""
-        return 1 if self.config.max_tokens_per_micro_batch is not None else self.config.micro_batch_size
-
     def micro_batches(self, batch: DataProto) -> list[MicroBatch]:
         """``batch`` cut into micro-batches (fixed size, or by token budget), each trimmed to its longest row."""
         budget = self.config.max_tokens_per_micro_batch
@@ -135,25 +129,22 @@ class MegatronEngine:
             groups = fixed_groups(len(batch), self.config.micro_batch_size)
         else:
             groups = token_budget_groups(batch.batch["attention_mask"].long().sum(-1).tolist(), budget)
-        micro = [build_micro_batch(batch.batch, rows, self.device) for rows in groups]
-        mask = batch.batch["attention_mask"]
-        self.last_padding = PaddingStats(real=int(mask.sum()), before=mask.numel(),
-                                         after=sum(mb["input_ids"].numel() for mb in micro))
-        return micro
+        return [build_micro_batch(batch.batch, rows, self.device) for rows in groups]
 
-    def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> list[dict]:
+    def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> RunOutputs:
         """Every micro-batch of ``batch`` through the schedule; the last stage's statistics, one dict per micro-batch.
 
         Each micro-batch loss is multiplied by ``loss_scale`` before backward; the schedule's division
         by the number of micro-batches (which may differ between DP ranks under a token budget) is
         undone here, so the gradient is that of the sum of the micro-batch losses. A per-row statistic
-        comes back in the micro-batches' order: ``rows_in_order`` restores the batch's.
+        comes back in the micro-batches' order: ``RunOutputs.rows`` restores the batch's.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         prepare_megatron()
         micro = self.micro_batches(batch)
-        self._last_micro = micro
+        mask = batch.batch["attention_mask"]
+        padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=sum(mb["input_ids"].numel() for mb in micro))
         seq_length = max(mb["input_ids"].shape[1] for mb in micro)
         scale = loss_scale * len(micro)
 
@@ -172,7 +163,7 @@ class MegatronEngine:
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
         with context:
-            return get_forward_backward_func()(
+            stats = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro),
                 model=[self.model],
@@ -181,10 +172,7 @@ class MegatronEngine:
                 micro_batch_size=max(len(mb["rows"]) for mb in micro),
                 forward_only=forward_only,
             )
-
-    def rows_in_order(self, outputs: list[dict], key: str) -> torch.Tensor:
-        """The per-row statistic ``key`` of the last ``run``'s outputs, in the batch's row order."""
-        return original_order([o[key] for o in outputs], self._last_micro)
+        return RunOutputs(stats, micro, padding)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

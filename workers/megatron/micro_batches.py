@@ -27,7 +27,8 @@ import torch
 
 from workers.megatron.packing import check_contiguous_rows, left_pad_counts, roll_rows
 
-__all__ = ["MicroBatch", "PaddingStats", "fixed_groups", "token_budget_groups", "build_micro_batch", "original_order"]
+__all__ = ["MicroBatch", "PaddingStats", "RunOutputs", "fixed_groups", "token_budget_groups", "build_micro_batch",
+           "original_order"]
 
 
 class MicroBatch(dict):
@@ -55,6 +56,19 @@ class PaddingStats:
     @property
     def fraction_after(self) -> float:
         return 1.0 - self.real / self.after if self.after else 0.0
+
+
+class RunOutputs(list):
+    """The last stage's statistics of one pass, a dict per micro-batch (empty on other stages), with the pass's
+    micro-batches and padding."""
+
+    def __init__(self, stats: list[dict], micro: list[MicroBatch], padding: PaddingStats) -> None:
+        super().__init__(stats or [])
+        self.micro, self.padding = micro, padding
+
+    def rows(self, key: str) -> torch.Tensor:
+        """The per-row statistic ``key`` in the batch's row order."""
+        return original_order([o[key] for o in self], self.micro)
 
 
 def fixed_groups(rows: int, size: int) -> list[list[int]]:

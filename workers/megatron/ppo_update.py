@@ -8,6 +8,7 @@ import torch
 
 from workers.data_proto import DataProto
 from workers.megatron.engine import MegatronEngine, StepFn
+from workers.megatron.micro_batches import PaddingStats
 from workers.megatron.preflight import mini_batch_plan
 from workers.policy_losses import LossNormalizer
 
@@ -32,7 +33,7 @@ def run_ppo_epochs(
     a statistic named ``*_max`` is a maximum instead, and is maximized over them.
     """
     layout = engine.layout
-    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.micro_batch_multiple)
+    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
     for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
         tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
@@ -41,9 +42,9 @@ def run_ppo_epochs(
         # (the engine undoes the schedule's division by the number of micro-batches).
         stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
         step_metrics = engine.optimizer_step()
-        padding = engine.last_padding
-        real, before, after = engine.dp_sum([padding.real, padding.before, padding.after])
-        step_metrics.update({"padding_fraction_before": 1 - real / before, "padding_fraction_after": 1 - real / after})
+        padding = PaddingStats(*engine.dp_sum([stats.padding.real, stats.padding.before, stats.padding.after]))
+        step_metrics.update({"padding_fraction_before": padding.fraction_before,
+                             "padding_fraction_after": padding.fraction_after})
         if stats:  # the last pipeline stage
             sums = sorted(k for k in stats[0] if not k.endswith("_max"))
             maxima = sorted(k for k in stats[0] if k.endswith("_max"))

@@ -46,6 +46,5 @@ def check_training_setup(
     layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel)
     reader = HFCheckpointReader(model_path)
     if batch_size is not None:
-        per_rank_multiple = 1 if engine.max_tokens_per_micro_batch else engine.micro_batch_size
-        mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.dp, per_rank_multiple)
+        mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.dp, engine.micro_batch_multiple)
     return spec, layout, reader

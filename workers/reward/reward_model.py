@@ -58,6 +58,6 @@ class RewardModel(EngineRole):
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:
             return None
-        scores = self.engine.rows_in_order(outputs, "scores")
+        scores = outputs.rows("scores")
         token_level = last_token_scores(scores, data.batch["response_mask"])
         return DataProto({"token_level_scores": token_level, self.score_key: scores})
