@@ -77,10 +77,6 @@ def _uses_dist_opt(engine) -> bool:
     return engine.optim_config is not None and engine.optim_config.use_distributed_optimizer
 
 
-def _precision(engine) -> str:
-    return getattr(engine.config, "precision", "fp32")
-
-
 def _megatron_optimizers(engine) -> list:
     optimizer = engine.optimizer
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -187,7 +183,7 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
                 "step": step,
                 "layout": str(engine.layout),
                 "use_distributed_optimizer": _uses_dist_opt(engine),
-                "precision": _precision(engine),
+                "precision": engine.config.precision,
                 "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
                 "extra": extra or {},
             },
@@ -256,7 +252,7 @@ def _check_optimizer_format(path: Path, meta: dict[str, Any], engine) -> None:
     """
     settings = {
         "use_distributed_optimizer": (meta.get("use_distributed_optimizer", False), _uses_dist_opt(engine)),
-        "precision": (meta.get("precision", "fp32"), _precision(engine)),
+        "precision": (meta.get("precision", "fp32"), engine.config.precision),
     }
     wrong = [(name, saved, here) for name, (saved, here) in settings.items() if saved != here]
     if wrong:

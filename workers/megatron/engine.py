@@ -157,8 +157,9 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            position_ids = torch.arange(mb["input_ids"].shape[1]).unsqueeze(0).expand_as(mb["input_ids"])
-            output = model(mb["input_ids"], position_ids, None, **keep_dtype)
+            ids = mb["input_ids"]
+            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = model(ids, position_ids, None, **keep_dtype)
             return output, partial(loss_func, mb)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
