@@ -84,7 +84,15 @@ std::tuple<at::Tensor, at::Tensor> linear_log_prob_entropy_backward(
   check_linear(hidden, weight, target, chunk_rows, chunk_vocab, "linear_log_prob_entropy_backward");
   const int64_t rows = hidden.size(0), vocab = weight.size(0);
   at::Tensor grad_hidden = at::zeros(hidden.sizes(), hidden.options().dtype(at::kFloat));
-  at::Tensor grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+  // With one row tile each vocab tile's d weight is a single product: it is written once, in the
+  // weight's dtype (the product rounds to it exactly as the fp32 sum of one term would), which spares
+  // a [vocab, hidden] fp32 buffer, its zeroing and the final cast. Several row tiles sum in fp32.
+  const bool one_row_tile = rows <= chunk_rows;
+  at::Tensor grad_weight = one_row_tile ? at::empty(weight.sizes(), weight.options())
+                                        : at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+  if (rows == 0) {
+    grad_weight.zero_();
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t r1 = std::min(rows, r0 + chunk_rows);
     const at::Tensor h = hidden.slice(0, r0, r1);
@@ -96,10 +104,15 @@ std::tuple<at::Tensor, at::Tensor> linear_log_prob_entropy_backward(
           grad_log_prob.slice(0, r0, r1), grad_entropy.slice(0, r0, r1), logits, target.slice(0, r0, r1),
           log_z.slice(0, r0, r1), entropy.slice(0, r0, r1), vocab_start + v0, scale);
       add_matmul(grad_hidden.slice(0, r0, r1), grad_logits, w);
-      add_matmul(grad_weight.slice(0, v0, v1), grad_logits.t(), h);
+      if (one_row_tile) {
+        at::Tensor grad_w = grad_weight.slice(0, v0, v1);
+        at::mm_out(grad_w, grad_logits.t().to(weight.scalar_type()), h);
+      } else {
+        add_matmul(grad_weight.slice(0, v0, v1), grad_logits.t(), h);
+      }
     }
   }
-  return {grad_hidden.to(hidden.scalar_type()), grad_weight.to(weight.scalar_type())};
+  return {grad_hidden.to(hidden.scalar_type()), grad_weight.to(weight.scalar_type())};  // no copy when one tile
 }
 
 }  // namespace hybridflow

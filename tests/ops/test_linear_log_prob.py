@@ -50,10 +50,12 @@ def test_fp32_values_and_gradients(device, chunks):
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=str)
-def test_bf16_agrees_with_the_unfused_bf16_output_layer(device):
+@pytest.mark.parametrize("chunk_rows", [4, 64], ids=["row-tiles", "one-row-tile"])
+def test_bf16_agrees_with_the_unfused_bf16_output_layer(device, chunk_rows):
+    # one-row-tile: d weight written tile by tile in bf16; row-tiles: summed over row tiles in fp32
     h, w, t = (x.bfloat16() if x.is_floating_point() else x for x in make(seed=3, device=device))
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, ent = linear_log_prob_entropy(hx, wx, t, chunk_rows=4, chunk_vocab=64)
+    lp, ent = linear_log_prob_entropy(hx, wx, t, chunk_rows=chunk_rows, chunk_vocab=64)
     (lp + ent).sum().backward()
     hu, wu = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref_lp, ref_ent = log_prob_entropy(hu @ wu.t(), t)

@@ -49,6 +49,22 @@ __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.mega
 StepFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def fuse_cpu_adam(optimizer) -> None:
+    """Step torch's Adam over CPU parameters with its fused kernel.
+
+    Without apex or transformer-engine megatron wraps torch's Adam, whose default on CPU is the
+    per-tensor loop (about 4x slower over SmolLM2's 135M parameters; on CUDA it is already the
+    multi-tensor path). The flag is set before every step because ``load_state_dict`` restores the
+    param groups as they were saved. Fused and looped Adam agree to float rounding.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in adam.param_groups:
+            if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+
 class MegatronEngine:
     def __init__(
         self,
@@ -187,6 +203,7 @@ class MegatronEngine:
         """
         self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
+        fuse_cpu_adam(self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("the optimizer skipped its step (non-finite gradients)")
