@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from controller.algorithms.presets import PRESETS
 from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
@@ -27,12 +28,13 @@ from workers.rollout.config import RolloutConfig
 from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
 __all__ = [
-    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
+    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "RolloutCorrectionConfig", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
     "RewardConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict", "load_config",
 ]
 
-# Algorithm -> the advantage estimator it uses (controller.algorithms.advantages).
-ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "remax": "remax", "reinforce_plus_plus": "reinforce_plus_plus"}
+# The built-in algorithms (their presets: controller.algorithms.presets); a user's are registered by name
+# (controller.algorithms.register_algorithm) or given as a module:Class import path.
+ALGORITHMS = tuple(PRESETS)
 LAUNCHERS = ("torchrun", "ray")
 
 
@@ -50,12 +52,24 @@ class RoleConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance weights between the rollout engine's log-probs and the trainer's (workers.rollout_correction)."""
+
+    mode: str = "auto"  # auto (off when rollout and training share weights and precision), off, tis or mis
+    level: str = "token"  # token or sequence
+    cap: float = 2.0  # tis: the weights' cap
+    low: float = 0.5  # mis: the ratio's bounds
+    high: float = 2.0
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = "ppo"  # one of ALGORITHMS; "custom" with advantage_estimator naming a registered one
+    # A registered algorithm (ALGORITHMS, or one registered with register_algorithm), or module:Class
+    name: str = "ppo"
     advantage_estimator: str | None = None  # overrides the algorithm's estimator (a registered name)
     gamma: float = 1.0
     lam: float = 1.0
-    norm_adv_by_std: bool = True
+    norm_adv_by_std: bool | None = None  # GRPO-family: divide by the group std; None: the algorithm's (dr_grpo: no)
     kl_in_reward: bool = False  # KL penalty in the reward (PPO-RLHF style); the loss form is actor.ppo.use_kl_loss
     kl_penalty: str = "k1"
     kl_ctrl: dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "value": 0.001})
@@ -67,10 +81,18 @@ class AlgorithmConfig:
     safe_rlhf_cost_limit: float = 0.0
     safe_rlhf_lambda_init: float = 1.0
     safe_rlhf_lambda_lr: float = 0.1
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # DAPO (algorithm.name: dapo)
+    dynamic_sampling: bool | None = None  # drop prompt groups whose rewards are all equal; None: dapo's (on)
+    max_gen_batches: int = 10  # generation rounds per step at most, the first included
+    overlong_buffer_len: int | None = None  # tokens before max_new_tokens where the penalty grows; None: 20%
+    overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
 
     @property
     def estimator(self) -> str:
-        return self.advantage_estimator or ALGORITHMS.get(self.name, self.name)
+        from controller.algorithms.algorithm import algorithm_preset
+
+        return self.advantage_estimator or algorithm_preset(self.name).estimator
 
     @property
     def needs_critic(self) -> bool:
@@ -282,15 +304,7 @@ def check_config(config: RLConfig, model_spec=None) -> None:
     problems: list[str] = []
     alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data
     n = rollout.sampling.n
-    from controller.algorithms.advantages import ADVANTAGE_ESTIMATORS
-
-    if alg.name not in ALGORITHMS and alg.advantage_estimator is None:
-        problems.append(f"algorithm.name {alg.name!r} is not one of {sorted(ALGORITHMS)} "
-                        f"(or set algorithm.advantage_estimator to a registered estimator)")
-    elif alg.estimator not in ADVANTAGE_ESTIMATORS:
-        problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    if alg.estimator in ("grpo", "rloo") and n < 2:
-        problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
+    problems += _algorithm_problems(config)
     if alg.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
         problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not one of {OLD_LOG_PROB_SOURCES}")
     if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
@@ -321,7 +335,11 @@ def check_config(config: RLConfig, model_spec=None) -> None:
     # Layouts: every role spans all trainer.nproc processes.
     sequences = data.batch_size * n
     roles = [("actor", config.actor, config.ppo.ppo_mini_batch_size)]
-    if alg.needs_critic:
+    try:
+        needs_critic = alg.needs_critic
+    except ValueError:  # an unknown algorithm, listed above
+        needs_critic = False
+    if needs_critic:
         roles.append(("critic", config.critic, config.critic_ppo.ppo_mini_batch_size))
     actor_layout = None
     for role, role_cfg, mini in roles:
@@ -368,6 +386,46 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                             f"max_position_embeddings {model_spec.max_position_embeddings}")
     if problems:
         raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def _algorithm_problems(config: RLConfig) -> list[str]:
+    """The algorithm found (an import path imported now), its estimator registered, its settings in range."""
+    from controller.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from controller.algorithms.algorithm import ALGORITHMS as REGISTERED
+    from controller.algorithms.algorithm import resolve_algorithm, resolve_rollout_correction
+
+    alg, n, max_new = config.algorithm, config.rollout.sampling.n, config.rollout.sampling.max_new_tokens
+    try:
+        cls, _ = resolve_algorithm(alg.name)
+    except ValueError as exc:
+        if ":" in alg.name:
+            return [str(exc)]
+        return [f"algorithm.name {alg.name!r} is not one of the registered algorithms {sorted(REGISTERED)} "
+                "(or a module:Class import path)"]
+    problems = []
+    if not alg.estimator:
+        problems.append(f"algorithm.name {alg.name!r} needs algorithm.advantage_estimator (a registered estimator: "
+                        f"{sorted(ADVANTAGE_ESTIMATORS)})")
+    elif alg.estimator not in ADVANTAGE_ESTIMATORS:
+        problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
+    if alg.estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and n < 2:
+        problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
+    from controller.algorithms.dapo import DAPO
+
+    if not issubclass(cls, DAPO):
+        for key in ("dynamic_sampling", "overlong_buffer_len"):
+            if getattr(alg, key) is not None:
+                problems.append(f"algorithm.{key} is a DAPO setting; algorithm.name is {alg.name!r} (use dapo)")
+    if alg.max_gen_batches < 1:
+        problems.append(f"algorithm.max_gen_batches must be >= 1 (the first generation included), got {alg.max_gen_batches}")
+    if alg.overlong_buffer_len is not None and not 0 <= alg.overlong_buffer_len <= max_new:
+        problems.append(f"algorithm.overlong_buffer_len must be in [0, rollout.sampling.max_new_tokens = {max_new}], "
+                        f"got {alg.overlong_buffer_len}")
+    try:
+        resolve_rollout_correction(alg.rollout_correction, same_precision=False)
+    except ValueError as exc:
+        problems.append(f"algorithm.rollout_correction: {exc}")
+    return problems
 
 
 def _data_problems(data: DataConfig) -> list[str]:

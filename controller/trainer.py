@@ -10,16 +10,17 @@
     metrics = trainer.step()         # one full PPO step on the real worker groups
     trainer.fit(total_steps=20)
 
-A step: generate (the actor's weights resharded into the rollout at the
-boundary) -> reward -> old and reference log-probs -> values -> advantages
--> critic update -> actor update. Every role lives on one resource pool
-(colocated, the hybrid engine's setting) unless ``register_placement``
-puts it elsewhere.
+A step's phases: generate (the actor's weights resharded into the rollout at the boundary) and
+score -> old and reference log-probs, values -> advantages -> critic update -> actor update ->
+metrics. What differs between algorithms hangs off the algorithm object's hooks
+(``controller.algorithms.RLAlgorithm``): ReMax's greedy baseline and DAPO's dynamic sampling after
+scoring, Safe-RLHF's cost advantages, the policy objective and the rollout correction as the
+update's loss terms. Every role lives on one resource pool (colocated, the hybrid engine's
+setting) unless ``register_placement`` puts it elsewhere.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -28,33 +29,26 @@ from typing import Any
 
 import torch
 
-from controller.algorithms.advantages import (
-    AdvantageConfig,
-    AdvantageInputs,
-    compute_advantages,
-)
-from controller.algorithms.kl_control import (
-    KLController,
-    apply_kl_penalty,
-    make_kl_controller,
-)
-from controller.algorithms.safe_rlhf import LagrangeMultiplier, combine_advantages
+from controller.algorithms import RLAlgorithm, StepState, build_algorithm
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader
 from controller.resource_pool import ResourcePool
+from controller.role_assembly import ROLE_ORDER, assemble_roles
 from controller.step_metrics import batch_metrics, reduce_update_metrics
+from controller.trainer_checkpoint import TrainerCheckpoint
 from controller.worker_group import WorkerGroup
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
 from workers.megatron.config import as_config
-from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
 from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
 from workers.rollout.config import RolloutConfig
 
 __all__ = ["RLTrainer"]
 
-ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "cost")
+# The rollout's own metrics that a step reports; extra generation rounds add to the timings and bytes.
+ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
+                   "reshard/bytes_received", "rollout/tokens_per_s")
 
 
 class RLTrainer:
@@ -73,7 +67,7 @@ class RLTrainer:
         reward_worker: RoleSpec | None = None,
         cost_fn: str | Callable | None = None,
         cost_model: RoleSpec | None = None,
-        algorithm: AlgorithmConfig | dict | str = "ppo",
+        algorithm: AlgorithmConfig | dict | str | RLAlgorithm = "ppo",
         val_data: PromptDataset | None = None,
         kl_loss_fn: Callable | None = None,
         processes: int | None = None,
@@ -87,43 +81,17 @@ class RLTrainer:
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        if isinstance(algorithm, str):
-            algorithm = AlgorithmConfig(name=algorithm)
-        elif isinstance(algorithm, dict):
-            algorithm = AlgorithmConfig(**algorithm)
+        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object."""
+        if not isinstance(algorithm, RLAlgorithm):
+            config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
+                AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm)
+            algorithm = build_algorithm(config, safe_rlhf=cost_fn is not None or cost_model is not None)
         self.algorithm = algorithm
-        if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
-            raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
-                              "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
-        if algorithm.needs_critic and critic is None:
-            raise ConfigError(f"{algorithm.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
-        if cost_fn is not None and cost_model is not None:
-            raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
-        safe_rlhf = cost_fn is not None or cost_model is not None
-        if safe_rlhf and algorithm.needs_critic:
-            raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
-                              f"{algorithm.name} would need a cost critic")
-        self.specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
-        if critic is not None:
-            self.specs["critic"] = critic
-        ppo = as_config(PPOActorConfig, actor.kwargs.get("ppo"))
-        needs_ref = algorithm.use_reference if algorithm.use_reference is not None else (
-            algorithm.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
-        if needs_ref:
-            self.specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {
-                "model_path": actor.model_path, "engine": actor.kwargs.get("engine")})
-        tokenizer_path = actor.model_path
-        if reward_model is not None:
-            self.specs["reward_model"] = reward_model
-        if reward_fn is not None:
-            self.specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": reward_fn,
-                                                         "reward_kwargs": reward_kwargs})
-        if reward_worker is not None:
-            self.specs["reward"] = reward_worker
-        if cost_fn is not None:
-            self.specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": tokenizer_path, "reward_fn": cost_fn})
-        if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
-            self.specs["cost"] = cost_model
+        self.ppo = as_config(PPOActorConfig, actor.kwargs.get("ppo"))
+        self.specs = assemble_roles(
+            algorithm=algorithm, ppo=self.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
+            reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward_kwargs, reward_worker=reward_worker,
+            cost_fn=cost_fn, cost_model=cost_model, kl_loss_fn=kl_loss_fn)
         self.placement = {role: "default" for role in self.specs}
         self.pool_sizes: dict[str, int | None] = {"default": processes}
         self.backend = backend
@@ -131,20 +99,24 @@ class RLTrainer:
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpoints = TrainerCheckpoint(self.run_dir)
         self.logger = logger
         self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
-        ctrl = dict(algorithm.kl_ctrl)
-        self.kl_ctrl: KLController = make_kl_controller(ctrl.pop("kind", "fixed"), **ctrl)
-        self.lagrange = LagrangeMultiplier(algorithm.safe_rlhf_lambda_init, algorithm.safe_rlhf_lambda_lr,
-                                           algorithm.safe_rlhf_cost_limit) if safe_rlhf else None
-        n = RolloutConfig.from_value(rollout.kwargs.get("config")).sampling.n
+        sampling = RolloutConfig.from_value(rollout.kwargs.get("config")).sampling
+        self.max_response_length = sampling.max_new_tokens
         self.old_log_probs_from_update = old_log_probs_from_update(
-            algorithm.old_log_prob_source, ppo.ppo_epochs, ppo.ppo_mini_batch_size, batch_size * n,
-            read_before_update=algorithm.kl_in_reward)
+            algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
+            batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": pool} if pool is not None else {}
         self.global_step = 0
         self.loader: PromptLoader | None = None
+        self.pad_token_id: int | None = None
+
+    @property
+    def kl_ctrl(self):
+        """The algorithm's KL coefficient controller (the KL penalty in the reward)."""
+        return self.algorithm.kl_ctrl
 
     # ------------------------------------------------------------- declaration
     def register_placement(self, role: str, devices: int | None = None, pool: str | None = None) -> None:
@@ -205,6 +177,7 @@ class RLTrainer:
         # With truncation "left" the rollout keeps a long prompt's end; otherwise the loader refuses it up front.
         max_prompt = rollout_cfg.max_prompt_length if rollout_cfg.truncation == "error" else None
         self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
                                         shuffle=False) if self.val_data is not None else None)
         for name, size in self.pool_sizes.items():
@@ -224,97 +197,41 @@ class RLTrainer:
         self.build()
         if step is not None:
             self.global_step = step
-        g, alg = self.groups, self.algorithm
-        timing: dict[str, float] = {}
-        start = time.perf_counter()
-        prompts = self.loader.next_batch()
-        prompts.meta_info["sampling"] = {"seed": self.seed * 1_000_003 + self.global_step * 100_000}
+        alg, state = self.algorithm, StepState(self.global_step)
+        state.prompts = alg.before_generation(self, state, self.loader.next_batch())
+        batch = self.generate_and_score(state.prompts, state)
+        batch = alg.after_scoring(self, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
+        batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
+        with state.timed("adv"):
+            batch = alg.advantages(self, state, batch)
+        batch.meta_info.update(alg.loss_terms(self, state, batch))  # the policy objective, rollout correction
+        self.update(batch, state)  # the critic, then the actor
+        alg.after_update(self, state, batch)
+        return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
-        with _timer(timing, "rollout"):
-            batch = g["rollout"].generate_sequences(prompts)
-        rollout_metrics = dict(batch.meta_info.pop("metrics", {}))
-        with _timer(timing, "reward"):
-            batch = batch.union(self._score(batch))
-        baseline = baseline_cost = None
-        if alg.estimator == "remax":  # the greedy response's score is each prompt's baseline
-            with _timer(timing, "gen_baseline"):
-                greedy = g["rollout"].generate_sequences(_with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
-                greedy.meta_info.pop("metrics", None)
-                greedy_scores = self._score(greedy).batch
-                n = len(batch) // len(prompts)
-                baseline = greedy_scores["scores"].repeat_interleave(n)
-                if "cost_scores" in greedy_scores:
-                    baseline_cost = greedy_scores["cost_scores"].repeat_interleave(n)
-        if self.old_log_probs_from_update:  # on-policy: the update's own forward gives them, detached
-            batch.meta_info["old_log_probs"] = FROM_UPDATE
-        else:
-            with _timer(timing, "old_log_prob"):
-                batch = batch.union(g["actor"].compute_log_prob(batch))
-            agreement = logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
-                                          batch.batch["response_mask"])
-            batch = use_old_log_probs(batch, alg.old_log_prob_source)
-        if "ref_policy" in g:
-            with _timer(timing, "ref"):
-                batch = batch.union(g["ref_policy"].compute_ref_log_prob(batch))
-        if "critic" in g:
-            with _timer(timing, "values"):
-                batch = batch.union(g["critic"].compute_values(batch))
+    # ------------------------------------------------------------- phases
+    def generate_and_score(self, prompts: DataProto, state: StepState, round_index: int = 0) -> DataProto:
+        """Sampled responses to ``prompts``, scored; ``round_index`` > 0: an extra generation round of the step."""
+        seed = self.seed * 1_000_003 + state.step * 100_000 + round_index * 10_007
+        with state.timed("rollout"):
+            batch = self.generate(prompts, state, sampling={"seed": seed})
+        with state.timed("reward"):
+            return batch.union(self.score(batch))
 
-        with _timer(timing, "adv"):
-            kl_metrics = {}
-            rewards = batch.batch["token_level_scores"]
-            if alg.kl_in_reward:
-                rewards, kl_metrics = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
-                                                       batch.batch["response_mask"], self.kl_ctrl.value, alg.kl_penalty)
-            inputs = AdvantageInputs(rewards, batch.batch["response_mask"], values=batch.batch.get("values"),
-                                     group_index=batch.non_tensor_batch.get("uid"), baseline_rewards=baseline)
-            config = AdvantageConfig(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std=alg.norm_adv_by_std)
-            advantages, returns = compute_advantages(alg.estimator, inputs, config)
-            safe_metrics = {}
-            if self.lagrange is not None:
-                cost_inputs = AdvantageInputs(batch.batch["cost_token_level_scores"], batch.batch["response_mask"],
-                                              group_index=inputs.group_index, baseline_rewards=baseline_cost)
-                cost_adv, _ = compute_advantages(alg.estimator, cost_inputs, config)
-                advantages = combine_advantages(advantages, cost_adv, self.lagrange.value)
-                mean_cost = float(batch.batch["cost_scores"].mean())
-                safe_metrics = {"safe_rlhf/lambda": self.lagrange.value, "safe_rlhf/cost/mean": mean_cost}
-                self.lagrange.update(mean_cost)
-            batch.batch.update({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
+    def generate(self, prompts: DataProto, state: StepState | None, sampling: dict[str, Any],
+                 keep_metrics: bool = True) -> DataProto:
+        """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
+        out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, sampling))
+        metrics = out.meta_info.pop("metrics", {})
+        if keep_metrics and state is not None:
+            for key in (k for k in ROLLOUT_METRICS if k in metrics):
+                summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
+                previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
+                state.rollout_metrics[key] = previous + float(metrics[key])
+        return out
 
-        update_metrics: dict[str, float] = {}
-        if "critic" in g:
-            with _timer(timing, "update_critic"):
-                update_metrics.update(reduce_update_metrics(g["critic"].update_critic(batch)))
-        with _timer(timing, "update_actor"):
-            if self.kl_loss_fn is not None:
-                batch.meta_info.update({"kl_loss_fn": self.kl_loss_fn, "step": self.global_step})
-            update_metrics.update(reduce_update_metrics(g["actor"].update_actor(batch)))
-            batch.meta_info.pop("kl_loss_fn", None)
-        if self.old_log_probs_from_update:
-            agreement = {f"rollout/logprob_diff_{s}": update_metrics.pop(f"actor/rollout_logprob_diff_{s}") for s in ("max", "mean")}
-        if alg.kl_in_reward:
-            self.kl_ctrl.update(kl_metrics.get("actor/reward_kl_penalty", 0.0), n_steps=len(prompts))
-        timing["step"] = time.perf_counter() - start
-
-        metrics = {**batch_metrics(batch), **update_metrics, **kl_metrics, **agreement, **safe_metrics}
-        for key in ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
-                    "reshard/bytes_received", "rollout/tokens_per_s"):
-            if key in rollout_metrics:
-                metrics[key] = float(rollout_metrics[key])
-        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-        tokens = int(batch.batch["attention_mask"].sum())
-        metrics["perf/throughput"] = tokens / timing["step"]
-        metrics["perf/max_memory_gb"] = max(i["peak_memory_gb"] for i in g["actor"].worker_info())
-        if self.val_every and (self.global_step + 1) % self.val_every == 0:
-            metrics.update(self.validate())
-        self.global_step += 1
-        if self.logger is not None:
-            self.logger.log(self.global_step, metrics)
-        if self.save_every and self.global_step % self.save_every == 0:
-            self.save_checkpoint()
-        return metrics
-
-    def _score(self, batch: DataProto) -> DataProto:
+    def score(self, batch: DataProto) -> DataProto:
+        """``token_level_scores`` and ``scores`` of each response (and its cost under Safe-RLHF)."""
         if "reward_model" in self.groups:
             out = self.groups["reward_model"].compute_rm_score(batch)
             key = self.specs["reward_model"].kwargs.get("score_key", "rm_scores")
@@ -332,6 +249,60 @@ class RLTrainer:
                                              "cost_scores": cost_scores}))
         return scores
 
+    def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:
+        """Old log-probs (skipped when the update's own forward gives them), reference log-probs, values."""
+        g = self.groups
+        if self.old_log_probs_from_update:  # on-policy: the update's own forward gives them, detached
+            batch.meta_info["old_log_probs"] = FROM_UPDATE
+        else:
+            with state.timed("old_log_prob"):
+                batch = batch.union(g["actor"].compute_log_prob(batch))
+            state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
+                                                   batch.batch["response_mask"]))
+            batch = use_old_log_probs(batch, self.algorithm.config.old_log_prob_source)
+        if "ref_policy" in g:
+            with state.timed("ref"):
+                batch = batch.union(g["ref_policy"].compute_ref_log_prob(batch))
+        if "critic" in g:
+            with state.timed("values"):
+                batch = batch.union(g["critic"].compute_values(batch))
+        return batch
+
+    def update(self, batch: DataProto, state: StepState) -> None:
+        """The critic's PPO update, then the actor's; their metrics go into ``state.metrics``."""
+        g = self.groups
+        if "critic" in g:
+            with state.timed("update_critic"):
+                state.metrics.update(reduce_update_metrics(g["critic"].update_critic(batch)))
+        with state.timed("update_actor"):
+            if self.kl_loss_fn is not None:
+                batch.meta_info.update({"kl_loss_fn": self.kl_loss_fn, "step": self.global_step})
+            metrics = reduce_update_metrics(g["actor"].update_actor(batch))
+            batch.meta_info.pop("kl_loss_fn", None)
+        for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:
+            metrics[key.removeprefix("actor/")] = metrics.pop(key)
+        if self.old_log_probs_from_update:  # the agreement the skipped pass would have measured
+            for stat in ("max", "mean"):
+                metrics[f"rollout/logprob_diff_{stat}"] = metrics.pop(f"actor/rollout_logprob_diff_{stat}")
+        state.metrics.update(metrics)
+
+    def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
+        """The step's metrics; then validation, logging and the checkpoint where they are due."""
+        state.timing["step"] = time.perf_counter() - state.start
+        metrics = {**batch_metrics(batch), **state.metrics, **state.rollout_metrics}
+        metrics.update({f"timing_s/{k}": v for k, v in state.timing.items()})
+        tokens = int(batch.batch["attention_mask"].sum())
+        metrics["perf/throughput"] = tokens / state.timing["step"]
+        metrics["perf/max_memory_gb"] = max(i["peak_memory_gb"] for i in self.groups["actor"].worker_info())
+        if self.val_every and (self.global_step + 1) % self.val_every == 0:
+            metrics.update(self.validate())
+        self.global_step += 1
+        if self.logger is not None:
+            self.logger.log(self.global_step, metrics)
+        if self.save_every and self.global_step % self.save_every == 0:
+            self.save_checkpoint()
+        return metrics
+
     def validate(self) -> dict[str, float]:
         """Greedy responses to every held-out prompt: mean reward and response length."""
         self.build()
@@ -340,7 +311,7 @@ class RLTrainer:
         scores, lengths = [], []
         for prompts in self.val_loader.all_batches():
             out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
-            scores.append(self._score(out).batch["scores"])
+            scores.append(self.score(out).batch["scores"])
             lengths.append(out.batch["response_mask"].sum(-1).float())
         return {"val/reward/mean": float(torch.cat(scores).mean()), "val/response_length/mean": float(torch.cat(lengths).mean())}
 
@@ -357,43 +328,14 @@ class RLTrainer:
         return history
 
     # ---------------------------------------------------------- checkpoints
-    def _checkpoint_root(self) -> Path:
-        if self.run_dir is None:
-            raise ConfigError("checkpoints need a run_dir")
-        return self.run_dir / "checkpoints"
-
     def save_checkpoint(self) -> Path:
-        """Actor (and critic) state, then the trainer's own state last: the commit point of the step."""
-        root = self._checkpoint_root()
-        step = self.global_step
-        for role in ("actor", "critic"):
-            if role in self.groups:
-                self.groups[role].save_checkpoint(str(root / role), step)
-        state = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "lagrange": self.lagrange.state_dict() if self.lagrange else None}
-        trainer_dir = root / "trainer"
-        trainer_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(trainer_dir / f"step_{step:08d}.json", json.dumps(state))
-        _atomic_write(trainer_dir / "latest", f"step_{step:08d}.json")
-        return trainer_dir / f"step_{step:08d}.json"
+        """The actor (and critic), then the trainer's own state last: the commit point of the step."""
+        return self.checkpoints.save(self)
 
     def resume(self) -> int:
         """Continue from the newest complete checkpoint under run_dir; returns its step (0: none)."""
         self.build()
-        pointer = self._checkpoint_root() / "trainer" / "latest"
-        if not pointer.is_file():
-            return 0
-        state = json.loads((pointer.parent / pointer.read_text().strip()).read_text())
-        step = int(state["step"])
-        for role in ("actor", "critic"):
-            if role in self.groups:
-                self.groups[role].load_checkpoint(str(self._checkpoint_root() / role / f"step_{step:08d}"))
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.lagrange is not None and state.get("lagrange"):
-            self.lagrange.load_state_dict(state["lagrange"])
-        self.global_step = step
-        return step
+        return self.checkpoints.resume(self)
 
     def export_hf(self, path: str | Path, precision: str | None = None) -> Path:
         """The actor's current weights (and the tokenizer) as an HF checkpoint directory, in ``precision``
@@ -410,28 +352,5 @@ class RLTrainer:
             pool.shutdown()
 
 
-def _reference_cls():
-    from workers.actor import ReferencePolicy
-
-    return ReferencePolicy
-
-
 def _with_sampling(prompts: DataProto, sampling: dict[str, Any]) -> DataProto:
     return DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, "sampling": sampling})
-
-
-class _timer:
-    def __init__(self, timing: dict[str, float], name: str) -> None:
-        self.timing, self.name = timing, name
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -8,7 +8,15 @@ they are (``controller``: the single controller and the RL loop;
 resharding); this module only gathers the names a user writes.
 """
 
-from controller.algorithms import AdvantageConfig, AdvantageInputs, group_rows, register_advantage_estimator
+from controller.algorithms import (
+    AdvantageConfig,
+    AdvantageInputs,
+    RLAlgorithm,
+    StepState,
+    group_rows,
+    register_advantage_estimator,
+    register_algorithm,
+)
 from controller.config import RLConfig, load_config
 from controller.data import (
     PromptDataset,
@@ -44,6 +52,7 @@ __all__ = [
     # rewards and algorithms
     "REWARD_FUNCTIONS", "resolve_reward_fn", "score_by_data_source", "last_token_scores",
     "register_advantage_estimator", "AdvantageConfig", "AdvantageInputs", "group_rows", "kl_penalty",
+    "RLAlgorithm", "StepState", "register_algorithm",
     # models and configs
     "resolve_model_path", "value_model_from_policy", "RLConfig", "load_config",
 ]

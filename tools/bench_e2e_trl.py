@@ -38,7 +38,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BF16_MODES", "grpo_config_kwargs", "load_reward_fn", "reward_adapter"]
+__all__ = ["BF16_MODES", "TRL_LOSSES", "grpo_config_kwargs", "load_reward_fn", "reward_adapter", "trl_loss"]
+
+# hybridflow's (algorithm.name, ppo.loss_agg_mode) -> TRL's (loss_type, importance_sampling_level): the same
+# objective and aggregation. TRL's "dapo" loss type is the token mean over the step's batch (hybridflow's
+# token-mean), "grpo" each sequence's token mean (seq-mean-token-mean), "dr_grpo" each sequence's token sum
+# over max_completion_length (seq-mean-token-sum-norm); GSPO is TRL's sequence-level importance sampling.
+TRL_LOSSES = {
+    ("grpo", "token-mean"): ("dapo", "token"),
+    ("grpo", "seq-mean-token-mean"): ("grpo", "token"),
+    ("dapo", "token-mean"): ("dapo", "token"),
+    ("dr_grpo", "seq-mean-token-sum-norm"): ("dr_grpo", "token"),
+    ("gspo", "seq-mean-token-mean"): ("grpo", "sequence"),
+    ("cispo", "token-mean"): ("cispo", "token"),
+}
+
+
+def trl_loss(settings: dict[str, Any]) -> tuple[str, str]:
+    """TRL's loss_type and importance_sampling_level for the settings' algorithm and aggregation."""
+    key = (settings.get("algorithm", "grpo"), settings.get("loss_agg_mode", "token-mean"))
+    if key not in TRL_LOSSES:
+        raise ValueError(f"TRL has no counterpart of algorithm {key[0]!r} with loss aggregation {key[1]!r}; "
+                         f"paired: {sorted(TRL_LOSSES)}")
+    return TRL_LOSSES[key]
 
 # How TRL runs "bf16" on CPU (both run with trl 1.16.0 and use_cpu=True; the results' matmul_dtypes show
 # bf16 linear layers in the update and in HF generate either way): "autocast" is GRPOConfig(bf16=True) with
@@ -62,6 +84,7 @@ def grpo_config_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"prompts_per_step x n = {sequences} does not divide into micro-batches of "
                          f"{s['micro_batch_size']}")
     weights_bf16 = precision == "bf16" and bf16_mode == "weights"
+    loss_type, level = trl_loss(s)
     return dict(
         output_dir=spec["output_dir"],
         use_cpu=True,
@@ -87,8 +110,10 @@ def grpo_config_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         num_iterations=s["ppo_epochs"],
         beta=s["kl_coef"],
         epsilon=s["clip_ratio_low"],
-        epsilon_high=s["clip_ratio_high"],
-        loss_type="dapo",  # token mean over the whole step's batch: hybridflow's token-mean
+        # TRL's CISPO caps the ratio at epsilon_high itself; hybridflow's at 1 + clip_ratio_high
+        epsilon_high=s["clip_ratio_high"] + (1.0 if loss_type == "cispo" else 0.0),
+        loss_type=loss_type,
+        importance_sampling_level=level,
         scale_rewards="group" if s["norm_adv_by_std"] else "none",
         mask_truncated_completions=False,
         entropy_coef=s["entropy_coeff"],

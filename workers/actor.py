@@ -8,7 +8,7 @@ replica sees the same share, and TP rank 0 of the last stage answers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -23,34 +23,75 @@ from workers.megatron.engine_role import EngineRole
 from workers.megatron.hybrid_bridge import HybridBridge
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
-from workers.policy_losses import LOSS_AGG_MODES, LossNormalizer, agg_loss, kl_penalty, masked_mean, policy_loss
+from workers.policy_losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    LossNormalizer,
+    PolicyLossSpec,
+    agg_loss,
+    compute_policy_loss,
+    kl_penalty,
+    masked_mean,
+)
 from workers.register import register
 from workers.rollout.agreement import FROM_UPDATE, old_log_probs_from_update
+from workers.rollout_correction import RolloutCorrection, correction_metrics, correction_weights
 
-__all__ = ["Actor", "ReferencePolicy", "PPOActorConfig"]
+__all__ = ["Actor", "ReferencePolicy", "PPOActorConfig", "PolicyUpdateTerms"]
 
 
 @dataclass(frozen=True)
 class PPOActorConfig:
+    """The actor's update. The objective's fields left None take the algorithm's defaults
+    (controller.algorithms.presets; an Actor used on its own: PPO's, 0.2 / 0.2 and the token mean)."""
+
     ppo_mini_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
     ppo_epochs: int = 1
     shuffle: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0  # dual clip; None turns it off
+    policy_loss: str | None = None  # one of POLICY_LOSSES
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = 3.0  # PPO's dual clip; None turns it off
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str | None = None  # one of LOSS_AGG_MODES
 
     def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if self.policy_loss is not None and self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss {self.policy_loss!r} is not one of {POLICY_LOSSES}")
         if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
             raise ValueError(
                 f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) and ppo_epochs ({self.ppo_epochs}) must be >= 1"
             )
+
+    def policy_loss_spec(self, default: PolicyLossSpec | None = None) -> PolicyLossSpec:
+        """The objective: the fields set here, ``default``'s (an algorithm's; None: PPO's) for those left None.
+
+        ``clip_ratio_c`` is always this config's."""
+        default = default or PolicyLossSpec()
+        return PolicyLossSpec(
+            kind=self.policy_loss or default.kind,
+            clip_ratio_low=default.clip_ratio_low if self.clip_ratio_low is None else self.clip_ratio_low,
+            clip_ratio_high=default.clip_ratio_high if self.clip_ratio_high is None else self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, agg_mode=self.loss_agg_mode or default.agg_mode)
+
+
+@dataclass(frozen=True)
+class PolicyUpdateTerms:
+    """What the trainer's algorithm sets for one update (``meta_info["loss_terms"]``).
+
+    ``norm_length``: the constant of the ``seq-mean-token-sum-norm`` aggregation (the maximum
+    response length). ``rollout_correction``: importance weights between the rollout engine's
+    log-probs and the old log-probs, applied to the policy loss (workers.rollout_correction).
+    """
+
+    policy_loss: PolicyLossSpec
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    norm_length: int | None = None
 
 
 class _LogProbRole(EngineRole):
@@ -105,6 +146,8 @@ class Actor(_LogProbRole):
     def update_actor(self, data: DataProto) -> dict[str, Any]:
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
 
+        ``data.meta_info["loss_terms"]`` (PolicyUpdateTerms, set by the trainer's algorithm): the policy
+        objective and the rollout correction; without it, this actor's ``ppo`` config with PPO's defaults.
         ``data.meta_info["kl_loss_fn"]``, a callable ``(log_probs, ref_log_probs, step) -> per-token KL
         term``, replaces the configured KL loss for this update (``meta_info["step"]`` is passed on).
         ``data.meta_info["old_log_probs"] == "update"`` (``agreement.FROM_UPDATE``): the batch holds no old
@@ -113,6 +156,7 @@ class Actor(_LogProbRole):
         sampled tokens comes back as ``actor/rollout_logprob_diff_mean`` and ``..._max``.
         """
         ppo = self.ppo
+        terms = data.meta_info.get("loss_terms") or PolicyUpdateTerms(ppo.policy_loss_spec())
         temperature = float(data.meta_info.get("temperature", 1.0))
         kl_fn = data.meta_info.get("kl_loss_fn")
         if kl_fn is not None:
@@ -129,7 +173,8 @@ class Actor(_LogProbRole):
             self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,
             seed=self.engine.config.seed + self.update_count,
             make_step=lambda normalizer: partial(
-                self._ppo_loss, temperature=temperature, normalizer=normalizer, kl_fn=kl_fn, from_update=from_update),
+                self._ppo_loss, terms=terms, temperature=temperature, kl_fn=kl_fn, from_update=from_update,
+                normalizer=replace(normalizer, norm_length=terms.norm_length)),
             prefix="actor",
         )
         self.update_count += 1
@@ -156,34 +201,39 @@ class Actor(_LogProbRole):
         """This rank's current generation shard (megatron names local to its generation stage)."""
         return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
-    def _ppo_loss(self, mb: MicroBatch, output: torch.Tensor, *, temperature: float, normalizer: LossNormalizer,
-                  kl_fn=None, from_update: bool = False):
-        ppo = self.ppo
+    def _ppo_loss(self, mb: MicroBatch, output: torch.Tensor, *, terms: PolicyUpdateTerms, temperature: float,
+                  normalizer: LossNormalizer, kl_fn=None, from_update: bool = False):
+        ppo, agg_mode = self.ppo, terms.policy_loss.agg_mode
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
         old_log_prob = log_prob.detach() if from_update else mb["old_log_probs"]
-        pg_loss, stats = policy_loss(
-            old_log_prob, log_prob, mb["advantages"], mask,
-            ppo.clip_ratio_low, ppo.clip_ratio_high, ppo.clip_ratio_c, ppo.loss_agg_mode, normalizer,
-        )
+        rollout_log_prob = mb["rollout_log_probs"] if "rollout_log_probs" in mb else None
+        weights = indicators = None
+        if terms.rollout_correction.on and rollout_log_prob is not None:
+            weights, indicators = correction_weights(old_log_prob, rollout_log_prob, mask, terms.rollout_correction)
+        pg_loss, stats = compute_policy_loss(terms.policy_loss, old_log_prob, log_prob, mb["advantages"], mask,
+                                             normalizer, weights)
         # Token means over this micro-batch become shares of the mini-batch's token mean.
         share = token_share(mask, normalizer)
         stats = {key: value * share for key, value in stats.items()}
-        if from_update and "rollout_log_probs" in mb:
-            diff = (mb["rollout_log_probs"].float() - log_prob.detach()).abs() * mask
+        if rollout_log_prob is not None:
+            mismatch = correction_metrics(old_log_prob, rollout_log_prob, mask, normalizer, weights, indicators)
+            stats.update({f"rollout_corr/{key}": value for key, value in mismatch.items()})
+        if from_update and rollout_log_prob is not None:
+            diff = (rollout_log_prob.float() - log_prob.detach()).abs() * mask
             stats["rollout_logprob_diff_mean"] = masked_mean(diff, mask) * share
             stats["rollout_logprob_diff_max"] = diff.max()
         stats["entropy"] = masked_mean(entropy.detach(), mask) * share
         stats["pg_loss"] = pg_loss.detach()
         loss = pg_loss
         if ppo.entropy_coeff:
-            loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, ppo.loss_agg_mode, normalizer)
+            loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, agg_mode, normalizer)
         if kl_fn is not None:  # the user's KL term, weight included
-            kl = agg_loss(kl_fn(log_prob, mb["ref_log_prob"]), mask, ppo.loss_agg_mode, normalizer)
+            kl = agg_loss(kl_fn(log_prob, mb["ref_log_prob"]), mask, agg_mode, normalizer)
             loss = loss + kl
             stats["kl_loss"] = kl.detach()
         elif ppo.use_kl_loss:
-            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], ppo.kl_loss_type), mask, ppo.loss_agg_mode, normalizer)
+            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], ppo.kl_loss_type), mask, agg_mode, normalizer)
             loss = loss + ppo.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
         return loss, stats

@@ -1,9 +1,17 @@
-"""PPO losses as pure tensor functions: the policy surrogate, the value loss, KL estimators.
+"""Policy-gradient losses as pure tensor functions: the policy objectives, the value loss, KL estimators.
 
 Everything works on [batch, response_length] tensors with a response mask.
 Aggregation is written so that micro-batches and data-parallel ranks add up
 to the mean over the whole mini-batch: each call gets the mini-batch's
 global token and sequence counts and returns its own share of the mean.
+
+The policy objectives (``POLICY_LOSSES``, chosen by ``PolicyLossSpec.kind``):
+- ``ppo``: the clipped token-ratio surrogate, decoupled clip ranges, dual clip;
+- ``gspo``: GSPO's sequence-level ratio (the geometric mean of the token ratios), clipped per sequence;
+- ``gspo_token``: GSPO-token, the sequence ratio's value with each token's own gradient path;
+- ``cispo``: REINFORCE on log-probs weighted by clipped, stop-gradient importance ratios.
+Each takes an optional per-token ``weights`` tensor (rollout correction), detached, that scales the
+per-token loss before aggregation.
 """
 
 from __future__ import annotations
@@ -16,15 +24,21 @@ import torch
 __all__ = [
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "LossNormalizer",
+    "PolicyLossSpec",
     "agg_loss",
+    "cispo_loss",
+    "compute_policy_loss",
+    "gspo_loss",
     "kl_penalty",
     "masked_mean",
     "policy_loss",
     "value_loss",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -36,10 +50,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 @dataclass(frozen=True)
 class LossNormalizer:
-    """Counts over the whole mini-batch (all micro-batches, all DP ranks) that a mean divides by."""
+    """Counts over the whole mini-batch (all micro-batches, all DP ranks) that a mean divides by.
+
+    ``norm_length``: the constant that ``seq-mean-token-sum-norm`` divides each sequence's token sum by
+    (Dr. GRPO: the maximum response length); None where no mode needs it.
+    """
 
     tokens: float
     sequences: float
+    norm_length: float | None = None
 
 
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: LossNormalizer | None = None) -> torch.Tensor:
@@ -48,7 +67,11 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: Loss
     token-mean: every response token weighs the same. seq-mean-token-mean:
     each sequence's token mean, then the mean over sequences.
     seq-mean-token-sum: each sequence's token sum, then the mean over
-    sequences. Without a normalizer the batch is the whole mini-batch.
+    sequences. seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum
+    divided by one constant, ``normalizer.norm_length`` (the maximum response
+    length; without it, the width of ``loss``), then the mean over sequences:
+    no sequence's tokens weigh more for being short. Without a normalizer the
+    batch is the whole mini-batch.
     """
     mask = mask.to(loss.dtype)
     if normalizer is None:
@@ -59,6 +82,9 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: Loss
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normalizer.sequences
     if mode == "seq-mean-token-sum":
         return (loss * mask).sum() / normalizer.sequences
+    if mode == "seq-mean-token-sum-norm":
+        length = normalizer.norm_length if normalizer.norm_length is not None else loss.shape[-1]
+        return (loss * mask).sum() / (normalizer.sequences * length)
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {LOSS_AGG_MODES}")
 
 
@@ -89,6 +115,10 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)} or a callable") from None
 
 
+def _weighted(loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return loss if weights is None else loss * weights.detach()
+
+
 def policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -99,9 +129,11 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     agg_mode: str = "token-mean",
     normalizer: LossNormalizer | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with the dual clip of Ye et al. 2020.
 
+    ``clip_ratio_low`` / ``clip_ratio_high`` are decoupled (DAPO's clip-higher raises the second).
     For negative advantages the dual clip bounds the loss by -A * clip_ratio_c,
     so a huge ratio cannot blow up one update. ``clip_ratio_c=None`` turns it off.
     Returns the loss share and detached statistics (masked means over this batch).
@@ -122,7 +154,111 @@ def policy_loss(
         dual = torch.minimum(surrogate, bound)
         stats["pg_clipfrac_lower"] = masked_mean(((surrogate > bound) & (advantages < 0)).float(), mask).detach()
         surrogate = torch.where(advantages < 0, dual, surrogate)
-    return agg_loss(surrogate, mask, agg_mode, normalizer), stats
+    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+
+
+def gspo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    agg_mode: str = "seq-mean-token-mean",
+    normalizer: LossNormalizer | None = None,
+    token_level: bool = False,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): the importance ratio of a whole sequence, clipped per sequence.
+
+    s_i = exp(mean_t (log pi(y_t) - log pi_old(y_t))), the geometric mean of the token ratios;
+    each token's loss is max(-A * s_i, -A * clip(s_i, 1 - low, 1 + high)), with the paper's small
+    ranges (3e-4, 4e-4) by default. ``token_level`` (GSPO-token): s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)],
+    equal to s_i in value, so each token's gradient follows its own advantage; with one advantage
+    per sequence both variants have the same gradient.
+    """
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # [B, 1]
+    if token_level:
+        log_s = seq_log_ratio.detach() + log_prob - log_prob.detach()
+    else:
+        log_s = seq_log_ratio.expand_as(log_prob)
+    ratio = log_s.clamp(max=10.0).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    surrogate = torch.maximum(unclipped, clipped)
+    stats = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+
+
+def cispo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 1.0,
+    clip_ratio_high: float = 4.0,
+    agg_mode: str = "token-mean",
+    normalizer: LossNormalizer | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): -sg[clip(r_t, 1 - low, 1 + high)] * A_t * log pi(y_t).
+
+    The importance ratio r_t = pi / pi_old is clipped and detached, so it only weights the
+    REINFORCE term and every token keeps its gradient (PPO's clip zeroes the gradient of clipped
+    tokens). The defaults: no lower bound (low 1 gives 0) and an upper bound of 5.
+    """
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.detach().clamp(-20, 20).exp()
+    clipped_ratio = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    surrogate = -clipped_ratio * advantages * log_prob
+    stats = {
+        "pg_clipfrac": masked_mean((clipped_ratio != ratio).float(), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Which policy objective an update minimizes, with its clip ranges and aggregation."""
+
+    kind: str = "ppo"  # one of POLICY_LOSSES
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0  # ppo's dual clip; None turns it off
+    agg_mode: str = "token-mean"  # one of LOSS_AGG_MODES
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {self.kind!r} is not one of {POLICY_LOSSES}")
+        if self.agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(f"clip ranges must be >= 0, got low {self.clip_ratio_low} and high {self.clip_ratio_high}")
+
+
+def compute_policy_loss(
+    spec: PolicyLossSpec,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: LossNormalizer | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss share and statistics of ``spec``'s objective."""
+    common = dict(agg_mode=spec.agg_mode, normalizer=normalizer, weights=weights)
+    if spec.kind == "ppo":
+        return policy_loss(old_log_prob, log_prob, advantages, mask, spec.clip_ratio_low, spec.clip_ratio_high,
+                           spec.clip_ratio_c, **common)
+    if spec.kind in ("gspo", "gspo_token"):
+        return gspo_loss(old_log_prob, log_prob, advantages, mask, spec.clip_ratio_low, spec.clip_ratio_high,
+                         token_level=spec.kind == "gspo_token", **common)
+    return cispo_loss(old_log_prob, log_prob, advantages, mask, spec.clip_ratio_low, spec.clip_ratio_high, **common)
 
 
 def value_loss(

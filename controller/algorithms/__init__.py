@@ -1,4 +1,5 @@
-"""RL algorithms as pure tensor functions: advantage estimators, KL control, Safe-RLHF."""
+"""RL algorithms: the hooks objects of the RL step (RLAlgorithm and its registry), and the pure tensor
+functions they call: advantage estimators, KL control, DAPO's shaping and filtering, Safe-RLHF."""
 
 from controller.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -26,10 +27,38 @@ from controller.algorithms.kl_control import (
     linear_schedule,
     make_kl_controller,
 )
-from controller.algorithms.safe_rlhf import LagrangeMultiplier, combine_advantages
+from controller.algorithms.algorithm import (
+    ALGORITHMS,
+    RLAlgorithm,
+    StepState,
+    algorithm_preset,
+    build_algorithm,
+    register_algorithm,
+    resolve_algorithm,
+    resolve_rollout_correction,
+)
+from controller.algorithms.dapo import DAPO, informative_groups, overlong_penalty
+from controller.algorithms.presets import PRESETS, AlgorithmPreset
+from controller.algorithms.remax import ReMax
+from controller.algorithms.safe_rlhf import LagrangeMultiplier, SafeRLHF, combine_advantages
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ALGORITHMS",
+    "AlgorithmPreset",
+    "DAPO",
+    "PRESETS",
+    "RLAlgorithm",
+    "ReMax",
+    "SafeRLHF",
+    "StepState",
+    "algorithm_preset",
+    "build_algorithm",
+    "informative_groups",
+    "overlong_penalty",
+    "register_algorithm",
+    "resolve_algorithm",
+    "resolve_rollout_correction",
     "KL_CONTROLLER_KINDS",
     "KL_KIND_ALIASES",
     "AdaptiveKLController",

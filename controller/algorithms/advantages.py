@@ -297,3 +297,24 @@ def reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig) -> tup
     returns = _reward_to_go(rewards, mask, config.gamma)
     advantages = masked_whiten(returns, mask, epsilon=config.epsilon)
     return advantages, returns
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu et al. 2025, the variant for several samples per prompt).
+
+        A_i = s_i - mean_G(s)                 (the group's mean score as the baseline)
+        A   = whiten(A) over all valid tokens of the batch: (A - mean) / sqrt(var + epsilon), var unbiased.
+    The baseline removes each prompt's difficulty; the batch whitening then sets one scale for all
+    prompts (GRPO divides each group by its own std instead). A group of one sample has baseline
+    itself. returns equal the advantages.
+    """
+    group_index = _require(inputs, "group_index", "reinforce_plus_plus_baseline", "the prompt id of every sample")
+    scores = _sequence_scores(inputs)
+    centred = torch.zeros_like(scores)
+    for rows in group_rows(group_index).values():
+        idx = torch.tensor(rows, device=scores.device)
+        centred[idx] = scores[idx] - scores[idx].mean()
+    mask = inputs.response_mask.to(scores.dtype)
+    advantages = masked_whiten(centred.unsqueeze(-1) * mask, mask, epsilon=config.epsilon)
+    return advantages, advantages.clone()

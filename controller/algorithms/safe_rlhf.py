@@ -4,6 +4,11 @@ The policy maximises J_r subject to J_c <= cost_limit, where J_c is the expected
 episode cost from a separate cost model. The Lagrangian J_r - lambda * (J_c - limit)
 is maximised over the policy and minimised over lambda >= 0, which gives gradient
 ascent on lambda along the constraint violation J_c - limit.
+
+``SafeRLHF`` wraps any critic-free algorithm's hooks: after its own advantages it
+computes the cost's with the same estimator (ReMax's greedy cost baseline
+included), combines the two under the multiplier, and steps the multiplier after
+the update; the multiplier is part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["LagrangeMultiplier", "combine_advantages"]
+from controller.algorithms.advantages import AdvantageInputs, compute_advantages
+from controller.algorithms.algorithm import RLAlgorithm, StepState
+from workers.data_proto import DataProto
+
+__all__ = ["LagrangeMultiplier", "SafeRLHF", "combine_advantages"]
 
 
 def _finite(owner: str, name: str, value: Any, minimum: float | None = None, strict: bool = False) -> float:
@@ -88,3 +97,49 @@ def combine_advantages(
         lam_value = lam
     _finite("combine_advantages", "lam", lam_value, minimum=0.0)
     return (reward_advantages - lam * cost_advantages) / (1 + lam)
+
+
+class SafeRLHF(RLAlgorithm):
+    """``inner``'s hooks, with the cost advantages folded in and the Lagrange multiplier stepped."""
+
+    def __init__(self, inner: RLAlgorithm) -> None:
+        self.inner, self.config, self.defaults = inner, inner.config, inner.defaults
+        self.kl_ctrl = inner.kl_ctrl
+        cfg = inner.config
+        self.lagrange = LagrangeMultiplier(cfg.safe_rlhf_lambda_init, cfg.safe_rlhf_lambda_lr, cfg.safe_rlhf_cost_limit)
+
+    @property
+    def estimator(self) -> str:
+        return self.inner.estimator
+
+    def before_generation(self, trainer, state: StepState, prompts: DataProto) -> DataProto:
+        return self.inner.before_generation(trainer, state, prompts)
+
+    def after_scoring(self, trainer, state: StepState, batch: DataProto) -> DataProto:
+        return self.inner.after_scoring(trainer, state, batch)
+
+    def advantages(self, trainer, state: StepState, batch: DataProto) -> DataProto:
+        batch = self.inner.advantages(trainer, state, batch)
+        cost_inputs = AdvantageInputs(batch.batch["cost_token_level_scores"], batch.batch["response_mask"],
+                                      group_index=batch.non_tensor_batch.get("uid"),
+                                      baseline_rewards=batch.batch.get("baseline_cost_scores"))
+        cost_advantages, _ = compute_advantages(self.estimator, cost_inputs, self.inner.advantage_config())
+        batch.batch["advantages"] = combine_advantages(batch.batch["advantages"], cost_advantages, self.lagrange.value)
+        state.metrics.update({"safe_rlhf/lambda": self.lagrange.value,
+                              "safe_rlhf/cost/mean": float(batch.batch["cost_scores"].mean())})
+        return batch
+
+    def loss_terms(self, trainer, state: StepState, batch: DataProto) -> dict[str, Any]:
+        return self.inner.loss_terms(trainer, state, batch)
+
+    def after_update(self, trainer, state: StepState, batch: DataProto) -> None:
+        self.inner.after_update(trainer, state, batch)
+        self.lagrange.update(state.metrics["safe_rlhf/cost/mean"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.inner.state_dict(), "lagrange": self.lagrange.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+        if state.get("lagrange"):
+            self.lagrange.load_state_dict(state["lagrange"])

@@ -16,7 +16,15 @@ import torch
 from workers.data_proto import DataProto
 from workers.rollout.sampling import SamplingConfig
 
-__all__ = ["Completion", "GenerationRequest", "PromptError", "build_requests", "build_rollout_batch", "check_special_tokens"]
+__all__ = [
+    "Completion",
+    "GenerationRequest",
+    "PromptError",
+    "build_requests",
+    "build_rollout_batch",
+    "check_special_tokens",
+    "concat_rollout_batches",
+]
 
 TRUNCATION_MODES = ("error", "left")
 
@@ -140,3 +148,30 @@ def build_rollout_batch(
     meta["temperature"] = sampling.logprob_temperature  # the actor recomputes log-probs at this temperature
     finish = [c.finish_reason for c in completions]
     return DataProto({**rest, **generated}, {**repeated.non_tensor_batch, "finish_reason": finish}, meta)
+
+
+PROMPT_SIDE = ("prompts", "input_ids", "attention_mask")
+
+
+def concat_rollout_batches(parts: list[DataProto], pad_token_id: int) -> DataProto:
+    """Rollout batches of different prompt widths as one: the prompt side left-padded to the widest.
+
+    Response widths are max_new_tokens in every batch of one run; the prompt width is each batch's
+    longest prompt, so batches generated from different prompt batches (DAPO's extra generation
+    rounds) differ there. Position ids are recomputed from the padded attention mask.
+    """
+    widest = max(p.batch["prompts"].shape[1] for p in parts)
+    padded = []
+    for part in parts:
+        extra = widest - part.batch["prompts"].shape[1]
+        if extra == 0:
+            padded.append(part)
+            continue
+        batch = dict(part.batch)
+        for key in PROMPT_SIDE:
+            value = batch[key]
+            fill = 0 if key == "attention_mask" else pad_token_id
+            batch[key] = torch.cat([value.new_full((value.shape[0], extra), fill), value], dim=1)
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        padded.append(DataProto(batch, part.non_tensor_batch, part.meta_info))
+    return DataProto.concat(padded)

@@ -1,0 +1,75 @@
+"""The roles an RL job needs, from what the user declared: actor, rollout, critic, reference, reward, cost.
+
+``assemble_roles`` checks that the declared roles fit the algorithm (one reward source; a critic
+where the estimator is GAE; Safe-RLHF only with critic-free estimators), adds the roles the
+algorithm implies (a reference policy where a KL term reads one, the rule-reward and cost workers),
+and returns them by name, in the order the trainer builds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from controller.config import ConfigError
+from workers.reward import RuleReward
+from workers.role_spec import RoleSpec
+
+__all__ = ["ROLE_ORDER", "assemble_roles"]
+
+ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "cost")
+
+
+def assemble_roles(
+    *,
+    algorithm,  # the RLAlgorithm
+    ppo,  # the actor's PPOActorConfig
+    actor: RoleSpec,
+    rollout: RoleSpec,
+    critic: RoleSpec | None = None,
+    ref_policy: RoleSpec | None = None,
+    reward_model: RoleSpec | None = None,
+    reward_fn: str | Callable | None = None,
+    reward_kwargs: dict[str, Any] | None = None,
+    reward_worker: RoleSpec | None = None,
+    cost_fn: str | Callable | None = None,
+    cost_model: RoleSpec | None = None,
+    kl_loss_fn: Callable | None = None,
+) -> dict[str, RoleSpec]:
+    config = algorithm.config
+    if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
+        raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
+                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
+    if algorithm.needs_critic and critic is None:
+        raise ConfigError(f"{config.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
+    if cost_fn is not None and cost_model is not None:
+        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
+    if (cost_fn is not None or cost_model is not None) and algorithm.needs_critic:
+        raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
+                          f"{config.name} would need a cost critic")
+    specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
+    if critic is not None:
+        specs["critic"] = critic
+    needs_ref = config.use_reference if config.use_reference is not None else (
+        config.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
+    if needs_ref:
+        specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {
+            "model_path": actor.model_path, "engine": actor.kwargs.get("engine")})
+    if reward_model is not None:
+        specs["reward_model"] = reward_model
+    if reward_fn is not None:
+        specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": reward_fn,
+                                                "reward_kwargs": reward_kwargs})
+    if reward_worker is not None:
+        specs["reward"] = reward_worker
+    if cost_fn is not None:
+        specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": cost_fn})
+    if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
+        specs["cost"] = cost_model
+    return specs
+
+
+def _reference_cls():
+    from workers.actor import ReferencePolicy
+
+    return ReferencePolicy

@@ -1,0 +1,71 @@
+"""A run's checkpoints: the trained roles' state, then the trainer's own, written last as the commit point.
+
+    runs/x/checkpoints/actor/step_00000004/...      megatron distributed checkpoints (workers)
+    runs/x/checkpoints/critic/step_00000004/...
+    runs/x/checkpoints/trainer/step_00000004.json   step, data loader position, the algorithm's state
+    runs/x/checkpoints/trainer/latest               the name of the newest complete one
+
+A step's checkpoint exists once ``trainer/latest`` names it; each file is written to a temporary
+name and renamed into place, so a crash mid-save leaves the previous checkpoint as the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from controller.config import ConfigError
+
+if TYPE_CHECKING:
+    from controller.trainer import RLTrainer
+
+__all__ = ["TrainerCheckpoint"]
+
+TRAINED_ROLES = ("actor", "critic")
+
+
+class TrainerCheckpoint:
+    def __init__(self, run_dir: str | Path | None) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+
+    @property
+    def root(self) -> Path:
+        if self.run_dir is None:
+            raise ConfigError("checkpoints need a run_dir")
+        return self.run_dir / "checkpoints"
+
+    def save(self, trainer: RLTrainer) -> Path:
+        """The trained roles at ``trainer.global_step``, then the trainer's state; returns the latter's path."""
+        step = trainer.global_step
+        for role in TRAINED_ROLES:
+            if role in trainer.groups:
+                trainer.groups[role].save_checkpoint(str(self.root / role), step)
+        state = {"step": step, "loader": trainer.loader.state_dict(), **trainer.algorithm.state_dict()}
+        trainer_dir = self.root / "trainer"
+        trainer_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(trainer_dir / f"step_{step:08d}.json", json.dumps(state))
+        _atomic_write(trainer_dir / "latest", f"step_{step:08d}.json")
+        return trainer_dir / f"step_{step:08d}.json"
+
+    def resume(self, trainer: RLTrainer) -> int:
+        """Restore the newest complete checkpoint into ``trainer`` (built); returns its step (0: none)."""
+        pointer = self.root / "trainer" / "latest"
+        if not pointer.is_file():
+            return 0
+        state = json.loads((pointer.parent / pointer.read_text().strip()).read_text())
+        step = int(state["step"])
+        for role in TRAINED_ROLES:
+            if role in trainer.groups:
+                trainer.groups[role].load_checkpoint(str(self.root / role / f"step_{step:08d}"))
+        trainer.loader.load_state_dict(state["loader"])
+        trainer.algorithm.load_state_dict(state)
+        trainer.global_step = step
+        return step
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
