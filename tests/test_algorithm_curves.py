@@ -71,5 +71,7 @@ def test_gains_means_and_spread():
     h, t = summary["grpo", "hybridflow"], summary["grpo", "trl"]
     assert h["gains"] == pytest.approx([1.0, 0.4]) and h["mean_gain"] == pytest.approx(0.7)
     assert h["spread"] == pytest.approx(0.6) and t["gains"] == pytest.approx([0.7]) and t["spread"] == 0.0
+    assert h["curve_means"] == pytest.approx([0.5, 0.2 * 25 / 30 + 0.6 * 5 / 30])
+    assert t["mean_curve"] == pytest.approx(0.1 * 25 / 30 + 0.8 * 5 / 30) and t["curve_spread"] == 0.0
     text = curves.format_summary(list(summary.values()))
     assert "grpo: hybridflow - TRL mean gain " in text and "(run-to-run spread up to 0.600)" in text

@@ -65,34 +65,42 @@ def gain(rewards: list[float]) -> float:
 
 
 def summarize_curves(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (algorithm, framework): the gains of its seeds, their mean and spread (max - min)."""
+    """Per (algorithm, framework): the gains of its seeds, their mean and spread (max - min), and the
+    mean reward over each whole curve (how early the reward rose) with its mean over seeds."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for run in runs:
         if run["status"] != "ok":
             continue
         key = (run["algorithm"], run["framework"])
-        entry = out.setdefault(key, {"algorithm": key[0], "framework": key[1], "gains": []})
+        entry = out.setdefault(key, {"algorithm": key[0], "framework": key[1], "gains": [], "curve_means": []})
         entry["gains"].append(gain(run["rewards"]))
+        entry["curve_means"].append(statistics.fmean(run["rewards"]))
     for entry in out.values():
         entry["mean_gain"] = statistics.fmean(entry["gains"])
         entry["spread"] = max(entry["gains"]) - min(entry["gains"])
+        entry["mean_curve"] = statistics.fmean(entry["curve_means"])
+        entry["curve_spread"] = max(entry["curve_means"]) - min(entry["curve_means"])
     return list(out.values())
 
 
 def format_summary(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'algorithm':30} {'framework':10} {'gains per seed':24} {'mean':>7} {'spread':>7}"]
+    lines = [f"{'algorithm':30} {'framework':10} {'gains per seed':24} {'mean':>7} {'spread':>7}   "
+             f"{'curve means':16} {'mean':>6}"]
     for e in summary:
         gains = " ".join(f"{g:+.3f}" for g in e["gains"])
-        lines.append(f"{e['algorithm']:30} {e['framework']:10} {gains:24} {e['mean_gain']:+7.3f} {e['spread']:7.3f}")
+        curves = " ".join(f"{c:.3f}" for c in e["curve_means"])
+        lines.append(f"{e['algorithm']:30} {e['framework']:10} {gains:24} {e['mean_gain']:+7.3f} {e['spread']:7.3f}   "
+                     f"{curves:16} {e['mean_curve']:6.3f}")
     by_alg: dict[str, dict[str, dict]] = {}
     for e in summary:
         by_alg.setdefault(e["algorithm"], {})[e["framework"]] = e
     for alg, sides in by_alg.items():
         if {"hybridflow", "trl"} <= set(sides):
             h, t = sides["hybridflow"], sides["trl"]
-            noise = max(h["spread"], t["spread"])
+            noise, curve_noise = max(h["spread"], t["spread"]), max(h["curve_spread"], t["curve_spread"])
             lines.append(f"{alg}: hybridflow - TRL mean gain {h['mean_gain'] - t['mean_gain']:+.3f} "
-                         f"(run-to-run spread up to {noise:.3f})")
+                         f"(run-to-run spread up to {noise:.3f}); mean curve {h['mean_curve'] - t['mean_curve']:+.3f} "
+                         f"(spread up to {curve_noise:.3f})")
     return "\n".join(lines)
 
 
@@ -112,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         algorithms = e2e.parse_list(args.algorithms, tuple(ALGORITHMS), "algorithms")
         frameworks = e2e.parse_list(args.frameworks, e2e.FRAMEWORKS, "frameworks")
-        seeds = e2e.parse_list(args.seeds, (), "seeds", int)
+        seeds = [int(t) for t in args.seeds.split(",") if t.strip()]
+        if not seeds or min(seeds) < 0:
+            raise ValueError(f"--seeds must be a list of integers >= 0, got {args.seeds!r}")
         if args.steps < 10:
             raise ValueError(f"--steps must be >= 10 (the gain compares the first and last 5), got {args.steps}")
     except ValueError as exc:
