@@ -1,4 +1,7 @@
-"""Every algorithm of the 2025-26 set, two steps through the real CLI on the built-in tiny model.
+"""Every algorithm, two steps through the real CLI on the built-in tiny model.
+
+(test_train_cli.py runs the first five once more, one step each, over both launchers and both rollout
+engines and at the demo's TP2 x PP2; here each one runs two steps under torchrun with vLLM.)
 
 The estimators, objectives and corrections are pure functions checked by hand elsewhere
 (test_policy_losses, test_rollout_correction, test_advantages, test_algorithm_hooks); these runs show
@@ -27,7 +30,15 @@ RUNS = {
     "cispo": ["rollout.sampling.n=2", "ppo.ppo_epochs=2", "ppo.ppo_mini_batch_size=8",
               "algorithm.rollout_correction.mode=tis"],
     "reinforce_plus_plus_baseline": ["rollout.sampling.n=2", *ON_POLICY],
+    # the earlier set; PPO with its critic, and truncated IS over whole sequences on the recompute path
+    "ppo": ["ppo.ppo_mini_batch_size=4", "critic_ppo.ppo_mini_batch_size=4", "algorithm.rollout_correction.mode=tis",
+            "algorithm.rollout_correction.level=sequence"],
+    "grpo": ["rollout.sampling.n=2", *ON_POLICY],
+    "rloo": ["rollout.sampling.n=2", *ON_POLICY],
+    "remax": ["ppo.ppo_mini_batch_size=4"],
+    "reinforce_plus_plus": ["ppo.ppo_mini_batch_size=4", "algorithm.gamma=0.9"],
 }
+RECOMPUTED = {"cispo", "ppo", "remax", "reinforce_plus_plus"}  # more than one optimizer step per batch
 
 
 @pytest.mark.parametrize("algorithm", sorted(RUNS))
@@ -41,12 +52,12 @@ def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorit
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert math.isfinite(s["actor/pg_loss"]) and math.isfinite(s["actor/grad_norm"])
-        assert "critic/vf_loss" not in s  # critic-free, every one
+        assert ("critic/vf_loss" in s) == (algorithm == "ppo")  # the others are critic-free
         # the rollout/train mismatch, reported on every step: bf16 engines agree closely on the sampled tokens
         assert abs(s["rollout_corr/kl_k1"]) < 0.05 and 0.0 <= s["rollout_corr/kl_k3"] < 0.05, s
         assert 0.9 < s["rollout_corr/ppl_ratio"] < 1.1 and s["rollout_corr/chi2"] > -1.0
     assert "val/reward/mean" in steps[-1]
-    assert ("timing_s/old_log_prob" in steps[0]) == (algorithm == "cispo")
+    assert ("timing_s/old_log_prob" in steps[0]) == (algorithm in RECOMPUTED)
     if algorithm == "dapo":
         for s in steps:
             assert 1 <= s["dapo/gen_batches"] <= 3 and s["dapo/filtered_groups"] >= 0
@@ -55,7 +66,7 @@ def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorit
                 assert s["critic/advantages/max"] > 0
     if algorithm == "dr_grpo":  # no std normalization: |A| is at most the reward range (arithmetic_shaped: [0, 1])
         assert all(abs(s["critic/advantages/max"]) <= 1.0 and abs(s["critic/advantages/min"]) <= 1.0 for s in steps)
-    if algorithm == "cispo":  # TIS on the recompute path: each weight in (0, cap 2]
+    if algorithm in ("cispo", "ppo"):  # TIS on the recompute path: each weight in (0, cap 2]
         for s in steps:
             assert 0.0 < s["rollout_corr/weight_mean"] <= 2.0 and 0.0 <= s["rollout_corr/truncated_frac"] <= 1.0
             assert s["rollout_corr/masked_frac"] == 0.0

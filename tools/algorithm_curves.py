@@ -50,6 +50,8 @@ ALGORITHMS: dict[str, tuple[dict[str, Any], bool]] = {
     "gspo_token": ({"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}, False),
     "reinforce_plus_plus_baseline": ({}, False),
     "rloo": ({}, False),
+    "remax": ({}, False),
+    "reinforce_plus_plus": ({}, False),
 }
 TASK = dict(max_new_tokens=4, lr=5e-3, reward_fn="arithmetic_shaped")
 
