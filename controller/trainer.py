@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from controller.algorithms import RLAlgorithm, StepState, build_algorithm
+from controller.algorithms import RLAlgorithm, SafeRLHF, StepState, build_algorithm
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader
 from controller.resource_pool import ResourcePool
@@ -82,10 +82,13 @@ class RLTrainer:
         shuffle: bool = True,
     ) -> None:
         """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object."""
+        safe_rlhf = cost_fn is not None or cost_model is not None
         if not isinstance(algorithm, RLAlgorithm):
             config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
                 AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm)
-            algorithm = build_algorithm(config, safe_rlhf=cost_fn is not None or cost_model is not None)
+            algorithm = build_algorithm(config, safe_rlhf=safe_rlhf)
+        elif safe_rlhf and not isinstance(algorithm, SafeRLHF):  # a cost is scored: its hooks wrap the object's
+            algorithm = SafeRLHF(algorithm)
         self.algorithm = algorithm
         self.ppo = as_config(PPOActorConfig, actor.kwargs.get("ppo"))
         self.specs = assemble_roles(

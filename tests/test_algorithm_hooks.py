@@ -264,3 +264,26 @@ def test_config_checks_name_the_algorithm_settings():
     assert "reinforce_plus_plus_baseline compares samples of one prompt" in problems(
         "algorithm.name=reinforce_plus_plus_baseline", "rollout.sampling.n=1")
     assert "algorithm.name 'nope:Thing': cannot import it" in problems("algorithm.name=nope:Thing")
+
+
+# -------------------------------------------------------------- the trainer's choice
+def test_the_trainer_takes_a_name_a_config_or_an_object_and_wraps_it_for_a_cost():
+    from controller.data import arithmetic_prompts
+    from controller.trainer import RLTrainer
+    from workers.actor import Actor
+    from workers.rollout import Rollout
+
+    def trainer(**kwargs):
+        return RLTrainer(actor=Actor.from_pretrained("policy"), rollout=Rollout.from_pretrained("policy", sampling={"n": 2}),
+                         reward_fn="arithmetic_answer", train_data=arithmetic_prompts(8, seed=0), batch_size=4, **kwargs)
+
+    assert isinstance(trainer(algorithm="dapo").algorithm, DAPO)
+    assert trainer(algorithm={"name": "gspo"}).algorithm.defaults.policy_loss == "gspo"
+    mine = build_algorithm(AlgorithmConfig(name="rloo"))
+    assert trainer(algorithm=mine).algorithm is mine
+    wrapped = trainer(algorithm=mine, cost_fn="format_check").algorithm
+    assert isinstance(wrapped, SafeRLHF) and wrapped.inner is mine and "cost" in trainer(algorithm=mine, cost_fn="format_check").specs
+    with pytest.raises(ConfigError, match="ppo estimates advantages with GAE and needs a critic"):
+        trainer(algorithm="ppo")
+    with pytest.raises(ValueError, match="algorithm.name 'a2c' is not registered"):
+        trainer(algorithm="a2c")
