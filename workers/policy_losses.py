@@ -115,6 +115,17 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)} or a callable") from None
 
 
+def _clipped_surrogate(ratio, log_ratio, advantages, mask, clip_ratio_low, clip_ratio_high):
+    """max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)) per token, the clip fraction and the PPO KL."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    stats = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return torch.maximum(unclipped, clipped), stats
+
+
 def _weighted(loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     return loss if weights is None else loss * weights.detach()
 
@@ -139,14 +150,8 @@ def policy_loss(
     Returns the loss share and detached statistics (masked means over this batch).
     """
     log_ratio = log_prob - old_log_prob
-    ratio = log_ratio.clamp(-20, 20).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    surrogate = torch.maximum(unclipped, clipped)
-    stats = {
-        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-    }
+    surrogate, stats = _clipped_surrogate(log_ratio.clamp(-20, 20).exp(), log_ratio, advantages, mask,
+                                          clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         if clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -183,14 +188,8 @@ def gspo_loss(
         log_s = seq_log_ratio.detach() + log_prob - log_prob.detach()
     else:
         log_s = seq_log_ratio.expand_as(log_prob)
-    ratio = log_s.clamp(max=10.0).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    surrogate = torch.maximum(unclipped, clipped)
-    stats = {
-        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-    }
+    surrogate, stats = _clipped_surrogate(log_s.clamp(max=10.0).exp(), log_ratio, advantages, mask,
+                                          clip_ratio_low, clip_ratio_high)
     return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
 
 
