@@ -28,8 +28,9 @@ from workers.rollout.config import RolloutConfig
 from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
 __all__ = [
-    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "RolloutCorrectionConfig", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
-    "RewardConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict", "load_config",
+    "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
+    "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict",
+    "load_config",
 ]
 
 # The built-in algorithms (their presets: controller.algorithms.presets); a user's are registered by name
