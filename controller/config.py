@@ -394,6 +394,7 @@ def _algorithm_problems(config: RLConfig) -> list[str]:
     from controller.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from controller.algorithms.algorithm import ALGORITHMS as REGISTERED
     from controller.algorithms.algorithm import resolve_algorithm, resolve_rollout_correction
+    from controller.algorithms.dapo import DAPO
 
     alg, n, max_new = config.algorithm, config.rollout.sampling.n, config.rollout.sampling.max_new_tokens
     try:
@@ -411,8 +412,6 @@ def _algorithm_problems(config: RLConfig) -> list[str]:
         problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
     if alg.estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and n < 2:
         problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
-    from controller.algorithms.dapo import DAPO
-
     if not issubclass(cls, DAPO):
         for key in ("dynamic_sampling", "overlong_buffer_len"):
             if getattr(alg, key) is not None:
