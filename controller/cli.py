@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -66,13 +67,35 @@ def _data(args) -> int:
     return 0
 
 
-def _torchrun(nproc: int, argv: list[str]) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "controller.cli", *argv]
+def _torchrun(trainer, argv: list[str]) -> int:
+    """Run ``hybridflow <argv>`` under torchrun: one launcher here, or this node's share of a multi-node job."""
+    if trainer.nnodes == 1:
+        launch = ["--standalone", f"--nproc-per-node={trainer.nproc}"]
+    else:
+        # Every node runs this same command; c10d's rendezvous at rdzv_endpoint assembles the world.
+        run_id = hashlib.sha1(f"{trainer.run_dir}|{trainer.rdzv_endpoint}".encode()).hexdigest()[:16]
+        launch = [f"--nnodes={trainer.nnodes}", f"--nproc-per-node={trainer.nproc}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint={trainer.rdzv_endpoint}", f"--rdzv-id=hybridflow-{run_id}"]
+        if os.environ.get("HYBRIDFLOW_NODE_IP"):  # the address the other nodes reach this one on
+            launch.append(f"--local-addr={os.environ['HYBRIDFLOW_NODE_IP']}")
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "controller.cli", *argv]
     # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
     # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // trainer.nproc))
     return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads})
+
+
+def _ray_cluster(config):
+    """The Ray cluster's nodes for the placement check (joining ``trainer.ray_address``), None under torchrun."""
+    if config.trainer.launcher != "ray":
+        return None
+    from controller.ray_backend import cluster_for
+
+    try:
+        return cluster_for(config.trainer.ray_address)
+    except ConnectionError as exc:
+        raise ConnectionError(f"cannot join the Ray cluster at trainer.ray_address={config.trainer.ray_address!r}: "
+                              f"{exc}") from None
 
 
 def _train(args, argv: list[str]) -> int:
@@ -84,13 +107,18 @@ def _train(args, argv: list[str]) -> int:
         config = load_config(args.config, args.overrides)
         configure_console(config.trainer.verbose)  # before the libraries that log at import
         if not under_torchrun():
-            # Every check that needs no process (the model, the data, the reward functions), before any starts.
-            prepared = prepare_job(config)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+            if config.trainer.launcher == "torchrun" and config.trainer.nnodes > 1 and not config.trainer.rdzv_endpoint:
+                raise ConfigError(f"trainer.nnodes={config.trainer.nnodes} with trainer.launcher=torchrun: set "
+                                  "trainer.rdzv_endpoint=host:port (a port on the first node that every node can "
+                                  "reach) and run the same command on every node (tools/slurm/ renders it)")
+            # Every check that needs no worker process (the model, the data, the reward functions, the
+            # placement against the Ray cluster), before any starts.
+            prepared = prepare_job(config, cluster=_ray_cluster(config))
+    except (ConfigError, FileNotFoundError, ValueError, ConnectionError) as exc:
         print(f"hybridflow train: {exc}", file=sys.stderr)
         return 2
     if config.trainer.launcher == "torchrun" and not under_torchrun():
-        return _torchrun(config.trainer.nproc, argv)
+        return _torchrun(config.trainer, argv)
     run_training(config, prepared)
     return 0
 
@@ -102,7 +130,7 @@ def _export(args, argv: list[str]) -> int:
     config = load_config(Path(args.run_dir) / "config.yaml")
     configure_console(config.trainer.verbose)
     if config.trainer.launcher == "torchrun" and not under_torchrun():
-        return _torchrun(config.trainer.nproc, argv)
+        return _torchrun(config.trainer, argv)
     export_checkpoint(config, args.out)
     return 0
 

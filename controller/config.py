@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from controller.algorithms.presets import PRESETS
+from controller.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
 from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
@@ -30,7 +31,7 @@ from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 __all__ = [
     "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
     "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict",
-    "load_config",
+    "job_pools", "load_config",
 ]
 
 # The built-in algorithms (their presets: controller.algorithms.presets); a user's are registered by name
@@ -156,9 +157,13 @@ class TrainerConfig:
     run_dir: str = "runs/hybridflow"
     resume: bool = False
     launcher: str = "torchrun"
-    nproc: int = 4
+    nproc: int = 4  # processes per node (torchrun's --nproc-per-node; one per GPU)
+    nnodes: int = 1  # nodes of the job's default pool: nnodes x nproc processes
+    ray_address: str | None = None  # launcher ray: null starts a private local cluster; "auto" or "host:port" joins one
+    rdzv_endpoint: str | None = None  # launcher torchrun, nnodes > 1: the c10d rendezvous "host:port" every node uses
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
-    placement: dict[str, int] = field(default_factory=dict)  # role -> processes of its own pool (Ray); others share
+    # role -> its own pool (Ray): processes on one node (an int) or {nodes: N, processes_per_node: P}; others share
+    placement: dict[str, Any] = field(default_factory=dict)
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
     export_precision: str | None = None  # its dtype: "bf16" or "fp32"; None: the actor's engine.precision
     plots: bool = True  # write PNG curves of the metrics at the end
@@ -293,8 +298,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # ------------------------------------------------------------------ cross-field checks
-def check_config(config: RLConfig, model_spec=None) -> None:
-    """Raise ConfigError listing every problem; ``model_spec`` (a ModelSpec) enables model checks."""
+PLACEABLE_ROLES = ("actor", "critic", "ref_policy", "reward_model", "reward")
+
+
+def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
+    """The job's pools: "default" (nnodes x nproc) and one per placed role; PlacementError on a bad entry."""
+    pools = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
+    for role, value in trainer.placement.items():
+        if role not in PLACEABLE_ROLES:
+            raise PlacementError(f"trainer.placement: {role!r} is not a placeable role; valid: {PLACEABLE_ROLES}")
+        pools[role] = pool_shape(role, value, f"trainer.placement.{role}")
+    return pools
+
+
+def _launch_problems(trainer: TrainerConfig) -> list[str]:
+    problems = []
+    if trainer.ray_address is not None and trainer.launcher != "ray":
+        problems.append(f"trainer.ray_address {trainer.ray_address!r} needs trainer.launcher=ray "
+                        f"(it is {trainer.launcher!r})")
+    if trainer.ray_address is not None and trainer.ray_address != "auto" and not _is_host_port(trainer.ray_address):
+        problems.append(f"trainer.ray_address must be null (a private local cluster), 'auto' or 'host:port', "
+                        f"got {trainer.ray_address!r}")
+    if trainer.rdzv_endpoint is not None and not _is_host_port(trainer.rdzv_endpoint):
+        problems.append(f"trainer.rdzv_endpoint must be 'host:port', got {trainer.rdzv_endpoint!r}")
+    if trainer.rdzv_endpoint is not None and trainer.launcher != "torchrun":
+        problems.append("trainer.rdzv_endpoint is torchrun's rendezvous; with trainer.launcher=ray the nodes "
+                        "join the Ray cluster at trainer.ray_address instead")
+    return problems
+
+
+def _is_host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] | None = None) -> None:
+    """Raise ConfigError listing every problem.
+
+    ``model_spec`` (a ModelSpec) enables the model checks; ``cluster`` (the Ray
+    cluster's nodes) the check that the job's pools fit it.
+    """
     from hybridengine.layout import ParallelLayout
     from hybridengine.reshard_plan import (
         GenerationLayout,
@@ -313,21 +356,26 @@ def check_config(config: RLConfig, model_spec=None) -> None:
                         "or null (the actor's engine.precision)")
     if trainer.launcher not in LAUNCHERS:
         problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
-    for name in ("total_steps", "nproc"):
+    for name in ("total_steps", "nproc", "nnodes"):
         if getattr(trainer, name) < 1:
             problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
     for name in ("save_every", "val_every"):
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
-    valid_roles = ("actor", "critic", "ref_policy", "reward_model", "reward")
-    for role, devices in trainer.placement.items():
-        if role not in valid_roles:
-            problems.append(f"trainer.placement: {role!r} is not a placeable role; valid: {valid_roles}")
-        elif not isinstance(devices, int) or devices < 1:
-            problems.append(f"trainer.placement.{role} must be a positive number of processes, got {devices!r}")
+    problems += _launch_problems(trainer)
+    pools = {}
+    try:
+        pools = job_pools(trainer)
+    except PlacementError as exc:
+        problems.append(str(exc))
     if trainer.placement and trainer.launcher == "torchrun":
         problems.append("trainer.placement (split pools) needs trainer.launcher=ray: under torchrun every "
                         "megatron role spans the whole world")
+    if cluster is not None and not problems:
+        try:
+            fit_pools(list(pools.values()), cluster)
+        except PlacementError as exc:
+            problems.append(f"trainer.placement / trainer.nnodes x nproc do not fit the Ray cluster: {exc}")
     if data.batch_size < 1:
         problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
     problems += _data_problems(data)
@@ -346,10 +394,11 @@ def check_config(config: RLConfig, model_spec=None) -> None:
     for role, role_cfg, mini in roles:
         eng = role_cfg.engine
         mp = eng.tensor_parallel * eng.pipeline_parallel
-        world = trainer.placement.get(role, trainer.nproc)
-        where = f"trainer.placement.{role}" if role in trainer.placement else "trainer.nproc"
-        if not isinstance(world, int) or world < 1:
+        if role not in pools and "default" not in pools:
             continue
+        world = pools.get(role, pools.get("default")).world_size
+        where = (f"trainer.placement.{role}" if role in trainer.placement else "trainer.nproc" if trainer.nnodes == 1
+                 else f"trainer.nnodes x nproc = {trainer.nnodes} x {trainer.nproc} =")
         if world % mp:
             problems.append(f"{role}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
             continue

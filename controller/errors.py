@@ -32,10 +32,11 @@ class WorkerDiedError(WorkerGroupError):
 class CallTimeoutError(WorkerGroupError):
     """Some ranks did not answer within the call's time limit."""
 
-    def __init__(self, ranks: list[int], method: str, timeout_s: float) -> None:
+    def __init__(self, ranks: list[int], method: str, timeout_s: float, where: str | None = None) -> None:
         self.ranks = ranks
         self.method = method
-        super().__init__(f"ranks {ranks} did not answer {method!r} within {timeout_s:g} s")
+        located = f" ({where})" if where and "node" in where else ""
+        super().__init__(f"ranks {ranks} did not answer {method!r} within {timeout_s:g} s{located}")
 
 
 class HostLostError(ConnectionError):

@@ -100,6 +100,14 @@ class ResourcePool:
             raise ValueError(f"role {role!r} is already placed on pool {self.name}; roles there: {sorted(self.roles)}")
         self.roles.add(role)
 
+    def describe(self) -> str:
+        """Where the pool's ranks run: "4 processes on 2 node(s): 127.0.0.12 (ranks [0, 1]), ..."."""
+        nodes = list(dict.fromkeys(self.hosts.rank_nodes))
+        if not nodes:
+            return f"{self.world_size} processes"
+        listing = ", ".join(f"{node} (ranks {self.hosts.ranks_on(node)})" for node in nodes)
+        return f"{self.world_size} processes on {len(nodes)} node(s): {listing}"
+
     def pids(self) -> list[int]:
         return self.hosts.pids()
 

@@ -17,9 +17,11 @@ import atexit
 import collections
 import os
 import queue
+import select
 import socket
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from typing import Any
@@ -166,11 +168,13 @@ class TorchrunRuntime:
         listener.settimeout(timeout_s)
         dist.broadcast_object_list([(master, listener.getsockname()[1])], src=0)
         conns: dict[int, socket.socket] = {}
+        self.node_labels = {0: _node_label()}
         while len(conns) < self.world_size - 1:
             conn, _ = listener.accept()
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conns[recv_message(conn)] = conn
+            rank, node = recv_message(conn)
+            conns[rank], self.node_labels[rank] = conn, node
         listener.close()
         self.remotes = {r: _RemoteRank(r, c, self._on_lost) for r, c in conns.items()}
         self.local = _LocalWorkerThread(lambda op, args: getattr(self.host, op)(*args))
@@ -182,7 +186,7 @@ class TorchrunRuntime:
         self.conn = socket.create_connection(box[0], timeout=timeout_s)
         self.conn.settimeout(None)
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_message(self.conn, self.rank)
+        send_message(self.conn, (self.rank, _node_label()))
 
     def _on_lost(self, rank: int, detail: str) -> None:
         for listener in list(self.lost_listeners):
@@ -219,6 +223,8 @@ class TorchrunRuntime:
     # ------------------------------------------------------- other ranks' side
     def serve_forever(self) -> None:
         """Run rank 0's requests until it shuts down or goes away; then exit the process."""
+        self.busy = False
+        threading.Thread(target=self._exit_if_controller_leaves, name="hybridflow-controller-watch", daemon=True).start()
         while True:
             try:
                 op, args = recv_message(self.conn)
@@ -226,16 +232,44 @@ class TorchrunRuntime:
                 break
             if op == _SHUTDOWN:
                 break
+            self.busy = True
             try:
                 reply = getattr(self.host, op)(*args)
             except Exception as exc:  # noqa: BLE001 - a host op itself failed
                 reply = Reply(ok=False, error_type=type(exc).__name__, remote_traceback=traceback.format_exc())
+            self.busy = False
             try:
                 send_message(self.conn, reply)
             except OSError:
                 break
         self.host.shutdown()
         sys.exit(0)
+
+    def _exit_if_controller_leaves(self) -> None:
+        """While a call runs, watch rank 0's connection: if it closes, nobody waits for the result; leave.
+
+        (A call may be a collective with ranks on a node that is gone, which would
+        otherwise hold this process, and its launcher, until the collective times out.)
+        """
+        while True:
+            readable, _, _ = select.select([self.conn], [], [], 1.0)
+            if readable and self.busy:
+                try:
+                    closed = not self.conn.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    closed = True
+                if closed and self.busy:
+                    print(f"[hybridflow] rank {self.rank}: the controller (rank 0) went away during a call; exiting",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)
+            if readable:
+                time.sleep(0.5)  # a request waits to be read: look again later
+
+
+def _node_label() -> str:
+    """This process's node for messages: torchrun's node rank and the node's address (or host name)."""
+    host = os.environ.get("HYBRIDFLOW_NODE_IP") or socket.gethostname()
+    return f"{os.environ.get('GROUP_RANK', '0')} ({host})"
 
 
 class TorchrunHostSet(HostSet):
@@ -247,6 +281,7 @@ class TorchrunHostSet(HostSet):
         super().__init__(len(ranks))
         self.runtime = runtime
         self.global_ranks = list(ranks)
+        self.rank_nodes = [runtime.node_labels[r] for r in ranks]
         runtime.lost_listeners.append(self._on_lost)
 
     def _on_lost(self, global_rank: int, detail: str) -> None:

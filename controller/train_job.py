@@ -14,27 +14,30 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import ConfigError, RLConfig, check_config, config_to_dict
+from controller.config import ConfigError, RLConfig, check_config, config_to_dict, job_pools
 from controller.data.prepare import JobPrompts, load_job_prompts
 from controller.models import resolve_model_path, value_model_from_policy
+from controller.placement import ClusterNode
 from controller.torchrun_backend import under_torchrun
 
 __all__ = ["prepare_job", "run_training"]
 
 
-def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None) -> tuple[str, JobPrompts]:
+def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
+                cluster: list[ClusterNode] | None = None) -> tuple[str, JobPrompts]:
     """The policy checkpoint and the prompts, checked against the config and each other; before any process.
 
     The prompts are loaded, rendered and tokenized with the actor's tokenizer,
     overlong ones dropped or refused, and, with ``reward.fn: auto``, every
-    ``data_source`` must have a scorer.
+    ``data_source`` must have a scorer. ``cluster`` (the Ray cluster's nodes)
+    adds the check that the job's pools fit it.
     """
     from hybridengine.model_spec import ModelSpec
 
     run_dir = Path(config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_path(config.model_path, run_dir)
-    check_config(config, ModelSpec.from_pretrained(model))
+    check_config(config, ModelSpec.from_pretrained(model), cluster)
     return model, _datasets(config, config.actor.model_path or model, log)
 
 
@@ -71,13 +74,20 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     trainer_cfg = config.trainer
     if under_torchrun():
         check_config(config)  # every rank, before any group forms
-        pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend="torchrun")  # ranks 1.. serve from here on
+        world = int(os.environ["WORLD_SIZE"])
+        if world != trainer_cfg.nnodes * trainer_cfg.nproc:
+            raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
+                              f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}; launch with --nnodes "
+                              f"{trainer_cfg.nnodes} --nproc-per-node {trainer_cfg.nproc} or change the config")
+        pool = ResourcePool([world], backend="torchrun")  # ranks 1.. serve from here on
     else:
         pool = None
     # Under torchrun the launching process has already checked and reported the data: rank 0 stays quiet.
     model, prompts = prepared or prepare_job(config, log=(lambda line: None) if under_torchrun() else None)
     if pool is None:
-        pool = ResourcePool([trainer_cfg.nproc], backend="ray")
+        pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray",
+                            ray_address=trainer_cfg.ray_address)
+        print(f"[hybridflow] Ray pool of the actor and colocated roles: {pool.describe()}", file=sys.stderr)
     run_dir = Path(trainer_cfg.run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
     alg = config.algorithm
@@ -107,12 +117,14 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         reward_fn=config.reward.fn if reward_model is None else None, reward_kwargs=config.reward.kwargs,
         cost_fn=alg.safe_rlhf_cost_fn,
         algorithm=alg, train_data=prompts.train, val_data=prompts.val, batch_size=config.data.batch_size, pool=pool,
+        ray_address=trainer_cfg.ray_address,
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         val_before_train=trainer_cfg.val_before_train,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle,
     )
-    for role, devices in trainer_cfg.placement.items():
-        trainer.register_placement(role, devices)
+    for role, shape in job_pools(trainer_cfg).items():
+        if role != "default":
+            trainer.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
     try:
         if trainer_cfg.resume:
             step = trainer.resume()
@@ -147,8 +159,12 @@ def export_checkpoint(config: RLConfig, out: str | Path) -> Path:
     from controller.worker_group import WorkerGroup
     from workers.actor import Actor
 
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.trainer.nproc
-    pool = ResourcePool([world], backend="torchrun" if under_torchrun() else "ray")
+    trainer_cfg = config.trainer
+    if under_torchrun():
+        pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend="torchrun")
+    else:
+        pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray",
+                            ray_address=trainer_cfg.ray_address)
     run_dir = Path(config.trainer.run_dir)
     model = resolve_model_path(config.model_path, run_dir)
     try:

@@ -32,6 +32,7 @@ import torch
 from controller.algorithms import RLAlgorithm, SafeRLHF, StepState, build_algorithm
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader
+from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
 from controller.step_metrics import batch_metrics, reduce_update_metrics
@@ -72,6 +73,7 @@ class RLTrainer:
         kl_loss_fn: Callable | None = None,
         processes: int | None = None,
         backend: str = "auto",
+        ray_address: str | None = None,
         pool: ResourcePool | None = None,
         run_dir: str | Path | None = None,
         logger=None,
@@ -96,8 +98,11 @@ class RLTrainer:
             reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward_kwargs, reward_worker=reward_worker,
             cost_fn=cost_fn, cost_model=cost_model, kl_loss_fn=kl_loss_fn)
         self.placement = {role: "default" for role in self.specs}
-        self.pool_sizes: dict[str, int | None] = {"default": processes}
+        # None: the default pool spans the launcher's world (torchrun's WORLD_SIZE, else one process).
+        self.pool_shapes: dict[str, PoolShape | None] = {
+            "default": PoolShape("default", 1, processes) if processes is not None else None}
         self.backend = backend
+        self.ray_address = ray_address
         self.kl_loss_fn = kl_loss_fn
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
@@ -117,13 +122,26 @@ class RLTrainer:
         self.pad_token_id: int | None = None
 
     @property
+    def pool_sizes(self) -> dict[str, int | None]:
+        """Processes of each pool (None: the launcher's whole world)."""
+        return {name: shape.world_size if shape is not None else None for name, shape in self.pool_shapes.items()}
+
+    @property
     def kl_ctrl(self):
         """The algorithm's KL coefficient controller (the KL penalty in the reward)."""
         return self.algorithm.kl_ctrl
 
     # ------------------------------------------------------------- declaration
-    def register_placement(self, role: str, devices: int | None = None, pool: str | None = None) -> None:
-        """Put ``role`` on its own resource pool of ``devices`` processes (one per device). Before the first step.
+    def register_placement(self, role: str, devices: int | None = None, pool: str | None = None, *,
+                           nodes: int | None = None, processes_per_node: int | None = None) -> None:
+        """Put ``role`` on its own resource pool. Before the first step.
+
+        The pool is ``devices`` processes on one node (one per device), or
+        ``nodes`` x ``processes_per_node`` processes across that many nodes::
+
+            trainer.register_placement("actor", nodes=2, processes_per_node=4)   # rollout follows the actor
+            trainer.register_placement("critic", 4)                              # a node of its own
+            trainer.register_placement("ref_policy", pool="actor")               # colocated with the actor
 
         Roles given the same ``pool`` name share its processes (colocation); by
         default every role is on the pool "default". The rollout reshards the
@@ -137,14 +155,29 @@ class RLTrainer:
         if role == "rollout":
             raise ConfigError("the rollout reshards the actor's weights in place and always shares the actor's pool; "
                               "place the actor instead")
+        if devices is not None and (nodes is not None or processes_per_node is not None):
+            raise ConfigError(f"register_placement({role!r}): give devices (one node) or nodes and "
+                              f"processes_per_node, not both")
         pool = pool or role
-        if pool in self.pool_sizes:
-            if devices is not None and self.pool_sizes[pool] not in (None, devices):
-                raise ConfigError(f"pool {pool!r} has {self.pool_sizes[pool]} processes, not {devices}")
+        shape = None
+        if devices is not None or processes_per_node is not None:
+            value = devices if devices is not None else {"nodes": nodes or 1, "processes_per_node": processes_per_node}
+            try:
+                shape = pool_shape(pool, value, f"register_placement({role!r})")
+            except PlacementError as exc:
+                raise ConfigError(str(exc)) from None
+        elif nodes is not None:
+            raise ConfigError(f"register_placement({role!r}, nodes={nodes}): give processes_per_node too")
+        if pool in self.pool_shapes:
+            known = self.pool_shapes[pool]
+            if shape is not None and known is not None and known.process_on_nodes != shape.process_on_nodes:
+                if known.nodes == shape.nodes == 1:
+                    raise ConfigError(f"pool {pool!r} has {known.world_size} processes, not {shape.world_size}")
+                raise ConfigError(f"pool {pool!r} is {known}, not {shape}")
+        elif shape is None:
+            raise ConfigError(f"pool {pool!r} is new: give its devices (>= 1), or nodes and processes_per_node")
         else:
-            if devices is None or devices < 1:
-                raise ConfigError(f"pool {pool!r} is new: give its number of devices (>= 1), got {devices!r}")
-            self.pool_sizes[pool] = devices
+            self.pool_shapes[pool] = shape
         self.placement[role] = pool
         if role == "actor":
             self.placement["rollout"] = pool
@@ -183,12 +216,11 @@ class RLTrainer:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
                                         shuffle=False) if self.val_data is not None else None)
-        for name, size in self.pool_sizes.items():
+        for name, shape in self.pool_shapes.items():
             if name in self.pools:
                 continue
-            if size is None:
-                size = int(os.environ.get("WORLD_SIZE", "1"))
-            self.pools[name] = ResourcePool([size], backend=self.backend)
+            nodes = shape.process_on_nodes if shape is not None else [int(os.environ.get("WORLD_SIZE", "1"))]
+            self.pools[name] = ResourcePool(nodes, backend=self.backend, ray_address=self.ray_address)
         for role in ROLE_ORDER:
             if role in self.specs:
                 spec = self.specs[role]

@@ -13,10 +13,11 @@ anything is sent.
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 from controller.errors import CallTimeoutError, HostLostError, RemoteWorkerError, WorkerDiedError
+from controller.hosts import FutureCalls, RankCalls
 from controller.resource_pool import ResourcePool
 from hybridengine.layout import ParallelLayout
 from workers.base_worker import BaseWorker
@@ -30,16 +31,16 @@ __all__ = ["WorkerGroup", "GroupFuture", "GroupMethod"]
 class GroupFuture:
     """A pending group call: the ranks' replies, collected on ``result()``."""
 
-    def __init__(self, group: "WorkerGroup", method: str, rank_futures: dict[int, Future], collect, timeout_s):
+    def __init__(self, group: "WorkerGroup", method: str, calls: RankCalls | dict[int, Future], collect, timeout_s):
         self._group = group
         self._method = method
-        self._rank_futures = rank_futures
+        self._calls = calls if isinstance(calls, RankCalls) else FutureCalls(calls)
         self._collect = collect
         self._timeout_s = timeout_s
         self._outcome: tuple[bool, Any] | None = None
 
     def done(self) -> bool:
-        return self._outcome is not None or all(f.done() for f in self._rank_futures.values())
+        return self._outcome is not None or self._calls.done()
 
     def result(self, timeout: float | None = None) -> Any:
         if self._outcome is None:
@@ -50,16 +51,12 @@ class GroupFuture:
         return value
 
     def _resolve(self, timeout: float | None) -> tuple[bool, Any]:
-        # Return on the first failure: when one rank dies its peers may wait
-        # in a collective forever, and the caller must not wait with them.
-        done, pending = wait(self._rank_futures.values(), timeout=timeout, return_when=FIRST_EXCEPTION)
-        for rank, future in sorted(self._rank_futures.items()):
-            if future in done and future.exception() is not None:
-                return False, self._group._rank_error(rank, self._method, future.exception())
-        if pending:
-            late = sorted(r for r, f in self._rank_futures.items() if f in pending)
-            return False, CallTimeoutError(late, self._method, timeout)
-        replies: dict[int, Reply] = {rank: f.result() for rank, f in self._rank_futures.items()}
+        outcome = self._calls.wait(timeout)
+        if outcome.failure is not None:
+            return False, self._group._rank_error(outcome.failure[0], self._method, outcome.failure[1])
+        if outcome.late:
+            return False, CallTimeoutError(list(outcome.late), self._method, timeout, self._group._where(outcome.late))
+        replies = outcome.replies
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
                 return False, RemoteWorkerError(rank, self._method, reply.error_type, reply.remote_traceback)
@@ -111,21 +108,11 @@ class WorkerGroup:
         self._methods = registered_methods(worker_cls)
         pool.claim_role(self.role)
         hosts = pool.hosts
-        futures = {
-            rank: hosts.submit(
-                rank,
-                "create_worker",
-                self.role,
-                worker_cls,
-                tuple(args),
-                dict(kwargs or {}),
-                rank,
-                tuple(hosts.global_ranks),
-                pool.process_group_key,
-            )
-            for rank in range(self.world_size)
-        }
-        GroupFuture(self, f"{worker_cls.__name__}.__init__", futures, lambda outputs: None, None).result()
+        shared = (self.role, worker_cls, tuple(args), dict(kwargs or {}))
+        calls = hosts.submit_calls("create_worker", {
+            rank: (*shared, rank, tuple(hosts.global_ranks), pool.process_group_key) for rank in range(self.world_size)
+        })
+        GroupFuture(self, f"{worker_cls.__name__}.__init__", calls, lambda outputs: None, None).result()
 
     # ------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> GroupMethod:
@@ -150,18 +137,20 @@ class WorkerGroup:
         calls, context = rule.dispatch(view, args, kwargs)
         if len(calls) != self.world_size:
             raise ValueError(f"dispatch mode {rule.name!r} produced {len(calls)} calls for {self.world_size} ranks")
+        per_rank = {rank: (self.role, spec.name, call.args, call.kwargs) for rank, call in enumerate(calls)
+                    if call is not None}
         with self.pool.submit_lock:
-            futures = {
-                rank: self.pool.hosts.submit(rank, "execute", self.role, spec.name, call.args, call.kwargs)
-                for rank, call in enumerate(calls)
-                if call is not None
-            }
-        return GroupFuture(self, spec.name, futures, lambda outputs: rule.collect(view, outputs, context), self.call_timeout_s)
+            pending = self.pool.hosts.submit_calls("execute", per_rank, private_inputs=spec.writes_inputs)
+        return GroupFuture(self, spec.name, pending, lambda outputs: rule.collect(view, outputs, context),
+                           self.call_timeout_s)
 
     def _rank_error(self, rank: int, method: str, error: BaseException) -> BaseException:
         if isinstance(error, HostLostError):
-            return WorkerDiedError(rank, method, error.detail)
+            return WorkerDiedError(rank, method, f"{error.detail}; {self._where([rank])}")
         return error
+
+    def _where(self, ranks) -> str:
+        return self.pool.hosts.describe_ranks(ranks)
 
     def _note_layout(self, replies: dict[int, Reply]) -> None:
         first = replies[min(replies)]

@@ -11,7 +11,7 @@ if str(ROOT) not in sys.path:  # tests of tools/ import them as the package `too
     sys.path.insert(0, str(ROOT))
 # Tests run on the CPU path even where a GPU is visible, and never reach out.
 os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
-os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # (Ray 2.60 ignores RAY_DISABLE_USAGE_STATS)
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +35,29 @@ def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 180
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(TESTS))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_torchrun_nodes(command: list[str], nnodes: int, nproc_per_node: int, *, module: bool = False,
+                         monitor_interval: float = 0.5, env: dict | None = None) -> list[subprocess.Popen]:
+    """One torchrun launcher per simulated node, all on 127.0.0.1, meeting at a c10d rendezvous.
+
+    Each launcher leads its own process session, so a test can take a whole
+    node away (``os.killpg``). ``command``: a script and its arguments, or a
+    module and its arguments with ``module=True``.
+    """
+    endpoint = f"127.0.0.1:{free_port()}"
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+              "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=test-{endpoint}",
+              "--local-addr=127.0.0.1", f"--monitor-interval={monitor_interval}", *(["-m"] if module else []), *command]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), "OMP_NUM_THREADS": "1",
+           "HYBRIDFLOW_NODE_IP": "127.0.0.1", **(env or {})}
+    return [subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             cwd=str(TESTS), start_new_session=True) for _ in range(nnodes)]

@@ -108,6 +108,21 @@ class ScenarioWorker(BaseWorker):
         return "fine"
 
     @register(Dispatch.ONE_TO_ALL)
+    def where(self) -> dict:
+        """This rank's node as the launcher sees it, and a world all-reduce to show the ranks form one world."""
+        node = {"pid": os.getpid(), "rank": self.rank, "node_rank": os.environ.get("GROUP_RANK")}
+        if os.environ.get("RAY_RAYLET_PID") or "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                node.update(ray_node_id=ray.get_runtime_context().get_node_id(),
+                            node_ip=ray.util.get_node_ip_address())
+        total = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(total, group=self.process_group)
+        node["world_sum"] = total.item()
+        return node
+
+    @register(Dispatch.ONE_TO_ALL)
     def read_peer_secret(self, role: str):
         """Reads another role's object in the same process: colocated roles share memory."""
         peer = self.peer(role)
@@ -214,7 +229,41 @@ def faults(backend: str) -> dict:
     return out
 
 
-SCENARIOS = {"modes": modes, "colocated_and_split": colocated_and_split, "faults": faults}
+def lost_node(backend: str, process_on_nodes: list[int], kill_node, timeout_s: float = 60) -> dict:
+    """A call pending on every rank when ``kill_node(pool, group)`` takes a node away: it must fail, naming the node."""
+    pool = ResourcePool(process_on_nodes, backend=backend)
+    group = WorkerGroup(pool, ScenarioWorker, role="victim", call_timeout_s=timeout_s)
+    out = {"where": group.where(), "rank_nodes": list(pool.hosts.rank_nodes)}
+    pending = group.sleep(120.0)
+    time.sleep(1.0)
+    out["killed_node"] = kill_node(pool, group)
+    started = time.time()
+    try:
+        pending.result()
+        out["error"] = "no error"
+    except (WorkerDiedError, CallTimeoutError) as exc:
+        out["error"] = {"type": type(exc).__name__, "text": str(exc), "seconds": time.time() - started}
+    return out
+
+
+def _kill_by_signal(pool, group) -> str:
+    """Under torchrun the test kills the other node's launcher: say so, then wait for it."""
+    print("HYBRIDFLOW-TEST: calls pending, kill the node now", flush=True)
+    return "killed by the test"
+
+
+def where(backend: str) -> dict:
+    pool = ResourcePool([int(os.environ.get("WORLD_SIZE", "4"))], backend=backend)
+    group = WorkerGroup(pool, ScenarioWorker, role="where")
+    return {"where": group.where(), "rank_nodes": list(pool.hosts.rank_nodes), "echo": group.echo(7)}
+
+
+def lost_node_torchrun(backend: str) -> dict:
+    return lost_node(backend, [int(os.environ["WORLD_SIZE"])], _kill_by_signal)
+
+
+SCENARIOS = {"modes": modes, "colocated_and_split": colocated_and_split, "faults": faults,
+             "lost_node": lost_node_torchrun, "where": where}
 
 if __name__ == "__main__":
     name, path = sys.argv[1], sys.argv[2]
@@ -222,6 +271,6 @@ if __name__ == "__main__":
     with open(path, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    if name == "faults":
-        # A rank is gone, and with it the group's collectives; leave at once.
-        os._exit(0)
+    if name in ("faults", "lost_node"):
+        # A rank is gone, and with it the group's collectives; leave at once (a lost node fails the job).
+        os._exit(3 if name == "lost_node" else 0)

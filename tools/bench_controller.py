@@ -11,7 +11,11 @@ For each backend and group size it prints
   - scatter_gather: a 1024x512 int64 batch with 3 tensor keys (12 MiB) split
                  over the ranks with DP_COMPUTE_PROTO and returned whole;
                  MiB/s counts the bytes out plus the bytes back, samples/s the rows.
-torchrun runs are launched as child torchrun jobs of this script.
+torchrun runs are launched as child torchrun jobs of this script. With Ray it
+also prints bare Ray in the same run, the floor any Ray controller stands on:
+the median ``ray.get([a.ping.remote() for a in actors])`` of as many plain
+actors, and the same scatter+gather done by hand (``ray.put`` of each chunk's
+arrays, an actor that returns them, ``ray.get`` and one concatenation).
 """
 
 from __future__ import annotations
@@ -83,6 +87,46 @@ def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: f
     }
 
 
+def measure_bare_ray(workers: int, repeats: int, rtt_calls: int) -> dict:
+    """Plain Ray actors on the same cluster: the round trip and scatter+gather floor under any controller."""
+    import numpy as np
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Bare:
+        def ping(self) -> int:
+            return 0
+
+        def echo(self, *arrays):
+            return arrays
+
+    actors = [Bare.remote() for _ in range(workers)]
+    ray.get([a.ping.remote() for a in actors])
+    rtts = []
+    for _ in range(5 + rtt_calls):
+        t0 = time.perf_counter()
+        ray.get([a.ping.remote() for a in actors])
+        rtts.append(time.perf_counter() - t0)
+    arrays = [np.random.randint(0, 1 << 30, (ROWS, COLS)) for _ in range(KEYS)]
+
+    def scatter_gather() -> list:
+        rows = ROWS // workers
+        refs = [a.echo.remote(*(ray.put(x[r * rows:(r + 1) * rows]) for x in arrays)) for r, a in enumerate(actors)]
+        parts = ray.get(refs)
+        return [np.concatenate([part[k] for part in parts]) for k in range(KEYS)]
+
+    assert all(np.array_equal(x, y) for x, y in zip(arrays, scatter_gather()))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        scatter_gather()
+        times.append(time.perf_counter() - t0)
+    for actor in actors:
+        ray.kill(actor)
+    return {"backend": "bare-ray", "workers": workers, "rtt_ms": round(1e3 * statistics.median(rtts[5:]), 3),
+            "scatter_gather_ms": round(1e3 * statistics.median(times), 2)}
+
+
 def run_torchrun(workers: int, repeats: int, rtt_calls: int) -> dict:
     args = ["--repeats", str(repeats), "--rtt-calls", str(rtt_calls), "--launched-at", repr(time.time())]
     return run_torchrun_job(__file__, workers, args, f"torchrun benchmark at {workers} workers")
@@ -118,6 +162,7 @@ def main() -> None:
         for workers in args.workers:
             if backend == "ray":
                 rows.append(measure("ray", workers, args.repeats, args.rtt_calls, time.time()))
+                rows.append(measure_bare_ray(workers, args.repeats, args.rtt_calls))
             else:
                 rows.append(run_torchrun(workers, args.repeats, args.rtt_calls))
         if backend == "ray":
@@ -127,8 +172,12 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
+        startup = f"{r['startup_s']:9.2f}" if "startup_s" in r else f"{'':9}"
+        if "samples_per_s" not in r:  # bare Ray: no DataProto, no group
+            print(f"{r['backend']:9} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} {r['scatter_gather_ms']:17.1f}")
+            continue
         print(
-            f"{r['backend']:9} {r['workers']:7d} {r['startup_s']:9.2f} {r['rtt_ms']:7.2f} "
+            f"{r['backend']:9} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} "
             f"{r['scatter_gather_ms']:17.1f} {r['scatter_gather_MiBps']:8.1f} {r['samples_per_s']:10.0f}"
         )
     if meta:

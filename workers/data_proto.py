@@ -10,12 +10,16 @@ one operation that changes its receiver, as its name says.
 
 Pickling sends tensor payloads as pickle protocol 5 out-of-band buffers, so
 a transport that keeps buffers separate (ours, Ray's object store) moves the
-bytes without an extra serialisation copy.
+bytes without an extra serialisation copy. Unpickled from Ray's object store,
+the tensors are zero-copy views of its shared memory: a worker method that
+writes into its input tensors in place must be registered with
+``writes_inputs=True`` (it then gets private copies), or ``.clone()`` them.
 """
 
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -90,6 +94,11 @@ class DataProto:
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
         return self._size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor payload (what a transport moves for ``batch``)."""
+        return sum(t.numel() * t.element_size() for t in self.batch.values())
 
     def keys(self) -> list[str]:
         return list(self.batch) + list(self.non_tensor_batch)
@@ -309,11 +318,13 @@ def _rebuild(specs, payloads, non_tensor_batch, meta_info) -> DataProto:
         if view.nbytes == 0:
             batch[key] = torch.empty(shape, dtype=dtype)
             continue
-        if view.readonly:
-            # Read-only memory (an in-band bytes object, a shared-memory
-            # store) cannot back a tensor that callers may write to.
+        if isinstance(payload, bytes):
+            # An in-band bytes object (pickle protocol < 5) is immutable: copy it.
             view = memoryview(bytearray(view))
-        batch[key] = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+        # Read-only memory here is a shared-memory store's (Ray's): the tensor is a zero-copy view of it.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            batch[key] = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
     return DataProto(batch, non_tensor_batch, meta_info)
 
 

@@ -15,25 +15,33 @@ F = TypeVar("F", bound=Callable)
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """How a registered method is called: its dispatch mode and whether the call blocks."""
+    """How a registered method is called: its dispatch mode, whether the call blocks, whether it writes its inputs."""
 
     name: str
     dispatch_mode: str
     blocking: bool = True
+    writes_inputs: bool = False
 
 
-def register(dispatch_mode: Dispatch | str = Dispatch.ONE_TO_ALL, blocking: bool = True) -> Callable[[F], F]:
+def register(
+    dispatch_mode: Dispatch | str = Dispatch.ONE_TO_ALL, blocking: bool = True, writes_inputs: bool = False
+) -> Callable[[F], F]:
     """Make a worker method a group method.
 
     ``dispatch_mode`` is a ``Dispatch`` member or the name given to
     ``register_dispatch_mode``. A blocking method returns the collected result;
     a non-blocking one returns a future (``.result()`` waits for it). Every
     group method also offers ``.submit(...)``, which never blocks.
+
+    On Ray a method's input tensors are zero-copy views of the object store,
+    and a chunk that several ranks receive is one shared object. A method
+    that writes into its input tensors in place says ``writes_inputs=True``:
+    each rank then gets its own copy.
     """
     mode = get_dispatch_rule(dispatch_mode).name
 
     def mark(fn: F) -> F:
-        setattr(fn, _SPEC_ATTR, MethodSpec(fn.__name__, mode, blocking))
+        setattr(fn, _SPEC_ATTR, MethodSpec(fn.__name__, mode, blocking, writes_inputs))
         return fn
 
     return mark
@@ -46,5 +54,5 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
         for name, member in vars(klass).items():
             spec = getattr(member, _SPEC_ATTR, None)
             if isinstance(spec, MethodSpec):
-                specs[name] = MethodSpec(name, spec.dispatch_mode, spec.blocking)
+                specs[name] = MethodSpec(name, spec.dispatch_mode, spec.blocking, spec.writes_inputs)
     return specs

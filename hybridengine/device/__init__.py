@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "accelerator_available",
+    "accelerator_count",
     "device_type",
     "dist_backend",
     "device_for_local_rank",
@@ -32,6 +33,11 @@ def accelerator_available() -> bool:
     if os.environ.get(DEVICE_ENV, "").lower() == "cpu":
         return False
     return torch.cuda.is_available()
+
+
+def accelerator_count() -> int:
+    """GPUs this process may use (0 on the CPU path)."""
+    return torch.cuda.device_count() if accelerator_available() else 0
 
 
 def device_type() -> str:

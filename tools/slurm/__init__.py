@@ -1,0 +1,1 @@
+"""Slurm launch recipes: sbatch scripts for multi-node hybridflow jobs (render.py)."""
