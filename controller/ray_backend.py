@@ -42,7 +42,7 @@ from controller.hosts import CallOutcome, HostSet, RankCalls, map_failure
 from controller.placement import ClusterNode, PlacementError, describe_cluster, fit_pools
 from workers.console import console_env, verbose_console
 from workers.data_proto import DataProto
-from workers.host import WorkerHost
+from workers.host import Reply, WorkerHost
 
 __all__ = ["RayHostSet", "ensure_ray", "PRIVATE_CLUSTER_IP", "cluster_for", "cluster_nodes"]
 
@@ -64,10 +64,31 @@ class _RayWorkerHost(WorkerHost):
         """(node address, Ray node id) of this process."""
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def execute_flat(self, role: str, method: str, kw_names: tuple, *values):
-        """``execute`` with the call's arguments as top-level values, so Ray resolves their object refs."""
+    def call(self, key: str, *values) -> tuple:
+        """``execute`` of ``key`` = "role/method" with positional arguments as top-level values.
+
+        Top-level values let Ray resolve their object refs before the call; a
+        key string (none at all when it repeats the previous call's, see
+        ``call_again``) and a plain tuple back, not a Reply dataclass, keep the
+        round trip close to a bare Ray call: each argument costs Ray a serialisation.
+        """
+        self.last_key = key
+        role, method = key.rsplit("/", 1)
+        return _as_tuple(self.execute(role, method, values, {}))
+
+    def call_again(self, *values) -> tuple:
+        """``call`` of the previous call's key (calls run in the order they were sent): no key to send."""
+        return self.call(self.last_key, *values)
+
+    def call_kw(self, key: str, kw_names: tuple, *values) -> tuple:
+        """``call`` with keyword arguments: the last ``len(kw_names)`` values are theirs."""
+        role, method = key.rsplit("/", 1)
         n_args = len(values) - len(kw_names)
-        return self.execute(role, method, values[:n_args], dict(zip(kw_names, values[n_args:])))
+        return _as_tuple(self.execute(role, method, values[:n_args], dict(zip(kw_names, values[n_args:]))))
+
+
+def _as_tuple(reply: Reply) -> tuple:
+    return reply.ok, reply.value, reply.error_type, reply.remote_traceback, reply.layout
 
 
 _RemoteHost = ray.remote(_RayWorkerHost)
@@ -184,6 +205,7 @@ class RayHostSet(HostSet):
                 )
                 self.actors.append(_RemoteHost.options(**options).remote(rank, self.world_size, local_rank))
         self.actor_ranks = {actor._actor_id.hex(): rank for rank, actor in enumerate(self.actors)}
+        self.last_keys: list[str | None] = [None] * self.world_size  # the key each actor's call_again repeats
         master_addr, master_port, _ = ray.get(self.actors[0].address.remote(), timeout=init_timeout_s)
         pending = [a.init_distributed.remote(master_addr, master_port, dist_timeout_s) for a in self.actors]
         nodes = ray.get([a.node.remote() for a in self.actors], timeout=init_timeout_s)
@@ -227,7 +249,15 @@ class RayHostSet(HostSet):
             if op == "execute":
                 role, method, call_args, call_kwargs = args
                 values = [by_reference(v) for v in (*call_args, *call_kwargs.values())]
-                refs[rank] = actor.execute_flat.remote(role, method, tuple(call_kwargs), *values)
+                key = f"{role}/{method}"
+                if call_kwargs:
+                    refs[rank] = actor.call_kw.remote(key, tuple(call_kwargs), *values)
+                    self.last_keys[rank] = None  # call_kw does not set the key call_again repeats
+                elif self.last_keys[rank] == key:
+                    refs[rank] = actor.call_again.remote(*values)
+                else:
+                    refs[rank] = actor.call.remote(key, *values)
+                    self.last_keys[rank] = key
             else:
                 refs[rank] = getattr(actor, op).remote(*args)
         return _RayCalls(self, refs)
@@ -287,7 +317,7 @@ class _RayCalls(RankCalls):
             if rank is None:  # find the rank whose reference holds the error
                 rank = next((r for r, ref in sorted(self.refs.items()) if _raises(ref)), self.ranks[0])
             return CallOutcome({}, (rank, self.hosts._lost(rank, error)))
-        return CallOutcome(dict(zip(self.refs, replies)))
+        return CallOutcome({rank: r if isinstance(r, Reply) else Reply(*r) for rank, r in zip(self.refs, replies)})
 
 
 class _FailedCalls(RankCalls):

@@ -123,6 +123,23 @@ class ScenarioWorker(BaseWorker):
         return node
 
     @register(Dispatch.ONE_TO_ALL)
+    def input_memory(self, data: DataProto) -> str:
+        """The mapping of this process that holds ``data``'s tensor (/proc/self/maps): shared memory or private."""
+        address = data.batch["x"].data_ptr()
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                low, high = (int(v, 16) for v in line.split()[0].split("-"))
+                if low <= address < high:
+                    fields = line.split()
+                    return fields[5] if len(fields) > 5 else "anonymous"
+        return "unmapped"
+
+    @register(Dispatch.ONE_TO_ALL, writes_inputs=True)
+    def add_rank_in_place(self, data: DataProto) -> list:
+        data.batch["x"] += self.rank + 1  # in place: it asked for its own copy
+        return data.batch["x"][:3].tolist()
+
+    @register(Dispatch.ONE_TO_ALL)
     def read_peer_secret(self, role: str):
         """Reads another role's object in the same process: colocated roles share memory."""
         peer = self.peer(role)

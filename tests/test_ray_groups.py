@@ -1,10 +1,19 @@
 """Real Ray worker groups of CPU processes (a private local cluster)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 import group_checks
 import group_scenarios
-from controller import ResourcePool
+from controller import ResourcePool, WorkerGroup
+from workers import DataProto
+
+ROOT = Path(__file__).parent.parent
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -33,3 +42,39 @@ def test_bad_pool_arguments():
         ResourcePool([2], backend="mpi")
     with pytest.raises(RuntimeError, match="not started by torchrun"):
         ResourcePool([2], backend="torchrun")
+
+
+def test_inputs_are_zero_copy_views_of_the_object_store_and_writers_get_their_own_copy():
+    pool = ResourcePool([2], backend="ray")
+    try:
+        group = WorkerGroup(pool, group_scenarios.ScenarioWorker, role="memory")
+        big = DataProto({"x": torch.zeros(1 << 16, dtype=torch.int64)})  # 512 KiB: through the object store
+        small = DataProto({"x": torch.zeros(8, dtype=torch.int64)})  # inside the call itself
+        assert all(m.startswith("/dev/shm/plasma") for m in group.input_memory(big)), group.input_memory(big)
+        assert not any(m.startswith("/dev/shm") for m in group.input_memory(small))
+        # One shared object would let rank 0's write show at rank 1 (1 + 2); each rank writes its own copy.
+        assert group.add_rank_in_place(big) == [[1, 1, 1], [2, 2, 2]]
+        assert group.add_rank_in_place(big) == [[1, 1, 1], [2, 2, 2]]  # and the caller's batch is untouched
+        assert int(big.batch["x"].abs().sum()) == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_stale_cluster_address_file_or_ray_address_does_not_stop_a_private_cluster(tmp_path):
+    """Ray's temp dir names a cluster that is gone (as one left behind here did): the worker example still runs."""
+    from ray._private.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    saved = address_file.read_text() if address_file.exists() else None
+    address_file.parent.mkdir(parents=True, exist_ok=True)
+    address_file.write_text("127.0.0.77:6379")  # nothing listens there
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "127.0.0.77:6379"}
+        proc = subprocess.run([sys.executable, "examples/custom_worker.py"], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        if saved is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(saved)
