@@ -2,6 +2,7 @@
 
     python tools/bench_controller.py            # Ray and torchrun, 2 and 4 CPU workers
     python tools/bench_controller.py --json out.json --backends torchrun --workers 2
+    python tools/bench_controller.py --workers 4 --verl   # and verl 0.9.1's RayWorkerGroup, same run
 
 For each backend and group size it prints
   - startup_s:   from asking for the pool until the group's first call answered;
@@ -14,8 +15,12 @@ For each backend and group size it prints
 torchrun runs are launched as child torchrun jobs of this script. With Ray it
 also prints bare Ray in the same run, the floor any Ray controller stands on:
 the median ``ray.get([a.ping.remote() for a in actors])`` of as many plain
-actors, and the same scatter+gather done by hand (``ray.put`` of each chunk's
-arrays, an actor that returns them, ``ray.get`` and one concatenation).
+actors, and the same scatter+gather done by hand (one ``ray.put`` of each
+rank's arrays, an actor that returns them, ``ray.get`` and one concatenation
+per key).
+``--verl`` adds verl 0.9.1's own RayWorkerGroup on the same task, run in its
+own virtual environment (``tools/verl_venv.py``, created on first use), with
+both of verl's DataProto serialisations (torch and numpy).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def measure_bare_ray(workers: int, repeats: int, rtt_calls: int) -> dict:
         def ping(self) -> int:
             return 0
 
-        def echo(self, *arrays):
+        def echo(self, arrays):
             return arrays
 
     actors = [Bare.remote() for _ in range(workers)]
@@ -111,7 +116,7 @@ def measure_bare_ray(workers: int, repeats: int, rtt_calls: int) -> dict:
 
     def scatter_gather() -> list:
         rows = ROWS // workers
-        refs = [a.echo.remote(*(ray.put(x[r * rows:(r + 1) * rows]) for x in arrays)) for r, a in enumerate(actors)]
+        refs = [a.echo.remote(ray.put(tuple(x[r * rows:(r + 1) * rows] for x in arrays))) for r, a in enumerate(actors)]
         parts = ray.get(refs)
         return [np.concatenate([part[k] for part in parts]) for k in range(KEYS)]
 
@@ -138,6 +143,7 @@ def main() -> None:
     parser.add_argument("--workers", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rtt-calls", type=int, default=200)
+    parser.add_argument("--verl", action="store_true", help="also measure verl's RayWorkerGroup (its own venv)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--inner", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
@@ -167,17 +173,22 @@ def main() -> None:
                 rows.append(run_torchrun(workers, args.repeats, args.rtt_calls))
         if backend == "ray":
             ray.shutdown()
+    if args.verl:
+        from tools.verl_venv import run_verl_bench
 
-    header = f"{'backend':9} {'workers':>7} {'startup_s':>9} {'rtt_ms':>7} {'scatter+gather_ms':>17} {'MiB/s':>8} {'samples/s':>10}"
+        for row in run_verl_bench(args.workers, args.repeats, args.rtt_calls):
+            rows.append({**row, "backend": f"verl-{row['serialization']}"})
+
+    header = f"{'backend':10} {'workers':>7} {'startup_s':>9} {'rtt_ms':>7} {'scatter+gather_ms':>17} {'MiB/s':>8} {'samples/s':>10}"
     print(header)
     print("-" * len(header))
     for r in rows:
         startup = f"{r['startup_s']:9.2f}" if "startup_s" in r else f"{'':9}"
         if "samples_per_s" not in r:  # bare Ray: no DataProto, no group
-            print(f"{r['backend']:9} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} {r['scatter_gather_ms']:17.1f}")
+            print(f"{r['backend']:10} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} {r['scatter_gather_ms']:17.1f}")
             continue
         print(
-            f"{r['backend']:9} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} "
+            f"{r['backend']:10} {r['workers']:7d} {startup} {r['rtt_ms']:7.2f} "
             f"{r['scatter_gather_ms']:17.1f} {r['scatter_gather_MiBps']:8.1f} {r['samples_per_s']:10.0f}"
         )
     if meta:
