@@ -8,6 +8,7 @@ PPO job on two nodes under both launchers is in ``test_multinode_jobs.py``.
 """
 
 import json
+import os
 import threading
 import time
 
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 import group_checks
-from conftest import TESTS, start_torchrun_nodes
+from conftest import TESTS, run_torchrun, start_torchrun_nodes
 
 
 class Launchers:
@@ -127,3 +128,29 @@ def test_a_lost_torchrun_node_fails_the_pending_call_naming_the_node(tmp_path, l
     # Node 1 holds ranks 2 and 3 (the controller, rank 0, is on node 0); the error names the node and its ranks.
     assert "during 'sleep'" in error["text"] and "on node 1 (127.0.0.1) (which runs ranks [2, 3])" in error["text"], error
     assert codes[other] != 0 and codes[controller] != 0  # the job failed, on both nodes
+
+
+def test_a_multi_node_torchrun_job_without_a_rendezvous_or_with_the_wrong_world_is_refused_before_it_starts(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "controller.cli", "train", "--config", "examples/ppo_tiny.yaml",
+                           "trainer.nnodes=2", f"trainer.run_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=str(ROOT))
+    assert proc.returncode == 2
+    assert "trainer.nnodes=2 with trainer.launcher=torchrun: set trainer.rdzv_endpoint=host:port" in proc.stderr
+    # A torchrun world of 2 for a config of 2 nodes x 2: the job stops before any group forms.
+    script = tmp_path / "train.py"
+    script.write_text("from controller.config import load_config\n"
+                      "from controller.train_job import run_training\n"
+                      "try:\n"
+                      f"    run_training(load_config({str(ROOT / 'examples/ppo_tiny.yaml')!r}, "
+                      f"['trainer.nnodes=2', 'trainer.nproc=2', 'trainer.run_dir={tmp_path}']))\n"
+                      "except Exception as exc:\n"
+                      "    print('REFUSED:', exc)\n")
+    proc = run_torchrun(script, [], 2)
+    assert "REFUSED: torchrun started WORLD_SIZE=2 processes, but trainer.nnodes x nproc = 2 x 2" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-3000:])

@@ -17,7 +17,7 @@ also prints bare Ray in the same run, the floor any Ray controller stands on:
 the median ``ray.get([a.ping.remote() for a in actors])`` of as many plain
 actors, and the same scatter+gather done by hand (one ``ray.put`` of each
 rank's arrays, an actor that returns them, ``ray.get`` and one concatenation
-per key).
+per key), each bare call right after the group's, so both see the same load.
 ``--verl`` adds verl 0.9.1's own RayWorkerGroup on the same task, run in its
 own virtual environment (``tools/verl_venv.py``, created on first use), with
 both of verl's DataProto serialisations (torch and numpy).
@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,14 @@ class EchoWorker(BaseWorker):
         return batch
 
 
-def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: float) -> dict:
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: float, bare=None) -> list[dict]:
+    """The group's rows; with ``bare`` (a BareRay), its calls alternate with the group's, under the same load."""
     pool = ResourcePool([workers], backend=backend)
     group = WorkerGroup(pool, EchoWorker, role="echo")
     group.ping()
@@ -63,24 +71,26 @@ def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: f
 
     for _ in range(5):
         group.ping()
-    rtts = []
+    rtts, bare_rtts = [], []
     for _ in range(rtt_calls):
-        t0 = time.perf_counter()
-        group.ping()
-        rtts.append(time.perf_counter() - t0)
+        rtts.append(_timed(group.ping))
+        if bare is not None:
+            bare_rtts.append(_timed(bare.ping))
 
     batch = DataProto({f"key{k}": torch.randint(0, 1 << 30, (ROWS, COLS)) for k in range(KEYS)})
     nbytes = sum(t.numel() * t.element_size() for t in batch.batch.values())
     back = group.echo(batch)  # warm-up, and a correctness check
     assert all(torch.equal(back.batch[k], batch.batch[k]) for k in batch.batch)
-    times = []
+    if bare is not None:
+        bare.check(batch)
+    times, bare_times = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        group.echo(batch)
-        times.append(time.perf_counter() - t0)
+        times.append(_timed(lambda: group.echo(batch)))
+        if bare is not None:
+            bare_times.append(_timed(bare.scatter_gather))
     pool.shutdown()
     median = statistics.median(times)
-    return {
+    rows = [{
         "backend": backend,
         "workers": workers,
         "startup_s": round(startup_s, 3),
@@ -89,47 +99,48 @@ def measure(backend: str, workers: int, repeats: int, rtt_calls: int, started: f
         "scatter_gather_MiBps": round(2 * nbytes / median / 2**20, 1),
         "samples_per_s": round(ROWS / median, 1),
         "payload_MiB": round(nbytes / 2**20, 2),
-    }
+    }]
+    if bare is not None:
+        rows.append({"backend": "bare-ray", "workers": workers, "rtt_ms": round(1e3 * statistics.median(bare_rtts), 3),
+                     "scatter_gather_ms": round(1e3 * statistics.median(bare_times), 2)})
+    return rows
 
 
-def measure_bare_ray(workers: int, repeats: int, rtt_calls: int) -> dict:
+class BareRay:
     """Plain Ray actors on the same cluster: the round trip and scatter+gather floor under any controller."""
-    import numpy as np
-    import ray
 
-    @ray.remote(num_cpus=1)
-    class Bare:
-        def ping(self) -> int:
-            return 0
+    def __init__(self, workers: int) -> None:
+        import ray
 
-        def echo(self, arrays):
-            return arrays
+        @ray.remote(num_cpus=1)
+        class Bare:
+            def ping(self) -> int:
+                return 0
 
-    actors = [Bare.remote() for _ in range(workers)]
-    ray.get([a.ping.remote() for a in actors])
-    rtts = []
-    for _ in range(5 + rtt_calls):
-        t0 = time.perf_counter()
-        ray.get([a.ping.remote() for a in actors])
-        rtts.append(time.perf_counter() - t0)
-    arrays = [np.random.randint(0, 1 << 30, (ROWS, COLS)) for _ in range(KEYS)]
+            def echo(self, arrays):
+                return arrays
 
-    def scatter_gather() -> list:
-        rows = ROWS // workers
-        refs = [a.echo.remote(ray.put(tuple(x[r * rows:(r + 1) * rows] for x in arrays))) for r, a in enumerate(actors)]
+        self.ray = ray
+        self.actors = [Bare.remote() for _ in range(workers)]
+        self.ping()
+
+    def ping(self) -> None:
+        self.ray.get([a.ping.remote() for a in self.actors])
+
+    def check(self, batch: DataProto) -> None:
+        self.arrays = [t.numpy() for t in batch.batch.values()]
+        assert all(np.array_equal(x, y) for x, y in zip(self.arrays, self.scatter_gather()))
+
+    def scatter_gather(self) -> list:
+        ray, rows = self.ray, ROWS // len(self.actors)
+        refs = [a.echo.remote(ray.put(tuple(x[r * rows:(r + 1) * rows] for x in self.arrays)))
+                for r, a in enumerate(self.actors)]
         parts = ray.get(refs)
-        return [np.concatenate([part[k] for part in parts]) for k in range(KEYS)]
+        return [np.concatenate([part[k] for part in parts]) for k in range(len(self.arrays))]
 
-    assert all(np.array_equal(x, y) for x, y in zip(arrays, scatter_gather()))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        scatter_gather()
-        times.append(time.perf_counter() - t0)
-    for actor in actors:
-        ray.kill(actor)
-    return {"backend": "bare-ray", "workers": workers, "rtt_ms": round(1e3 * statistics.median(rtts[5:]), 3),
-            "scatter_gather_ms": round(1e3 * statistics.median(times), 2)}
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
 
 
 def run_torchrun(workers: int, repeats: int, rtt_calls: int) -> dict:
@@ -151,7 +162,7 @@ def main() -> None:
 
     if args.inner:
         workers = int(os.environ["WORLD_SIZE"])
-        row = measure("torchrun", workers, args.repeats, args.rtt_calls, args.launched_at)
+        row = measure("torchrun", workers, args.repeats, args.rtt_calls, args.launched_at)[0]
         Path(args.inner).write_text(json.dumps(row))
         return
 
@@ -167,8 +178,9 @@ def main() -> None:
             meta["ray_cluster_start_s"] = round(time.perf_counter() - t0, 2)
         for workers in args.workers:
             if backend == "ray":
-                rows.append(measure("ray", workers, args.repeats, args.rtt_calls, time.time()))
-                rows.append(measure_bare_ray(workers, args.repeats, args.rtt_calls))
+                bare = BareRay(workers)
+                rows += measure("ray", workers, args.repeats, args.rtt_calls, time.time(), bare)
+                bare.shutdown()
             else:
                 rows.append(run_torchrun(workers, args.repeats, args.rtt_calls))
         if backend == "ray":
