@@ -119,7 +119,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
                  **({"_node_ip_address": node_ip} if node_ip else {}))
         nodes = cluster_nodes()
         listing = ", ".join(f"{n['address']} ({n['CPU']:g} CPU, {n['GPU']:g} GPU)" for n in nodes)
-        print(f"[hybridflow] joined the Ray cluster at {address}: {len(nodes)} node(s): {listing}", file=sys.stderr)
+        joined = ray.get_runtime_context().gcs_address  # what "auto" resolved to
+        print(f"[hybridflow] joined the Ray cluster at {joined}: {len(nodes)} node(s): {listing}", file=sys.stderr)
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a private cluster reports nothing anywhere
     ray.init(
@@ -208,9 +209,8 @@ class RayHostSet(HostSet):
         self.last_keys: list[str | None] = [None] * self.world_size  # the key each actor's call_again repeats
         master_addr, master_port, _ = ray.get(self.actors[0].address.remote(), timeout=init_timeout_s)
         pending = [a.init_distributed.remote(master_addr, master_port, dist_timeout_s) for a in self.actors]
-        nodes = ray.get([a.node.remote() for a in self.actors], timeout=init_timeout_s)
-        self.rank_nodes = [address for address, _ in nodes]
-        self.rank_node_ids = [node_id for _, node_id in nodes]
+        self.rank_nodes = [address for address, _ in ray.get([a.node.remote() for a in self.actors],
+                                                               timeout=init_timeout_s)]
         for rank, reply in enumerate(ray.get(pending, timeout=init_timeout_s)):
             if not reply.ok:
                 self.shutdown()
@@ -227,6 +227,9 @@ class RayHostSet(HostSet):
 
         ``private_inputs``: every rank gets its own copy of its large arguments
         (for methods that write into their inputs), never one shared object.
+        Callers hold the pool's submit lock (``ResourcePool.submit_lock``): the
+        order calls reach each actor in is the order they run in, which is what
+        ``call_again`` relies on.
         """
         lost = sorted(r for r in calls if r in self.lost)
         if lost:

@@ -120,6 +120,10 @@ class ScenarioWorker(BaseWorker):
         total = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(total, group=self.process_group)
         node["world_sum"] = total.item()
+        import psutil  # every address this process talks to (gloo's peers, the store, the controller)
+
+        node["remote_hosts"] = sorted({c.raddr.ip.removeprefix("::ffff:")
+                                       for c in psutil.Process().net_connections(kind="tcp") if c.raddr})
         return node
 
     @register(Dispatch.ONE_TO_ALL)
@@ -275,12 +279,21 @@ def where(backend: str) -> dict:
     return {"where": group.where(), "rank_nodes": list(pool.hosts.rank_nodes), "echo": group.echo(7)}
 
 
+def controller_leaves(backend: str) -> dict:
+    """Rank 0's program ends (os._exit(0) below) while every other rank is inside a two-minute call."""
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])], backend=backend)
+    group = WorkerGroup(pool, ScenarioWorker, role="abandoned")
+    group.sleep(120.0)
+    time.sleep(1.0)
+    return {"left_at": time.time()}
+
+
 def lost_node_torchrun(backend: str) -> dict:
     return lost_node(backend, [int(os.environ["WORLD_SIZE"])], _kill_by_signal)
 
 
 SCENARIOS = {"modes": modes, "colocated_and_split": colocated_and_split, "faults": faults,
-             "lost_node": lost_node_torchrun, "where": where}
+             "lost_node": lost_node_torchrun, "where": where, "controller_leaves": controller_leaves}
 
 if __name__ == "__main__":
     name, path = sys.argv[1], sys.argv[2]
@@ -288,6 +301,6 @@ if __name__ == "__main__":
     with open(path, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    if name in ("faults", "lost_node"):
+    if name in ("faults", "lost_node", "controller_leaves"):
         # A rank is gone, and with it the group's collectives; leave at once (a lost node fails the job).
         os._exit(3 if name == "lost_node" else 0)

@@ -7,6 +7,7 @@ within seconds, naming that node and its ranks. The Ray half is in ``test_ray_mu
 PPO job on two nodes under both launchers is in ``test_multinode_jobs.py``.
 """
 
+import ipaddress
 import json
 import os
 import threading
@@ -100,6 +101,7 @@ def test_two_torchrun_launchers_form_one_world(tmp_path, launchers):
     assert [w["node_rank"] for w in where] == ["0", "0", "1", "1"]  # two ranks per launcher, node-major
     assert {w["world_sum"] for w in where} == {10.0}  # 1+2+3+4: one torch.distributed world over both nodes
     assert len({w["pid"] for w in where}) == 4
+    assert all(ipaddress.ip_address(host).is_loopback for w in where for host in w["remote_hosts"]), where
     assert result["rank_nodes"] == ["0 (127.0.0.1)"] * 2 + ["1 (127.0.0.1)"] * 2
     assert result["echo"] == [[r, 7, "t"] for r in range(4)]
 

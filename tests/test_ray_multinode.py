@@ -109,14 +109,16 @@ def test_a_job_placement_the_cluster_cannot_hold_is_refused_before_any_worker_st
     with pytest.raises(ConfigError, match=r"pool 'critic' \(2 node\(s\) x 4 process\(es\)\) needs 2 different node\(s\).*"
                                           r"it has 3 node\(s\): 127\.0\.0\.11 \(4 CPU, 0 GPU\), 127\.0\.0\.12"):
         check_config(wide, cluster=nodes)
-    # The CLI joins the cluster and refuses the job before any worker process starts.
+    # The CLI joins the cluster (here by trainer.ray_address=auto: RAY_ADDRESS names it) and refuses the job
+    # before any worker process starts.
     groups_before = len(ray.util.placement_group_table())  # every group ever made in the cluster, removed ones too
+    job[1] = "trainer.ray_address=auto"
     proc = subprocess.run([sys.executable, "-m", "controller.cli", "train", "--config", "examples/ppo_tiny.yaml", *job,
                            "trainer.placement={critic: {nodes: 2, processes_per_node: 4}}", "trainer.run_dir=/tmp/hf-refused"],
                           capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": cluster.address})
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "joined the Ray cluster at" in proc.stderr and "does not fit" not in proc.stdout
+    assert f"joined the Ray cluster at {cluster.address}: 3 node(s)" in proc.stderr, proc.stderr[-3000:]
     assert "pool 'critic' (2 node(s) x 4 process(es)) needs 2 different node(s)" in proc.stderr, proc.stderr[-3000:]
     assert len(ray.util.placement_group_table()) == groups_before  # no pool was reserved: no worker started
 

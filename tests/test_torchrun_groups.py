@@ -1,6 +1,7 @@
 """Real torchrun groups: the same scenarios as the Ray tests, launched by torchrun on CPU."""
 
 import json
+import time
 
 
 import group_checks
@@ -45,3 +46,12 @@ def test_pool_larger_than_the_torchrun_world_is_refused(tmp_path):
     proc = run_torchrun(script, [], 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED: resource pool asks for 3 processes but torchrun started WORLD_SIZE=2" in proc.stdout
+
+
+def test_ranks_busy_in_a_call_exit_when_the_controller_is_gone(tmp_path):
+    # Rank 0 leaves with status 0, so torchrun would wait for the other ranks' two-minute sleep: they notice
+    # the closed control connection and leave within seconds.
+    started = time.time()
+    proc, out = run_scenario("controller_leaves", 3, tmp_path)
+    assert time.time() - out["left_at"] < 20 and time.time() - started < 90, proc.stderr[-3000:]
+    assert proc.stderr.count("the controller (rank 0) went away during a call; exiting") == 2, proc.stderr[-3000:]
