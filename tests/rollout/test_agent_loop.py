@@ -162,3 +162,37 @@ def test_a_slow_tool_on_one_sample_does_not_hold_up_the_others(tokenizer):
     before_slow_returns = [n for at, n in engine.calls if at - started < 1.4]
     assert len(before_slow_returns) == 4 and before_slow_returns[1:] == [1, 1, 1], engine.calls
     assert wall < 1.5 + 1.5  # the slow tool's own time, plus little
+
+
+def test_the_training_batch_holds_the_exact_ids_with_only_model_tokens_in_the_response_mask(tokenizer):
+    import torch
+
+    from workers.data_proto import DataProto
+    from workers.rollout.agent.batch import build_agent_batch, last_model_token
+
+    scripts = {"2+3?": [call("calculator", expression="2+3"), "It is 5."], "hi": ["hello"]}
+    with ToolBox([Calculator()]) as box:
+        results, _ = run(tokenizer, scripts, box)
+    prompts = DataProto(non_tensor_batch={"uid": ["a", "b"], "ground_truth": ["5", ""]})
+    batch = build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=120)
+    width = batch.batch["prompts"].shape[1]
+    assert batch.batch["responses"].shape == (2, 120) and batch.batch["input_ids"].shape == (2, width + 120)
+    for row, result in enumerate(results):
+        trajectory = result.trajectory
+        real = batch.batch["attention_mask"][row].bool()
+        assert batch.batch["input_ids"][row][real].tolist() == trajectory.context_ids  # the exact ids, no re-tokenizing
+        length = len(trajectory.response_ids)
+        assert batch.batch["response_mask"][row, :length].tolist() == trajectory.response_mask
+        assert int(batch.batch["response_mask"][row, length:].sum()) == 0
+        assert torch.allclose(batch.batch["rollout_log_probs"][row, :length], torch.tensor(trajectory.log_probs))
+        positions = batch.batch["position_ids"][row][real]
+        assert positions.tolist() == list(range(len(trajectory.context_ids)))
+    mask = batch.batch["response_mask"]
+    # The two-turn sample's model tokens are not contiguous: its last one is not at mask.sum() - 1.
+    assert last_model_token(mask).tolist() == [len(results[0].trajectory.response_ids) - 1,
+                                               len(results[1].trajectory.response_ids) - 1]
+    assert int(mask[0].sum()) - 1 < last_model_token(mask)[0]
+    assert list(batch.non_tensor_batch["finish_reason"]) == ["stop", "stop"]
+    assert list(batch.non_tensor_batch["agent_turns"]) == [2, 1] and list(batch.non_tensor_batch["uid"]) == ["a", "b"]
+    with pytest.raises(ValueError, match="over max_response_length 10"):
+        build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=10)
