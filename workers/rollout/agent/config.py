@@ -1,0 +1,119 @@
+"""``rollout.agent``: a multi-turn rollout's tools, environment and limits, as the training config gives them.
+
+    rollout:
+      agent:
+        tools: [calculator, my_package.tools:Lookup]   # built-in names or "package.module:Class"
+        environment: null        # null: the tools answer; or "package.module:Class" (an Environment)
+        tool_format: hermes      # hermes (Hermes / Qwen <tool_call>), json, or vllm:<parser>
+        max_turns: 4
+        max_response_length: 256
+
+Everything is resolved and checked when the config is built, before any
+worker starts: an unknown built-in, an import path that does not import, a
+class that is no Tool (or Environment) is an error naming it and what is
+valid. A tool runs inside the rollout worker's process, with its rights:
+write and install only tools you trust.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from workers.rollout.agent.calculator import Calculator
+from workers.rollout.agent.loop import AgentLimits, Environment, ToolEnvironment
+from workers.rollout.agent.tool import Tool, ToolBox
+from workers.rollout.agent.tool_calls import TOOL_FORMATS
+
+__all__ = ["AgentConfig", "BUILTIN_TOOLS", "resolve_tool", "resolve_environment"]
+
+BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator}
+
+
+def _import(path: str, what: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{what} {path!r} is neither a built-in nor an import path 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({exc})") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attribute!r}") from None
+
+
+def resolve_tool(name: str) -> type[Tool]:
+    """A tool class from a built-in name (``BUILTIN_TOOLS``) or ``package.module:Class``."""
+    if name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown tool {name!r}; built-in tools: {sorted(BUILTIN_TOOLS)}, or give an import path "
+                         "'package.module:Class'")
+    cls = _import(name, "tool")
+    if not (isinstance(cls, type) and issubclass(cls, Tool)):
+        raise ValueError(f"tool {name!r} is {cls!r}, not a subclass of workers.rollout.agent.Tool")
+    return cls
+
+
+def resolve_environment(path: str) -> type[Environment]:
+    cls = _import(path, "environment")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment {path!r} is {cls!r}, not a subclass of workers.rollout.agent.Environment")
+    return cls
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    tools: tuple[str, ...] = ("calculator",)
+    environment: str | None = None  # None: ToolEnvironment over the tools
+    tool_format: str = "hermes"
+    max_turns: int = 4
+    max_response_length: int = 256  # tokens after the prompt, model turns and observations together
+    max_concurrent_steps: int = 16
+    max_observation_chars: int = 2000
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tools", tuple(self.tools))
+        problems = []
+        for name in self.tools:
+            try:
+                resolve_tool(name)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if len(set(self.tools)) != len(self.tools):
+            problems.append(f"tools lists a tool twice: {list(self.tools)}")
+        if self.environment is not None:
+            try:
+                resolve_environment(self.environment)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if self.tool_format not in TOOL_FORMATS and not self.tool_format.startswith("vllm:"):
+            problems.append(f"tool_format {self.tool_format!r} is not one of {TOOL_FORMATS} or 'vllm:<parser>'")
+        try:
+            self.limits()
+        except ValueError as exc:
+            problems.append(str(exc))
+        if not isinstance(self.max_observation_chars, int) or self.max_observation_chars < 1:
+            problems.append(f"max_observation_chars must be a positive integer, got {self.max_observation_chars!r}")
+        if problems:
+            raise ValueError("invalid rollout.agent config: " + "; ".join(problems))
+
+    def limits(self) -> AgentLimits:
+        return AgentLimits(self.max_turns, self.max_response_length, self.max_concurrent_steps)
+
+    def toolbox(self) -> ToolBox:
+        return ToolBox([resolve_tool(name)() for name in self.tools], max_observation_chars=self.max_observation_chars)
+
+    def environment_factory(self, box: ToolBox, tokenizer=None) -> Callable[[dict], Environment]:
+        """sample -> a fresh Environment for it (``reset(sample)`` then gives it the sample).
+
+        The configured class is built with no arguments, or, for a ToolEnvironment subclass, with the
+        ToolBox, the tool format and the tokenizer; no class configured: the tools answer.
+        """
+        cls = resolve_environment(self.environment) if self.environment is not None else ToolEnvironment
+        if issubclass(cls, ToolEnvironment):
+            return lambda sample: cls(box, self.tool_format, tokenizer)
+        return lambda sample: cls()
