@@ -168,7 +168,8 @@ def test_the_training_batch_holds_the_exact_ids_with_only_model_tokens_in_the_re
     import torch
 
     from workers.data_proto import DataProto
-    from workers.rollout.agent.batch import build_agent_batch, last_model_token
+    from workers.reward.rule_reward import last_token_scores
+    from workers.rollout.agent.batch import build_agent_batch
 
     scripts = {"2+3?": [call("calculator", expression="2+3"), "It is 5."], "hi": ["hello"]}
     with ToolBox([Calculator()]) as box:
@@ -188,10 +189,12 @@ def test_the_training_batch_holds_the_exact_ids_with_only_model_tokens_in_the_re
         positions = batch.batch["position_ids"][row][real]
         assert positions.tolist() == list(range(len(trajectory.context_ids)))
     mask = batch.batch["response_mask"]
-    # The two-turn sample's model tokens are not contiguous: its last one is not at mask.sum() - 1.
-    assert last_model_token(mask).tolist() == [len(results[0].trajectory.response_ids) - 1,
-                                               len(results[1].trajectory.response_ids) - 1]
-    assert int(mask[0].sum()) - 1 < last_model_token(mask)[0]
+    # The two-turn sample's model tokens are not contiguous: a sequence reward goes on its last model token,
+    # not at mask.sum() - 1 (the reward workers' placement already reads the last 1 of the mask).
+    placed = last_token_scores(torch.tensor([1.0, 2.0]), mask)
+    last = [len(r.trajectory.response_ids) - 1 for r in results]
+    assert placed[0, last[0]] == 1.0 and placed[1, last[1]] == 2.0 and int((placed != 0).sum()) == 2
+    assert int(mask[0].sum()) - 1 < last[0]
     assert list(batch.non_tensor_batch["finish_reason"]) == ["stop", "stop"]
     assert list(batch.non_tensor_batch["agent_turns"]) == [2, 1] and list(batch.non_tensor_batch["uid"]) == ["a", "b"]
     with pytest.raises(ValueError, match="over max_response_length 10"):

@@ -22,7 +22,7 @@ import torch
 from workers.data_proto import DataProto
 from workers.rollout.agent.loop import AgentResult
 
-__all__ = ["build_agent_batch", "last_model_token"]
+__all__ = ["build_agent_batch"]
 
 
 def build_agent_batch(prompts: DataProto, results: list[AgentResult], pad_token_id: int,
@@ -71,10 +71,3 @@ def build_agent_batch(prompts: DataProto, results: list[AgentResult], pad_token_
         "agent_messages": [r.messages for r in results],
     }
     return DataProto({**rest, **generated}, non_tensor, dict(prompts.meta_info))
-
-
-def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last model token (where a sequence-level reward goes): not ``mask.sum() - 1``,
-    since observations sit between the model's turns. Rows without a model token give -1."""
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
-    return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
