@@ -80,4 +80,5 @@ def encode_prompts(dataset: PromptDataset, tokenizer: Any, fmt: PromptFormat = P
         return dataset
     chat = uses_chat_template(fmt, tokenizer)
     encoded = [render_prompt(p, tokenizer, fmt, chat, where=f"{name} row {i}") for i, p in enumerate(dataset.prompts)]
-    return dataset.with_encoding([ids for ids, _ in encoded], [text for _, text in encoded])
+    chats = [_chat(p, fmt) if chat else None for p in dataset.prompts]  # what a multi-turn rollout re-renders
+    return dataset.with_encoding([ids for ids, _ in encoded], [text for _, text in encoded], chats)

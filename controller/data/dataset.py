@@ -37,6 +37,7 @@ class PromptDataset:
     extra_infos: tuple[dict[str, Any], ...] = ()
     input_ids: tuple[tuple[int, ...], ...] | None = None
     prompt_texts: tuple[str, ...] | None = None
+    chats: tuple[tuple[dict[str, Any], ...] | None, ...] | None = None  # the messages rendered (None: plain text)
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -45,7 +46,7 @@ class PromptDataset:
             object.__setattr__(self, "data_sources", (None,) * n)
         if not self.extra_infos:
             object.__setattr__(self, "extra_infos", tuple({} for _ in range(n)))
-        for name in ("answers", "data_sources", "extra_infos", "input_ids", "prompt_texts"):
+        for name in ("answers", "data_sources", "extra_infos", "input_ids", "prompt_texts", "chats"):
             column = getattr(self, name)
             if column is not None and len(column) != n:
                 raise ValueError(f"PromptDataset: {name} has {len(column)} rows, prompts has {n}")
@@ -61,8 +62,10 @@ class PromptDataset:
         return PromptDataset(pick(self.prompts), pick(self.answers), pick(self.data_sources), pick(self.extra_infos),
                              pick(self.input_ids), pick(self.prompt_texts))
 
-    def with_encoding(self, input_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str]) -> PromptDataset:
-        return replace(self, input_ids=tuple(tuple(ids) for ids in input_ids), prompt_texts=tuple(prompt_texts))
+    def with_encoding(self, input_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
+                      chats: Sequence[Sequence[dict[str, Any]] | None] | None = None) -> PromptDataset:
+        return replace(self, input_ids=tuple(tuple(ids) for ids in input_ids), prompt_texts=tuple(prompt_texts),
+                       chats=None if chats is None else tuple(None if c is None else tuple(c) for c in chats))
 
     @staticmethod
     def concat(parts: Sequence[PromptDataset]) -> PromptDataset:

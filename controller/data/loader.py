@@ -3,6 +3,7 @@
 Batches are DataProtos of left-padded ``input_ids`` / ``attention_mask``
 with, per prompt, the non-tensor fields ``ground_truth``, ``uid`` (the group
 id of its n samples), ``prompt_text`` (the prompt as rendered, chat template
+included), ``messages`` (the prompt as chat messages, system prompt
 included), ``data_source`` and ``extra_info``. They travel with the samples
 through the rollout to the reward function, which gets all but
 ``ground_truth`` in its ``extra`` argument.
@@ -21,6 +22,15 @@ from controller.data.overlong import drop_or_refuse_overlong
 from workers.data_proto import DataProto
 
 __all__ = ["PromptLoader"]
+
+
+def _messages(data: PromptDataset, row: int) -> list[dict[str, Any]]:
+    """The prompt as chat messages (what a multi-turn rollout starts the conversation from)."""
+    chat = data.chats[row] if data.chats is not None else None
+    if chat is not None:
+        return [dict(m) for m in chat]
+    prompt = data.prompts[row]
+    return [dict(m) for m in prompt] if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
 
 
 class PromptLoader:
@@ -75,6 +85,7 @@ class PromptLoader:
             {"input_ids": ids, "attention_mask": mask},
             {"ground_truth": [data.answers[i] for i in index], "uid": [f"p{i}" for i in index],
              "prompt_text": [data.prompt_texts[i] for i in index],
+             "messages": [_messages(data, i) for i in index],
              "data_source": [data.data_sources[i] for i in index],
              "extra_info": [data.extra_infos[i] for i in index]},
         )

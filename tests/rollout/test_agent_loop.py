@@ -175,9 +175,9 @@ def test_the_training_batch_holds_the_exact_ids_with_only_model_tokens_in_the_re
     with ToolBox([Calculator()]) as box:
         results, _ = run(tokenizer, scripts, box)
     prompts = DataProto(non_tensor_batch={"uid": ["a", "b"], "ground_truth": ["5", ""]})
-    batch = build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=120)
-    width = batch.batch["prompts"].shape[1]
-    assert batch.batch["responses"].shape == (2, 120) and batch.batch["input_ids"].shape == (2, width + 120)
+    batch = build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=120, max_prompt_length=40)
+    assert batch.batch["prompts"].shape == (2, 40) and batch.batch["responses"].shape == (2, 120)
+    assert batch.batch["input_ids"].shape == (2, 160)
     for row, result in enumerate(results):
         trajectory = result.trajectory
         real = batch.batch["attention_mask"][row].bool()
@@ -198,4 +198,6 @@ def test_the_training_batch_holds_the_exact_ids_with_only_model_tokens_in_the_re
     assert list(batch.non_tensor_batch["finish_reason"]) == ["stop", "stop"]
     assert list(batch.non_tensor_batch["agent_turns"]) == [2, 1] and list(batch.non_tensor_batch["uid"]) == ["a", "b"]
     with pytest.raises(ValueError, match="over max_response_length 10"):
-        build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=10)
+        build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=10, max_prompt_length=40)
+    with pytest.raises(ValueError, match="over max_prompt_length 5"):
+        build_agent_batch(prompts, results, tokenizer.pad_token_id, max_response_length=120, max_prompt_length=5)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridengine.reshard_baselines import RESHARD_METHODS
+from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
 from workers.rollout.sampling import SamplingConfig
 
@@ -32,10 +33,14 @@ class RolloutConfig:
     enforce_eager: bool = True
     sleep_between_rollouts: bool = True  # GPU: free KV cache and weights while training
     seed: int = 0
+    # Multi-turn, tool-calling rollouts (workers.rollout.agent): None is the single-turn rollout.
+    agent: AgentConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
             object.__setattr__(self, "sampling", SamplingConfig(**self.sampling))
+        if isinstance(self.agent, dict):
+            object.__setattr__(self, "agent", AgentConfig(**self.agent))
         problems = []
         if self.engine not in ROLLOUT_ENGINES:
             problems.append(f"engine {self.engine!r} is not one of {ROLLOUT_ENGINES}")
@@ -50,12 +55,21 @@ class RolloutConfig:
         if self.engine == "vllm" and self.pipeline_parallel != 1:
             problems.append(f"the vllm engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
                             f"use engine='megatron' for pipelined generation")
+        if self.agent is not None and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            problems.append(f"agent (multi-turn) rollouts generate at tensor_parallel=1, pipeline_parallel=1 for now, "
+                            f"got {self.tensor_parallel} x {self.pipeline_parallel}: the ranks of a generation group "
+                            f"would have to agree on every turn's batch while tools run")
         if problems:
             raise ValueError("invalid rollout config: " + "; ".join(problems))
 
     @property
+    def max_response_length(self) -> int:
+        """Tokens after the prompt: one reply, or a whole multi-turn conversation's (agent.max_response_length)."""
+        return self.agent.max_response_length if self.agent is not None else self.sampling.max_new_tokens
+
+    @property
     def max_model_len(self) -> int:
-        return self.max_prompt_length + self.sampling.max_new_tokens
+        return self.max_prompt_length + self.max_response_length
 
     @classmethod
     def from_value(cls, value: "RolloutConfig | dict[str, Any] | None") -> "RolloutConfig":

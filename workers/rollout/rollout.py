@@ -98,6 +98,13 @@ class Rollout(BaseWorker):
                 spec, self.plan, self.rank, {}, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 decode=self._decode,
             )
+        self.agent = None
+        if cfg.agent is not None:  # multi-turn conversations (workers.rollout.agent)
+            from workers.rollout.agent import AgentLoop, ChatFormat
+
+            self.tools = cfg.agent.toolbox()
+            chat = ChatFormat(self.tokenizer, tools=self.tools.schemas() or None, end_of_turn_id=self.eos_token_id)
+            self.agent = AgentLoop(chat, cfg.agent.environment_factory(self.tools, self.tokenizer), cfg.agent.limits())
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -120,6 +127,8 @@ class Rollout(BaseWorker):
                              f"the vLLM engine was built for (its max_model_len); raise sampling.max_new_tokens in "
                              f"the rollout config")
         first_index = self.layout.coordinate(self.rank).dp_rank * len(prompts)
+        if self.agent is not None:
+            return self._generate_conversations(prompts, sampling, first_index, start)
         requests = self._checked_requests(prompts, sampling, first_index)
         metrics: dict[str, Any] = {}
         if self.actor is not None:
@@ -149,12 +158,63 @@ class Rollout(BaseWorker):
             requests = build_requests(prompts, sampling, self.config.max_prompt_length, self.config.truncation, first_index)
         except PromptError as exc:
             error, requests = str(exc), []
+        self._raise_if_any_rank_failed(error)
+        return requests
+
+    def _raise_if_any_rank_failed(self, error: str | None) -> None:
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.process_group)
         found = sorted({e for e in errors if e is not None})
         if found:
             raise PromptError("; ".join(found))
-        return requests
+
+    def _generate_conversations(self, prompts: DataProto, sampling, first_index: int, start: float) -> DataProto:
+        """The multi-turn rollout: each of the n samples of each prompt a conversation (``rollout.agent``)."""
+        from workers.rollout.agent import agent_metrics
+        from workers.rollout.agent.batch import build_agent_batch
+
+        cfg, n = self.config, sampling.n
+        repeated = prompts.repeat(n, interleave=True) if n > 1 else prompts
+        if "messages" not in repeated.non_tensor_batch:
+            raise PromptError("a multi-turn rollout starts from each prompt's chat messages (non-tensor 'messages', "
+                              "as the prompt loader gives them); this batch has none")
+        samples = [{key: values[row] for key, values in repeated.non_tensor_batch.items()} for row in range(len(repeated))]
+        conversations = self.agent.begin(samples)
+        too_long = [(row, len(r.trajectory.prompt_ids)) for row, r in enumerate(conversations.results)
+                    if len(r.trajectory.prompt_ids) > cfg.max_prompt_length]
+        error = None
+        if too_long:
+            row, length = too_long[0]
+            error = (f"{len(too_long)} agent prompt(s) render (chat template and tool descriptions included) to more "
+                     f"than rollout.max_prompt_length {cfg.max_prompt_length} tokens, e.g. row {first_index * n + row}: "
+                     f"{length}")
+        self._raise_if_any_rank_failed(error)  # before the reshard, which every rank takes part in
+        metrics: dict[str, Any] = {}
+        if self.actor is not None:
+            metrics.update(self._weights_from_actor())
+        turns = cfg.agent.max_turns
+        seeds = (None if sampling.seed is None else
+                 [sampling.seed + (first_index * n + row) * turns for row in range(len(samples))])
+        gen_start = time.perf_counter()
+        results = self.agent.converse(conversations, self.generator.generate, sampling, seeds)
+        metrics["timing_s/gen"] = time.perf_counter() - gen_start
+        if self.actor is not None and cfg.engine == "megatron":
+            self.generator.release_weights()
+            metrics.update(self.actor.hybrid.to_training())
+        if cfg.engine == "vllm":
+            self.generator.sleep()
+        batch = build_agent_batch(repeated, results, self.pad_token_id, cfg.agent.max_response_length,
+                                  cfg.max_prompt_length)
+        batch.meta_info["temperature"] = sampling.logprob_temperature
+        tokens = int(batch.batch["response_mask"].sum())
+        metrics.update(agent_metrics(results))
+        metrics.update({
+            "rollout/response_tokens": tokens,
+            "rollout/tokens_per_s": tokens / metrics["timing_s/gen"] if metrics["timing_s/gen"] > 0 else 0.0,
+            "timing_s/rollout": time.perf_counter() - start,
+        })
+        batch.meta_info["metrics"] = metrics
+        return batch
 
     def _weights_from_actor(self) -> dict[str, Any]:
         cfg = self.config
@@ -173,6 +233,8 @@ class Rollout(BaseWorker):
         return metrics
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.tools.close()
         self.generator.close()
 
     @classmethod

@@ -4,7 +4,7 @@
 
 The same keys and layout as a single-turn rollout batch
 (``workers.rollout.batch.build_rollout_batch``): ``prompts`` left-padded to
-the widest prompt, ``responses`` right-padded to ``max_response_length``,
+``max_prompt_length``, ``responses`` right-padded to ``max_response_length``,
 ``input_ids`` / ``attention_mask`` / ``position_ids`` over both, and
 ``rollout_log_probs``. Here a response holds the model's turns *and* the
 observations between them, so ``attention_mask`` is 1 on every real token
@@ -26,12 +26,19 @@ __all__ = ["build_agent_batch"]
 
 
 def build_agent_batch(prompts: DataProto, results: list[AgentResult], pad_token_id: int,
-                      max_response_length: int) -> DataProto:
-    """``results[i]`` answers row ``i`` of ``prompts`` (n samples per prompt: repeat the prompts first)."""
+                      max_response_length: int, max_prompt_length: int) -> DataProto:
+    """``results[i]`` answers row ``i`` of ``prompts`` (n samples per prompt: repeat the prompts first).
+
+    Widths are the limits, ``max_prompt_length`` and ``max_response_length``, so the batches of different
+    generation replicas concatenate.
+    """
     if len(results) != len(prompts):
         raise ValueError(f"{len(results)} agent results for {len(prompts)} prompt rows")
     rows = len(results)
-    prompt_width = max(len(r.trajectory.prompt_ids) for r in results)
+    prompt_width = max_prompt_length
+    longest = max(len(r.trajectory.prompt_ids) for r in results)
+    if longest > max_prompt_length:
+        raise ValueError(f"an agent prompt has {longest} tokens, over max_prompt_length {max_prompt_length}")
     prompt_ids = torch.full((rows, prompt_width), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
     responses = torch.full((rows, max_response_length), pad_token_id, dtype=torch.long)

@@ -39,7 +39,7 @@ from workers.rollout.agent.tool_calls import parse_tool_calls
 from workers.rollout.agent.trajectory import ChatFormat, Trajectory
 from workers.rollout.batch import Completion, GenerationRequest
 
-__all__ = ["AgentLimits", "AgentLoop", "AgentResult", "Environment", "StepResult", "ToolEnvironment",
+__all__ = ["AgentLimits", "AgentLoop", "AgentResult", "Conversations", "Environment", "StepResult", "ToolEnvironment",
            "FINISH_REASONS", "agent_metrics"]
 
 FINISH_REASONS = ("stop", "max_turns", "length", "environment_error")
@@ -115,6 +115,11 @@ class AgentResult:
 Generate = Callable[[list[GenerationRequest], Any], list[Completion]]
 
 
+class Conversations(NamedTuple):
+    environments: list[Environment]
+    results: list[AgentResult]
+
+
 class AgentLoop:
     def __init__(self, chat: ChatFormat, environment: Callable[[dict], Environment], limits: AgentLimits,
                  decode: Callable[[list[int]], str] | None = None) -> None:
@@ -130,12 +135,22 @@ class AgentLoop:
         ``sampling.max_new_tokens`` bounds one turn; each turn asks for no more than what the sample's
         response budget has left. ``seeds``: one per sample (turn t draws from seed + t), or None.
         """
+        return self.converse(self.begin(samples), generate, sampling, seeds)
+
+    def begin(self, samples: list[dict]) -> "Conversations":
+        """Each sample's environment and first prompt (no generation yet: the prompts can be checked first)."""
         envs = [self.environment(sample) for sample in samples]
         results = []
         for sample, env in zip(samples, envs):
             messages = env.reset(sample)
             results.append(AgentResult(Trajectory(self.chat.prompt_ids(messages)), list(messages)))
-        ready = list(range(len(samples)))
+        return Conversations(envs, results)
+
+    def converse(self, conversations: "Conversations", generate: Generate, sampling,
+                 seeds: list[int | None] | None = None) -> list[AgentResult]:
+        """Run begun conversations to their ends (see ``run``)."""
+        envs, results = conversations
+        ready = list(range(len(results)))
         pending: dict[Future, int] = {}
         with ThreadPoolExecutor(self.limits.max_concurrent_steps, thread_name_prefix="hybridflow-agent") as pool:
             while ready or pending:
@@ -155,21 +170,27 @@ class AgentLoop:
         return results
 
     def _generate_turn(self, batch: list[int], results: list[AgentResult], generate: Generate, sampling, seeds):
-        """One engine call for the ready samples; yields (index, reply text) of those that go on to a step."""
-        budgets = [self.limits.max_response_length - len(results[i].trajectory.response_ids) for i in batch]
-        turn_sampling = replace(sampling, max_new_tokens=max(1, min(sampling.max_new_tokens, max(budgets))), n=1)
-        requests = [GenerationRequest(tuple(results[i].trajectory.context_ids),
-                                      None if seeds is None or seeds[i] is None else seeds[i] + results[i].trajectory.turns)
-                    for i in batch]
-        completions = generate(requests, turn_sampling)
-        for index, budget, completion in zip(batch, budgets, completions):
-            trajectory = results[index].trajectory
-            ids, log_probs = completion.token_ids[:budget], completion.log_probs[:budget]
-            trajectory.add_model_turn(ids, log_probs)
-            if len(trajectory.response_ids) >= self.limits.max_response_length:
-                trajectory.finish("length")
-            else:  # at the last allowed turn too: the reply may be the final answer
-                yield index, self.decode(ids)
+        """Engine calls for the ready samples; yields (index, reply text) of those that go on to a step.
+
+        Samples whose response budget has less left than a turn's ``max_new_tokens`` get a call of their own
+        at that size, so no request asks for more tokens than its sample may still take.
+        """
+        by_size: dict[int, list[int]] = {}
+        for index in batch:
+            left = self.limits.max_response_length - len(results[index].trajectory.response_ids)
+            by_size.setdefault(max(1, min(sampling.max_new_tokens, left)), []).append(index)
+        for size, group in by_size.items():
+            requests = [GenerationRequest(tuple(results[i].trajectory.context_ids),
+                                          None if seeds is None or seeds[i] is None else seeds[i] + results[i].trajectory.turns)
+                        for i in group]
+            completions = generate(requests, replace(sampling, max_new_tokens=size, n=1))
+            for index, completion in zip(group, completions):
+                trajectory = results[index].trajectory
+                trajectory.add_model_turn(completion.token_ids[:size], completion.log_probs[:size])
+                if len(trajectory.response_ids) >= self.limits.max_response_length:
+                    trajectory.finish("length")
+                else:  # at the last allowed turn too: the reply may be the final answer
+                    yield index, self.decode(completion.token_ids[:size])
 
     def _after_step(self, result: AgentResult, future: Future) -> bool:
         """Apply one environment step's answer; True if the sample takes another turn."""
