@@ -327,6 +327,11 @@ def _launch_problems(trainer: TrainerConfig) -> list[str]:
     return problems
 
 
+def _response_limit(rollout: RolloutConfig) -> str:
+    """The key that bounds a response: one reply's max_new_tokens, or a whole conversation's."""
+    return "agent.max_response_length" if rollout.agent is not None else "max_new_tokens"
+
+
 def _is_host_port(value: str) -> bool:
     host, _, port = value.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
@@ -413,10 +418,10 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         elif (mini // layout.dp) % eng.micro_batch_multiple:
             problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.dp} sequences, not a multiple of "
                             f"micro_batch_size {eng.micro_batch_size}")
-        longest = rollout.max_prompt_length + rollout.sampling.max_new_tokens
+        longest = rollout.max_model_len
         if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
             problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
-                            f"longest sequence, rollout.max_prompt_length + max_new_tokens = {longest}")
+                            f"longest sequence, rollout.max_prompt_length + {_response_limit(rollout)} = {longest}")
         if model_spec is not None and role == "actor":
             try:
                 padded = model_spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)
@@ -431,8 +436,8 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     if model_spec is not None:
         longest = rollout.max_model_len
         if longest > model_spec.max_position_embeddings:
-            problems.append(f"rollout: max_prompt_length {rollout.max_prompt_length} + max_new_tokens "
-                            f"{rollout.sampling.max_new_tokens} = {longest} exceeds the model's "
+            problems.append(f"rollout: max_prompt_length {rollout.max_prompt_length} + {_response_limit(rollout)} "
+                            f"{rollout.max_response_length} = {longest} exceeds the model's "
                             f"max_position_embeddings {model_spec.max_position_embeddings}")
     if problems:
         raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))

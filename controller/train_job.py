@@ -47,8 +47,10 @@ def _datasets(config: RLConfig, tokenizer_path: str, log: Callable[[str], None] 
     from workers.reward.router import AUTO, DATA_SOURCE_SCORERS, unknown_data_sources
 
     rollout = config.rollout
-    prompts = load_job_prompts(config.data, AutoTokenizer.from_pretrained(tokenizer_path), rollout.max_prompt_length,
-                               rollout.truncation, log)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    prompts = load_job_prompts(config.data, tokenizer, rollout.max_prompt_length, rollout.truncation, log)
+    if rollout.agent is not None:
+        _check_agent_prompts(rollout, tokenizer, prompts)
     routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),
                                   ("algorithm.safe_rlhf_cost_fn", config.algorithm.safe_rlhf_cost_fn)) if fn == AUTO]
     sources = [*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ())]
@@ -59,6 +61,29 @@ def _datasets(config: RLConfig, tokenizer_path: str, log: Callable[[str], None] 
                           f"{config.data.data_source_key!r}); known data sources: {sorted(DATA_SOURCE_SCORERS)}. "
                           f"Set {routed[0]} to a built-in name or 'package.module:function'")
     return prompts
+
+
+def _check_agent_prompts(rollout, tokenizer, prompts: JobPrompts) -> None:
+    """A multi-turn rollout renders every prompt again, tools included: the template must frame turns as ids,
+    and each prompt fit rollout.max_prompt_length, before any worker starts."""
+    from controller.data.loader import prompt_messages
+    from workers.rollout.agent import ChatFormat, ChatTemplateError
+
+    with rollout.agent.toolbox() as box:
+        try:
+            chat = ChatFormat(tokenizer, tools=box.schemas() or None, end_of_turn_id=rollout.eos_token_id,
+                              tool_format=rollout.agent.tool_format)
+        except ChatTemplateError as exc:
+            raise ConfigError(f"rollout.agent: {exc}") from None
+    for name, dataset in (("train", prompts.train), ("val", prompts.val)):
+        if dataset is None:
+            continue
+        lengths = [len(chat.prompt_ids(prompt_messages(dataset, row))) for row in range(len(dataset))]
+        longest = max(lengths, default=0)
+        if longest > rollout.max_prompt_length:
+            raise ConfigError(f"rollout.agent: {sum(n > rollout.max_prompt_length for n in lengths)} {name} prompt(s) "
+                              f"render, with the tools' instructions, to more than rollout.max_prompt_length "
+                              f"{rollout.max_prompt_length} tokens (the longest: {longest}); raise max_prompt_length")
 
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:

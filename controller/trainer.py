@@ -110,8 +110,9 @@ class RLTrainer:
         self.checkpoints = TrainerCheckpoint(self.run_dir)
         self.logger = logger
         self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
-        sampling = RolloutConfig.from_value(rollout.kwargs.get("config")).sampling
-        self.max_response_length = sampling.max_new_tokens
+        rollout_config = RolloutConfig.from_value(rollout.kwargs.get("config"))
+        sampling = rollout_config.sampling
+        self.max_response_length = rollout_config.max_response_length  # a conversation's, for agent rollouts
         self.old_log_probs_from_update = old_log_probs_from_update(
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
             batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward)
@@ -259,6 +260,8 @@ class RLTrainer:
         out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, sampling))
         metrics = out.meta_info.pop("metrics", {})
         if keep_metrics and state is not None:
+            # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
+            state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
             for key in (k for k in ROLLOUT_METRICS if k in metrics):
                 summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
                 previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0

@@ -199,3 +199,12 @@ def test_trainer_hands_reward_kwargs_to_its_rule_reward_worker():
     spec = trainer.specs["reward"]
     assert spec.worker_cls is RuleReward
     assert spec.kwargs["reward_kwargs"] == {"scale": 2.0}
+
+
+def test_a_multi_turn_sample_is_scored_on_the_models_last_turn(tokenizer_dir):
+    # The decoded model tokens of a conversation would read "2+3" (a tool call) first; the answer is the last turn.
+    conversations = [[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "calc 2+3"},
+                      {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]] * 4
+    batch = make_batch(tokenizer_dir, ground_truth=["5", "5", "4", "5"], agent_messages=conversations)
+    out = RuleReward(tokenizer_dir).compute_reward(batch)
+    assert out.batch["scores"].tolist() == [1.0, 1.0, 0.0, 1.0]

@@ -21,10 +21,10 @@ from controller.data.dataset import PromptDataset
 from controller.data.overlong import drop_or_refuse_overlong
 from workers.data_proto import DataProto
 
-__all__ = ["PromptLoader"]
+__all__ = ["PromptLoader", "prompt_messages"]
 
 
-def _messages(data: PromptDataset, row: int) -> list[dict[str, Any]]:
+def prompt_messages(data: PromptDataset, row: int) -> list[dict[str, Any]]:
     """The prompt as chat messages (what a multi-turn rollout starts the conversation from)."""
     chat = data.chats[row] if data.chats is not None else None
     if chat is not None:
@@ -85,7 +85,7 @@ class PromptLoader:
             {"input_ids": ids, "attention_mask": mask},
             {"ground_truth": [data.answers[i] for i in index], "uid": [f"p{i}" for i in index],
              "prompt_text": [data.prompt_texts[i] for i in index],
-             "messages": [_messages(data, i) for i in index],
+             "messages": [prompt_messages(data, i) for i in index],
              "data_source": [data.data_sources[i] for i in index],
              "extra_info": [data.extra_infos[i] for i in index]},
         )

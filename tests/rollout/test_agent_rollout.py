@@ -42,3 +42,34 @@ def test_multi_turn_rollout_log_probs_agree_with_the_actor_on_the_exact_ids(tmp_
     assert 8 * 3 <= int(mask.sum()) <= 8 * 3 * 6  # three turns of at most max_new_tokens each
     # The same seeds give the same conversations, token for token.
     assert torch.equal(saved["again"].batch["input_ids"], batch.batch["input_ids"])
+
+
+def test_the_calculator_agent_example_trains_through_the_cli(tmp_path):
+    import json
+
+    from test_train_cli import hybridflow
+
+    proc = hybridflow("train", "--config", "examples/calculator_agent.yaml", "model_path=builtin:tiny-chat",
+                      f"trainer.run_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=0",
+                      "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
+                      "trainer.plots=false", "data.batch_size=4", "data.train_size=32", "data.val_size=4",
+                      "rollout.sampling.n=2", "rollout.sampling.max_new_tokens=16", "rollout.agent.max_response_length=64",
+                      "ppo.ppo_mini_batch_size=8", "actor.engine.micro_batch_size=4", "rollout.kv_cache_bytes=67108864",
+                      "rollout.max_prompt_length=640")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    # The tools' instructions make the tiny model's character-level prompts long: refused before any worker starts.
+    short = hybridflow("train", "--config", "examples/calculator_agent.yaml", "model_path=builtin:tiny-chat",
+                       f"trainer.run_dir={tmp_path / 'short'}", "data.train_size=32", "data.val_size=4")
+    assert short.returncode == 2 and "rollout.agent: 32 train prompt(s) render, with the tools' instructions, to more " \
+        "than rollout.max_prompt_length 448 tokens" in short.stderr, short.stderr[-2000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        for key in ("agent/num_turns/mean", "agent/tool_calls/mean", "agent/tool_errors", "agent/finish_reason/stop",
+                    "agent/finish_reason/length", "response_length/mean", "actor/pg_loss", "critic/score/mean"):
+            assert key in step, (key, sorted(step))
+        assert 1 <= step["agent/num_turns/mean"] <= 3
+        assert step["response_length/mean"] <= 64  # model tokens only
+        shares = sum(step[f"agent/finish_reason/{r}"] for r in ("stop", "max_turns", "length", "environment_error"))
+        assert abs(shares - 1.0) < 1e-6
+        assert step["rollout/logprob_diff_max"] < 0.1  # bf16 engines agree on the exact multi-turn ids

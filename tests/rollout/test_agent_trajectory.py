@@ -88,3 +88,34 @@ def test_templates_that_cannot_frame_observations_as_ids_are_refused(tmp_path):
         ChatFormat(tokenizer_with(None, "none"))
     with pytest.raises(ValueError, match="a model turn of 2 ids came with 1 log-probs"):
         Trajectory([1]).add_model_turn([5, 6], [-1.0])
+
+
+def test_a_template_that_ignores_tools_gets_them_in_the_system_message(tokenizer):
+    from workers.rollout.agent import Calculator
+
+    tools = [Calculator().schema()]
+    chat = ChatFormat(tokenizer, tools=tools)  # this template renders no tools
+    assert chat.tool_instructions.startswith('To call a tool, write <tool_call>{"name": NAME')
+    assert '"name":"calculator"' in chat.tool_instructions
+    text = tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "2+3?"}]))
+    assert text == f"<s>system:{chat.tool_instructions}</s>;<s>user:2+3?</s>;<s>assistant:"
+    with_system = tokenizer.decode(chat.prompt_ids([{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "2+3?"}]))
+    assert with_system.startswith(f"<s>system:Be brief. {chat.tool_instructions}</s>;")
+    assert ChatFormat(tokenizer, tools=tools, tool_format="json").tool_instructions.startswith(
+        'To call a tool, write a line {"tool": NAME')
+    assert ChatFormat(tokenizer).tool_instructions is None  # no tools, nothing to say
+
+
+def test_a_template_that_renders_tools_gets_them_from_the_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from workers.rollout.agent import Calculator
+
+    template = "{% if tools %}<s>tools:{{ tools | length }}</s>;{% endif %}" + TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(str(save_chat_tokenizer(tmp_path / "t", 256, template)))
+    chat = ChatFormat(tokenizer, tools=[Calculator().schema()])
+    assert chat.tool_instructions is None
+    assert tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "x"}])).startswith("<s>tools:1</s>;<s>user:x")
+    observation = chat.observation_ids([{"role": "tool", "content": "5"}])
+    assert tokenizer.decode(observation) == ";<s>tool:5</s>;<s>assistant:"  # the tools' block is not repeated

@@ -5,7 +5,9 @@ A reward function scores one sample as text::
     def my_reward(prompt: str, response: str, ground_truth: str | None, extra: dict, **kwargs) -> float
 
 - ``prompt``: the prompt's valid tokens decoded, special tokens skipped;
-- ``response``: the response's valid tokens decoded the same way;
+- ``response``: the response's valid tokens decoded the same way; for a
+  multi-turn (agent) rollout, the model's last turn (the whole conversation
+  is in ``extra["agent_messages"]``);
 - ``ground_truth``: the sample's ``ground_truth`` field, or None when the
   batch carries none;
 - ``extra``: the sample's other non-tensor fields (``{"data_source": ...}``,

@@ -44,6 +44,11 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
     return out
 
 
+def final_reply(messages) -> str:
+    """The last assistant message's text of a conversation ("" when the model never spoke)."""
+    return next((m["content"] for m in reversed(list(messages)) if m.get("role") == "assistant"), "")
+
+
 def _function_name(fn: Callable, spec: Any) -> str:
     if isinstance(spec, str):
         return spec
@@ -84,6 +89,9 @@ class RuleReward(BaseWorker):
         response_mask = data.batch["response_mask"]
         prompt_texts = self._decode(prompts, prompt_mask)
         response_texts = self._decode(responses, response_mask.bool())
+        conversations = data.non_tensor_batch.get("agent_messages")
+        if conversations is not None:  # a multi-turn rollout: the answer is the model's last turn
+            response_texts = [final_reply(messages) for messages in conversations]
 
         fields = data.non_tensor_batch
         ground_truth = fields.get("ground_truth")

@@ -103,7 +103,8 @@ class Rollout(BaseWorker):
             from workers.rollout.agent import AgentLoop, ChatFormat
 
             self.tools = cfg.agent.toolbox()
-            chat = ChatFormat(self.tokenizer, tools=self.tools.schemas() or None, end_of_turn_id=self.eos_token_id)
+            chat = ChatFormat(self.tokenizer, tools=self.tools.schemas() or None, end_of_turn_id=self.eos_token_id,
+                              tool_format=cfg.agent.tool_format)
             self.agent = AgentLoop(chat, cfg.agent.environment_factory(self.tools, self.tokenizer), cfg.agent.limits())
 
     def _decode(self, token_ids: list[int]) -> str:

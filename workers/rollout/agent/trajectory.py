@@ -17,6 +17,11 @@ general, give them back (a BPE merge across a turn's edge, text that reads
 as a special token, a template that strips whitespace): that drift is how
 the trainer comes to score tokens the model never sampled.
 
+Tools reach the model through the template (``apply_chat_template(tools=...)``)
+when it renders them; a template that ignores them (SmolLM2's, plain ChatML)
+gets them as a system message instead: what a call looks like in the
+configured format, and the tools' JSON schemas.
+
 ``ChatFormat.observation_ids`` learns the template's framing by rendering it:
 a fixed conversation, then the same conversation with the new messages and
 the next assistant header. The ids after the common prefix are the new
@@ -30,10 +35,11 @@ observations cannot be cut out as ids.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatFormat", "Trajectory", "ChatTemplateError"]
+__all__ = ["ChatFormat", "Trajectory", "ChatTemplateError", "tool_instructions"]
 
 # The fixed conversation observations are cut out of (any content works: only the framing is kept).
 _BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
@@ -46,7 +52,8 @@ class ChatTemplateError(ValueError):
 class ChatFormat:
     """A tokenizer's chat template as token ids: the prompt, and the observations between turns."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None, end_of_turn_id: int | None = None) -> None:
+    def __init__(self, tokenizer, tools: list[dict] | None = None, end_of_turn_id: int | None = None,
+                 tool_format: str = "hermes") -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ChatTemplateError(f"the tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
                                     "template; a multi-turn rollout frames every turn with it")
@@ -63,15 +70,29 @@ class ChatFormat:
         # What the template writes after an assistant turn's end-of-turn token (ChatML: a newline).
         self.after_turn = prefix[ends[-1] + 1:]
         self._prefix = prefix
+        # A template that ignores ``tools`` renders the same with and without them: say them in a system message.
+        self.tool_instructions = None
+        if self.tools and prefix == self._render(_BASE, generation_prompt=False, tools=None):
+            self.tool_instructions = tool_instructions(self.tools, tool_format)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: Any = "configured") -> list[int]:
+        tools = self.tools if tools == "configured" else tools
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
                                                  tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first prompt: the template applied to ``messages``, ready for the assistant's turn."""
-        return self._render(messages, generation_prompt=True)
+        """The first prompt: the template applied to ``messages`` (and the tools), ready for the assistant's turn."""
+        return self._render(self.with_tool_instructions(messages), generation_prompt=True)
+
+    def with_tool_instructions(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with the tools described in the system message, when the template does not render them."""
+        if self.tool_instructions is None:
+            return list(messages)
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0], content=f"{messages[0]['content']} {self.tool_instructions}")
+            return [first, *messages[1:]]
+        return [{"role": "system", "content": self.tool_instructions}, *messages]
 
     def observation_ids(self, messages: list[dict[str, Any]], closed: bool = True) -> list[int]:
         """The ids that follow a model turn: ``messages`` (tool results, the environment's reply) in the
@@ -88,6 +109,16 @@ class ChatFormat:
                 f"shorter one's ids, so observations cannot be cut out as ids: {self.tokenizer.decode(self._prefix)!r} "
                 f"vs {self.tokenizer.decode(full)!r}")
         return ([] if closed else [self.end_of_turn_id]) + self.after_turn + full[len(self._prefix):]
+
+
+def tool_instructions(tools: list[dict], tool_format: str) -> str:
+    """How to call the tools, in the configured format, and their schemas: one line (no newline needed)."""
+    functions = json.dumps([spec["function"] for spec in tools], separators=(",", ":"))
+    if tool_format == "json":
+        how = 'To call a tool, write a line {"tool": NAME, "arguments": {...}} and wait for its result.'
+    else:
+        how = 'To call a tool, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and wait for its result.'
+    return f"{how} Answer without a tool call when you are done. Tools: {functions}"
 
 
 @dataclass
