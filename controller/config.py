@@ -110,12 +110,12 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-DATA_TASKS = ("arithmetic", "files", "jsonl")  # "jsonl": the old name of "files"
+DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the old name of "files"
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "arithmetic"  # the built-in prompt generator, or "files" (train_files / val_files)
+    task: str = "arithmetic"  # a built-in generator (arithmetic, word_problems), or "files" (train_files / val_files)
     # One path or a list (concatenated): .parquet, .jsonl, .json, or a datasets save_to_disk directory.
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()
@@ -137,6 +137,7 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
+    steps: int = 2  # word_problems task: operations per problem
     operators: str = "+-*"  # arithmetic task
 
     @property
@@ -491,10 +492,12 @@ def _data_problems(data: DataConfig) -> list[str]:
     for old, new in (("train_file", "train_files"), ("val_file", "val_files")):
         if getattr(data, old) and getattr(data, new):
             problems.append(f"data.{old} and data.{new} are both set; give the paths once, in data.{new}")
-    if data.task == "arithmetic":
+    if data.task in ("arithmetic", "word_problems"):
         if data.train_paths or data.val_paths:
-            problems.append("data.train_files / val_files are set but data.task is 'arithmetic' (the built-in "
+            problems.append(f"data.train_files / val_files are set but data.task is {data.task!r} (the built-in "
                             "generator); set data.task=files to train on them")
+        if data.task == "word_problems" and data.steps < 1:
+            problems.append(f"data.steps must be >= 1 (operations per word problem), got {data.steps}")
         if data.train_size < 1 or data.val_size < 0:
             problems.append(f"data.train_size must be >= 1 and data.val_size >= 0, got {data.train_size}, {data.val_size}")
         if not data.operators or set(data.operators) - set(ARITHMETIC_OPERATORS):

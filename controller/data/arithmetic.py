@@ -3,7 +3,10 @@
 Two renderings of the same problems: raw text ``7+5=`` (``arithmetic_prompts``,
 what ``data.task: arithmetic`` trains the tiny demo model on) and chat rows
 in verl's schema (``arithmetic_rows``, what ``hybridflow data arithmetic``
-writes for instruction-tuned models). Rows carry ``data_source
+writes for instruction-tuned models). ``word_problems`` chains several
+draws into one multi-step problem ("Start with 37. Add 12, then multiply
+by 3. ..."), what ``data.task: word_problems`` gives an agent with a
+calculator. Rows carry ``data_source
 "arithmetic"``, so the reward router scores them without a ``reward.fn``.
 """
 
@@ -16,7 +19,7 @@ from typing import Any
 from controller.data.dataset import PromptDataset
 
 __all__ = ["ARITHMETIC_INSTRUCTION", "ARITHMETIC_OPERATORS", "ArithmeticProblem", "arithmetic_problems",
-           "arithmetic_prompts", "arithmetic_rows"]
+           "arithmetic_prompts", "arithmetic_rows", "word_problems"]
 
 ARITHMETIC_OPERATORS = "+-*"
 ARITHMETIC_INSTRUCTION = "What is {a} {op} {b}? Answer with just the number."
@@ -73,3 +76,31 @@ def arithmetic_rows(count: int, seed: int, split: str, max_operand: int = 9, ope
              "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
              "extra_info": {"split": split, "index": i}}
             for i, p in enumerate(arithmetic_problems(count, seed, max_operand, operators))]
+
+
+_STEP_WORDS = {"+": "add {b}", "-": "subtract {b}", "*": "multiply by {b}"}
+WORD_PROBLEM_INSTRUCTION = "What is the result? Answer with just the number."
+
+
+def word_problems(count: int, seed: int, steps: int = 2, max_operand: int = 99,
+                  operators: str = ARITHMETIC_OPERATORS) -> PromptDataset:
+    """``count`` problems of ``steps`` operations each, chat messages, data source "arithmetic".
+
+    Each operation is one draw of the arithmetic generator: its first operand starts the problem, and
+    every draw's operator and second operand is the next step. The answer is the steps applied in order.
+    """
+    if steps < 1:
+        raise ValueError(f"word problems need steps >= 1, got {steps}")
+    rng = random.Random(seed)
+    prompts, answers = [], []
+    for _ in range(count):
+        draws = [_draw(rng, max_operand, operators) for _ in range(steps)]
+        value = draws[0].a
+        for draw in draws:
+            value = ArithmeticProblem(value, draw.op, draw.b).answer
+        said = ", then ".join(_STEP_WORDS[d.op].format(b=d.b) for d in draws)
+        text = f"Start with {draws[0].a}. {said[0].upper()}{said[1:]}. {WORD_PROBLEM_INSTRUCTION}"
+        prompts.append([{"role": "user", "content": text}])
+        answers.append(str(value))
+    return PromptDataset(tuple(prompts), tuple(answers), (DATA_SOURCE,) * count,
+                         tuple({"index": i, "steps": steps} for i in range(count)))

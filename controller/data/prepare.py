@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controller.data.arithmetic import arithmetic_prompts
+from controller.data.arithmetic import arithmetic_prompts, word_problems
 from controller.data.chat_template import PromptFormat, encode_prompts
 from controller.data.dataset import PromptDataset, RowKeys
 from controller.data.files import load_prompt_files
@@ -40,6 +40,11 @@ def raw_job_prompts(data: DataConfig) -> JobPrompts:
     if data.task == "arithmetic":
         val = arithmetic_prompts(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else None
         return JobPrompts(arithmetic_prompts(data.train_size, data.seed, data.max_operand, data.operators), val)
+    if data.task == "word_problems":
+        def problems(count: int, seed: int) -> PromptDataset:
+            return word_problems(count, seed, data.steps, data.max_operand, data.operators)
+
+        return JobPrompts(problems(data.train_size, data.seed), problems(data.val_size, data.seed + 1) if data.val_size else None)
     keys = RowKeys(data.prompt_key, data.answer_key, data.data_source_key, data.extra_info_key)
     val = load_prompt_files(data.val_paths, keys, data.cache_dir) if data.val_paths else None
     return JobPrompts(load_prompt_files(data.train_paths, keys, data.cache_dir), val)

@@ -27,6 +27,9 @@ Built-ins (all expect a ground truth and raise ValueError without one):
   (this one ignores the ground truth);
 - ``arithmetic_shaped``: ``arithmetic_answer`` with partial credit for a tiny
   model learning from scratch (see its docstring).
+
+And one for multi-turn rollouts: ``environment``, the reward the rollout's
+environment gave over the conversation (``extra["agent_reward"]``).
 """
 
 from __future__ import annotations
@@ -130,8 +133,17 @@ def arithmetic_shaped(prompt: str, response: str, ground_truth: str | None, extr
     return 0.5 * min(leading, len(target)) / len(target)
 
 
+def environment(prompt: str, response: str, ground_truth: str | None, extra: dict, **kwargs: Any) -> float:
+    """The environment's reward for a multi-turn rollout's conversation (``rollout.agent.environment``)."""
+    if "agent_reward" not in extra:
+        raise ValueError("reward fn 'environment' scores multi-turn rollouts: the sample has no agent_reward "
+                         "(set rollout.agent, or choose another reward.fn)")
+    return float(extra["agent_reward"])
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "arithmetic_answer": arithmetic_answer,
+    "environment": environment,
     "format_check": format_check,
     "arithmetic_shaped": arithmetic_shaped,
 }
