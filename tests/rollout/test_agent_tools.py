@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 import random
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -602,3 +604,28 @@ def test_schemas_render_through_a_hf_chat_template(tokenizer):
                                              chat_template=template, tokenize=False)
     rendered = [json.loads(part.split("</tool>")[0]) for part in text.split("<tool>")[1:]]
     assert rendered == box.schemas() and text.endswith("<|user|>hi")
+
+
+def test_a_tool_that_never_returns_does_not_hold_its_process_at_exit():
+    import subprocess
+    import textwrap
+
+    program = textwrap.dedent("""
+        import time
+        from workers.rollout.agent import Tool, ToolBox, ToolCall
+
+        class Forever(Tool):
+            name, description, parameters, timeout_s = "forever", "never returns", {"type": "object"}, 0.2
+
+            def call(self) -> str:
+                while True:
+                    time.sleep(1)
+
+        box = ToolBox([Forever()])
+        print(box.run(ToolCall("forever", {})).error)
+    """)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent.parent)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "timeout", proc.stderr[-2000:]
+    assert time.time() - started < 30

@@ -27,8 +27,9 @@ the model reads next (e.g. ``error: tool 'calculator' timed out after 2 s``).
 The agent loop counts them per kind (``error_counts``, metric
 ``agent/tool_errors``).
 
-Threads and timeouts: the calls run on the ToolBox's own bounded thread pool
-(``max_threads``) and are waited for with ``future.result(timeout)``. A Python
+Threads and timeouts: each call runs on a daemon thread of its own, at most
+``max_threads`` at once, and is waited for with ``future.result(timeout)``
+(daemon threads: a tool that never returns does not hold its process at exit). A Python
 call cannot be killed: one that overruns keeps its thread until it returns
 by itself. So that hung tools cannot block the rollout, a call that finds
 every thread held by such an overrun call is not queued: it comes back at
@@ -47,7 +48,7 @@ import math
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
@@ -211,7 +212,7 @@ class _Pending:
 
 
 class ToolBox:
-    """The tools of an agentic rollout, by name, and the bounded thread pool that runs their calls.
+    """The tools of an agentic rollout, by name, and the bounded set of threads that runs their calls.
 
     ``max_threads`` bounds the calls running at once; ``max_observation_chars``
     truncates every observation (results and error texts) with a marker.
@@ -246,7 +247,6 @@ class ToolBox:
             self._entries[tool.name] = _Entry(tool, validator, signature)
         self.max_threads = max_threads
         self.max_observation_chars = max_observation_chars
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="hybridflow-tool")
         self._lock = threading.Condition()
         self._running: dict[Future, float] = {}  # call in a thread -> its deadline (monotonic)
         self._closed = False
@@ -295,10 +295,9 @@ class ToolBox:
         return [next(ran) if isinstance(block, ToolCall) else block for block in blocks]
 
     def close(self) -> None:
-        """Stop the pool: calls not started are cancelled; threads held by running calls end when those return."""
+        """Refuse new calls; threads held by running calls end when those return (they never hold the process)."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "ToolBox":
         return self
@@ -377,7 +376,7 @@ class ToolBox:
             return item
         with self._lock:
             item.deadline = time.monotonic() + tool.timeout_s
-            item.future = self._pool.submit(self._invoke, tool, dict(call.arguments), item.timing)
+            item.future = _in_daemon_thread(self._invoke, tool, dict(call.arguments), item.timing)
             self._running[item.future] = item.deadline
         item.future.add_done_callback(self._release)
         return item
@@ -407,3 +406,20 @@ class ToolBox:
     @staticmethod
     def _seconds(item: _Pending) -> float:
         return item.timing[1] - item.timing[0] if len(item.timing) == 2 else 0.0
+
+
+def _in_daemon_thread(fn, *args: Any) -> Future:
+    """``fn(*args)`` on a new daemon thread (the ToolBox bounds how many run): a tool that never returns
+    must not hold its worker process at exit, as a thread pool's threads would."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="hybridflow-tool", daemon=True).start()
+    return future
