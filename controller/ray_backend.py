@@ -207,11 +207,20 @@ class RayHostSet(HostSet):
                 self.actors.append(_RemoteHost.options(**options).remote(rank, self.world_size, local_rank))
         self.actor_ranks = {actor._actor_id.hex(): rank for rank, actor in enumerate(self.actors)}
         self.last_keys: list[str | None] = [None] * self.world_size  # the key each actor's call_again repeats
-        master_addr, master_port, _ = ray.get(self.actors[0].address.remote(), timeout=init_timeout_s)
-        pending = [a.init_distributed.remote(master_addr, master_port, dist_timeout_s) for a in self.actors]
+        # Where each rank runs first (the actors answer as soon as they are up), then the rendezvous.
         self.rank_nodes = [address for address, _ in ray.get([a.node.remote() for a in self.actors],
                                                                timeout=init_timeout_s)]
-        for rank, reply in enumerate(ray.get(pending, timeout=init_timeout_s)):
+        master_addr, master_port, _ = ray.get(self.actors[0].address.remote(), timeout=init_timeout_s)
+        pending = [a.init_distributed.remote(master_addr, master_port, dist_timeout_s) for a in self.actors]
+        try:
+            replies = ray.get(pending, timeout=init_timeout_s)
+        except GetTimeoutError:
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            late = [rank for rank, ref in enumerate(pending) if ref not in set(ready)]
+            self.shutdown()
+            raise RuntimeError(f"ranks {late} did not join torch.distributed (rendezvous {master_addr}:{master_port}) "
+                               f"within {init_timeout_s:g} s; {self.describe_ranks(late)}") from None
+        for rank, reply in enumerate(replies):
             if not reply.ok:
                 self.shutdown()
                 raise RuntimeError(f"rank {rank} could not join torch.distributed:\n{reply.remote_traceback}")

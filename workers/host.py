@@ -36,7 +36,9 @@ class Reply:
     layout: ParallelLayout | None = None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "") -> int:
+    """A port nothing listens on; ``host`` "" checks every interface, so no listener bound to one address
+    (another loopback address, say) holds it either."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
