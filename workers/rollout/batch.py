@@ -133,8 +133,25 @@ def build_rollout_batch(
     for row, request in enumerate(requests):
         prompt_ids[row, prompt_width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids, dtype=torch.long)
         prompt_mask[row, prompt_width - len(request.prompt_ids):] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    generated = {
+    generated = sequence_tensors(prompt_ids, prompt_mask, responses, response_mask, response_mask, log_probs)
+    rest = {k: v for k, v in repeated.batch.items() if k not in generated}
+    meta = dict(prompts.meta_info)
+    meta["temperature"] = sampling.logprob_temperature  # the actor recomputes log-probs at this temperature
+    finish = [c.finish_reason for c in completions]
+    return DataProto({**rest, **generated}, {**repeated.non_tensor_batch, "finish_reason": finish}, meta)
+
+
+def sequence_tensors(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     response_tokens: torch.Tensor, response_mask: torch.Tensor,
+                     log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A rollout batch's tensors from its left-padded prompts and right-padded responses.
+
+    ``response_tokens`` marks every real response token (what attention sees); ``response_mask`` the ones
+    the model generated (what losses read). A single-turn response has one mask for both; a multi-turn one
+    has observations between the model's turns.
+    """
+    attention_mask = torch.cat([prompt_mask, response_tokens], dim=1)
+    return {
         "prompts": prompt_ids,
         "responses": responses,
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
@@ -143,11 +160,6 @@ def build_rollout_batch(
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }
-    rest = {k: v for k, v in repeated.batch.items() if k not in generated}
-    meta = dict(prompts.meta_info)
-    meta["temperature"] = sampling.logprob_temperature  # the actor recomputes log-probs at this temperature
-    finish = [c.finish_reason for c in completions]
-    return DataProto({**rest, **generated}, {**repeated.non_tensor_batch, "finish_reason": finish}, meta)
 
 
 PROMPT_SIDE = ("prompts", "input_ids", "attention_mask")

@@ -131,18 +131,28 @@ class Rollout(BaseWorker):
         if self.agent is not None:
             return self._generate_conversations(prompts, sampling, first_index, start)
         requests = self._checked_requests(prompts, sampling, first_index)
+        completions, metrics = self._on_current_weights(lambda: self.generator.generate(requests, sampling))
+        batch = build_rollout_batch(prompts, requests, completions, sampling, cfg.max_prompt_length, self.pad_token_id)
+        return self._with_metrics(batch, metrics, start)
+
+    def _on_current_weights(self, generate) -> tuple[Any, dict[str, Any]]:
+        """``generate()`` on the actor's weights as they are now (resharded in, released after), timed."""
+        cfg = self.config
         metrics: dict[str, Any] = {}
         if self.actor is not None:
             metrics.update(self._weights_from_actor())
         gen_start = time.perf_counter()
-        completions = self.generator.generate(requests, sampling)
+        out = generate()
         metrics["timing_s/gen"] = time.perf_counter() - gen_start
         if self.actor is not None and cfg.engine == "megatron":
             self.generator.release_weights()  # let go of the buffer's views, so the buffer can be freed
             metrics.update(self.actor.hybrid.to_training())
         if cfg.engine == "vllm":
             self.generator.sleep()
-        batch = build_rollout_batch(prompts, requests, completions, sampling, cfg.max_prompt_length, self.pad_token_id)
+        return out, metrics
+
+    @staticmethod
+    def _with_metrics(batch: DataProto, metrics: dict[str, Any], start: float) -> DataProto:
         tokens = int(batch.batch["response_mask"].sum())
         metrics.update({
             "rollout/response_tokens": tokens,
@@ -190,32 +200,16 @@ class Rollout(BaseWorker):
                      f"than rollout.max_prompt_length {cfg.max_prompt_length} tokens, e.g. row {first_index * n + row}: "
                      f"{length}")
         self._raise_if_any_rank_failed(error)  # before the reshard, which every rank takes part in
-        metrics: dict[str, Any] = {}
-        if self.actor is not None:
-            metrics.update(self._weights_from_actor())
         turns = cfg.agent.max_turns
         seeds = (None if sampling.seed is None else
                  [sampling.seed + (first_index * n + row) * turns for row in range(len(samples))])
-        gen_start = time.perf_counter()
-        results = self.agent.converse(conversations, self.generator.generate, sampling, seeds)
-        metrics["timing_s/gen"] = time.perf_counter() - gen_start
-        if self.actor is not None and cfg.engine == "megatron":
-            self.generator.release_weights()
-            metrics.update(self.actor.hybrid.to_training())
-        if cfg.engine == "vllm":
-            self.generator.sleep()
+        results, metrics = self._on_current_weights(
+            lambda: self.agent.converse(conversations, self.generator.generate, sampling, seeds))
         batch = build_agent_batch(repeated, results, self.pad_token_id, cfg.agent.max_response_length,
                                   cfg.max_prompt_length)
         batch.meta_info["temperature"] = sampling.logprob_temperature
-        tokens = int(batch.batch["response_mask"].sum())
         metrics.update(agent_metrics(results))
-        metrics.update({
-            "rollout/response_tokens": tokens,
-            "rollout/tokens_per_s": tokens / metrics["timing_s/gen"] if metrics["timing_s/gen"] > 0 else 0.0,
-            "timing_s/rollout": time.perf_counter() - start,
-        })
-        batch.meta_info["metrics"] = metrics
-        return batch
+        return self._with_metrics(batch, metrics, start)
 
     def _weights_from_actor(self) -> dict[str, Any]:
         cfg = self.config

@@ -21,6 +21,7 @@ import torch
 
 from workers.data_proto import DataProto
 from workers.rollout.agent.loop import AgentResult
+from workers.rollout.batch import sequence_tensors
 
 __all__ = ["build_agent_batch"]
 
@@ -58,16 +59,7 @@ def build_agent_batch(prompts: DataProto, results: list[AgentResult], pad_token_
         real[row, :length] = 1
         response_mask[row, :length] = torch.tensor(trajectory.response_mask, dtype=torch.long)
         log_probs[row, :length] = torch.tensor(trajectory.log_probs, dtype=torch.float32)
-    attention_mask = torch.cat([prompt_mask, real], dim=1)
-    generated = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": response_mask,
-        "rollout_log_probs": log_probs,
-    }
+    generated = sequence_tensors(prompt_ids, prompt_mask, responses, real, response_mask, log_probs)
     rest = {k: v for k, v in prompts.batch.items() if k not in generated}
     non_tensor = {
         **prompts.non_tensor_batch,
