@@ -107,6 +107,8 @@ class RewardConfig:
     # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs); None with model_path set
     fn: str | None = "auto"
     model_path: str | None = None  # an HF sequence-classification checkpoint: the RewardModel worker
+    # The reward model's own split (its own process groups, whatever the actor's); forward only, so no optim.
+    engine: EngineConfig = field(default_factory=EngineConfig)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -338,11 +340,13 @@ def _is_host_port(value: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
-def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] | None = None) -> None:
+def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] | None = None,
+                 reward_spec=None) -> None:
     """Raise ConfigError listing every problem.
 
-    ``model_spec`` (a ModelSpec) enables the model checks; ``cluster`` (the Ray
-    cluster's nodes) the check that the job's pools fit it.
+    ``model_spec`` (the policy's ModelSpec) enables the model checks, of the actor and of a critic made
+    from the policy; ``reward_spec`` those of the reward model; ``cluster`` (the Ray cluster's nodes)
+    the check that the job's pools fit it.
     """
     from hybridengine.layout import ParallelLayout
     from hybridengine.reshard_plan import (
@@ -354,6 +358,8 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems: list[str] = []
     alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data
     n = rollout.sampling.n
+    role_specs = {"actor": model_spec, "critic": model_spec if config.critic.model_path is None else None,
+                  "reward.engine": reward_spec}
     problems += _algorithm_problems(config)
     if alg.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
         problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not one of {OLD_LOG_PROB_SOURCES}")
@@ -387,18 +393,19 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += _data_problems(data)
     problems += _reward_problems(config)
 
-    # Layouts: every role spans all trainer.nproc processes.
+    # Layouts: each megatron role is its own grid over its pool (colocated roles may differ in TP/PP).
     sequences = data.batch_size * n
-    roles = [("actor", config.actor, config.ppo.ppo_mini_batch_size)]
+    roles = [("actor", "actor", config.actor.engine, config.ppo.ppo_mini_batch_size)]
     try:
         needs_critic = alg.needs_critic
     except ValueError:  # an unknown algorithm, listed above
         needs_critic = False
     if needs_critic:
-        roles.append(("critic", config.critic, config.critic_ppo.ppo_mini_batch_size))
+        roles.append(("critic", "critic", config.critic.engine, config.critic_ppo.ppo_mini_batch_size))
+    if config.reward.model_path is not None:
+        roles.append(("reward.engine", "reward_model", config.reward.engine, None))  # forward only: no mini-batches
     actor_layout = None
-    for role, role_cfg, mini in roles:
-        eng = role_cfg.engine
+    for key, role, eng, mini in roles:
         mp = eng.tensor_parallel * eng.pipeline_parallel
         if role not in pools and "default" not in pools:
             continue
@@ -406,11 +413,20 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         where = (f"trainer.placement.{role}" if role in trainer.placement else "trainer.nproc" if trainer.nnodes == 1
                  else f"trainer.nnodes x nproc = {trainer.nnodes} x {trainer.nproc} =")
         if world % mp:
-            problems.append(f"{role}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
+            problems.append(f"{key}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
             continue
         layout = ParallelLayout.for_world(world, eng.tensor_parallel, eng.pipeline_parallel)
         if role == "actor":
             actor_layout = layout
+        spec = role_specs.get(key)
+        if spec is not None:
+            try:
+                padded = spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)
+                padded.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
+            except ValueError as exc:
+                problems.append(f"{key}: {exc}")
+        if mini is None:
+            continue
         if sequences % mini:
             problems.append(f"{role}: a step's {sequences} sequences (data.batch_size {data.batch_size} x n {n}) do not "
                             f"divide into PPO mini-batches of {mini}")
@@ -423,12 +439,6 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
             problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
                             f"longest sequence, rollout.max_prompt_length + {_response_limit(rollout)} = {longest}")
-        if model_spec is not None and role == "actor":
-            try:
-                padded = model_spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)
-                padded.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
-            except ValueError as exc:
-                problems.append(f"{role}: {exc}")
     if actor_layout is not None:
         try:
             plan_reshard(actor_layout, GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel))

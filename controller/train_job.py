@@ -37,7 +37,8 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
     run_dir = Path(config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_path(config.model_path, run_dir)
-    check_config(config, ModelSpec.from_pretrained(model), cluster)
+    reward_spec = ModelSpec.from_pretrained(config.reward.model_path) if config.reward.model_path else None
+    check_config(config, ModelSpec.from_pretrained(model), cluster, reward_spec)
     return model, _datasets(config, config.actor.model_path or model, log)
 
 
@@ -132,9 +133,10 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
                                         optim=config.critic.optim, critic=config.critic_ppo)
     reward_model = None
     if config.reward.model_path:
-        reward_model = RewardModel.from_pretrained(config.reward.model_path,
-                                                   tensor_parallel=config.actor.engine.tensor_parallel,
-                                                   pipeline_parallel=config.actor.engine.pipeline_parallel)
+        reward_model = RewardModel.from_pretrained(config.reward.model_path, engine=config.reward.engine.__dict__,
+                                                   tensor_parallel=config.reward.engine.tensor_parallel,
+                                                   pipeline_parallel=config.reward.engine.pipeline_parallel,
+                                                   micro_batch_size=config.reward.engine.micro_batch_size)
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
                            config=config_to_dict(config), resume=trainer_cfg.resume)
     trainer = RLTrainer(

@@ -205,3 +205,23 @@ def test_bad_shapes_and_config():
         AdvantageConfig(lam=-0.1)
     with pytest.raises(ValueError, match="AdvantageConfig.epsilon must be a finite number > 0, got 0"):
         AdvantageConfig(epsilon=0)
+
+
+def test_gae_over_a_multi_turn_mask_skips_the_tool_tokens():
+    """A multi-turn response interleaves the model's tokens (mask 1) with tool/environment tokens (mask 0).
+    GAE runs over the model's tokens as one sequence: its advantages equal those of the compacted row
+    (the model tokens alone, concatenated), and the tool tokens get 0."""
+    g = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 0, 0], [1, 0, 0, 1, 0, 0, 1, 1, 1, 1]])
+    rewards, values = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g)
+    config = AdvantageConfig(gamma=0.9, lam=0.8, whiten=False)
+    adv, ret = compute_advantages("gae", AdvantageInputs(rewards * mask, mask, values=values), config)
+    for row in range(2):
+        keep = mask[row].bool()
+        n = int(keep.sum())
+        compact = AdvantageInputs(rewards[row, keep][None], torch.ones(1, n, dtype=torch.long),
+                                  values=values[row, keep][None])
+        c_adv, c_ret = compute_advantages("gae", compact, config)
+        close(adv[row, keep][None], c_adv)
+        close(ret[row, keep][None], c_ret)
+        assert (adv[row, ~keep] == 0).all() and (ret[row, ~keep] == 0).all()

@@ -87,6 +87,25 @@ def test_model_checks_need_the_model(tmp_path):
     assert "= 140 exceeds the model's max_position_embeddings 128" in text
 
 
+def test_each_megatron_role_is_checked_on_its_own_layout(tmp_path):
+    """Colocated roles need not share TP/PP (each builds its own grid); the reward model has its own
+    reward.engine, checked against its pool and, given its spec, against its own model."""
+    # The critic at TP1 x PP1 beside the actor at TP2 x PP2 on the same 4 processes: fine.
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["critic.engine.tensor_parallel=1",
+                                                          "critic.engine.pipeline_parallel=1"]))
+    rm = ["reward.model_path=some/rm", "reward.fn=null"]
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rm, "reward.engine.tensor_parallel=4"]))
+    assert "reward.engine: tensor_parallel x pipeline_parallel = 3 does not divide trainer.nproc 4" in problems(
+        *rm, "reward.engine.tensor_parallel=3")
+    # A spec of the reward model's own: 4 heads do not split over TP 8 (nproc 8), the policy's spec is not asked.
+    rm_spec = ModelSpec.from_pretrained(make_llama(tmp_path / "rm", classification=True))
+    config = load_config(EXAMPLES / "ppo_tiny.yaml", [*rm, "trainer.nproc=8", "reward.engine.tensor_parallel=8",
+                                                      "ppo.ppo_mini_batch_size=16", "critic_ppo.ppo_mini_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"reward.engine: tensor_parallel 8 does not divide"):
+        check_config(config, reward_spec=rm_spec)
+    check_config(config)  # without the spec, only the pool is checked
+
+
 def test_split_placement_is_checked_per_pool_and_needs_ray():
     assert "needs trainer.launcher=ray" in problems("trainer.placement={critic: 4}")
     assert "'rollout' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={rollout: 2}")

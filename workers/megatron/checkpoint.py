@@ -151,13 +151,15 @@ def _load_optimizer(engine, state: Any) -> None:
 
 
 def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
-    model_state = engine.module().sharded_state_dict()
+    # The grid's own DP group, where megatron would otherwise reach for its (unset) global one.
+    dp_group = engine.groups.collection.dp_cp
+    model_state = engine.module().sharded_state_dict(metadata={"dp_cp_group": dp_group})
     state = {"model": model_state}
     if engine.optimizer is not None:
-        metadata = None
+        metadata = {"dp_cp_group": dp_group}
         if _uses_dist_opt(engine):
             _init_dist_opt_state(engine)
-            metadata = {"distrib_optim_sharding_type": DIST_OPT_SHARDING}
+            metadata["distrib_optim_sharding_type"] = DIST_OPT_SHARDING
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     return state
 
@@ -169,15 +171,16 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
     root = Path(root)
     final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
+    _check_pool_is_world(engine)
+    pool, first, rank = engine.groups.pool_group, engine.groups.is_first, dist.get_rank()
+    if first:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: megatron takes a non-empty directory for an interrupted save
-    dist.barrier()
+    dist.barrier(group=pool)
     dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    if rank == 0:
+    if first:
         torch.save(
             {
                 "step": step,
@@ -189,15 +192,15 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
             },
             tmp / "extra.pt",
         )
-    dist.barrier()
-    if rank == 0:
+    dist.barrier(group=pool)
+    if first:
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, root / LATEST)
-    dist.barrier()
+    dist.barrier(group=pool)
     return final
 
 
@@ -226,6 +229,7 @@ def load_checkpoint(engine, path: str | Path) -> dict[str, Any]:
     if not (path / "extra.pt").is_file():
         raise CheckpointNotFound(f"{path} is not a complete checkpoint (no extra.pt)")
     meta = torch.load(path / "extra.pt", weights_only=False)
+    _check_pool_is_world(engine)
     if engine.optimizer is not None:
         _check_optimizer_format(path, meta, engine)
     state = dist_checkpointing.load(_sharded_state(engine, is_loading=True), str(path))
@@ -240,6 +244,16 @@ def load_checkpoint(engine, path: str | Path) -> dict[str, Any]:
     if meta["layout"] == str(engine.layout) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return {"step": meta["step"], **meta["extra"]}
+
+
+def _check_pool_is_world(engine) -> None:
+    """megatron's dist_checkpointing coordinates over the default (whole-world) group."""
+    if len(engine.groups.ranks) != dist.get_world_size():
+        raise ValueError(
+            f"a megatron checkpoint is collective over the whole torch.distributed world of {dist.get_world_size()} "
+            f"ranks, and this {engine.layout} role runs on ranks {list(engine.groups.ranks)} only: give the "
+            f"checkpointed roles a pool that spans the world (on Ray, every pool is its own world)"
+        )
 
 
 def _check_optimizer_format(path: Path, meta: dict[str, Any], engine) -> None:

@@ -39,7 +39,7 @@ from workers.megatron.micro_batches import (
     fixed_groups,
     token_budget_groups,
 )
-from workers.megatron.parallel import MegatronGroups, initialize_megatron
+from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
@@ -77,10 +77,10 @@ class MegatronEngine:
         self.model_path = Path(model_path)
         self.config = config
         self.spec, layout, reader = check_training_setup(model_path, config, world_size)
-        self.groups: MegatronGroups = initialize_megatron(layout, config.seed, process_group)
+        self.groups: MegatronGroups = training_groups(layout, config.seed, process_group)
         g = self.groups
         self.model_config, module = build_gpt_stage(
-            self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype,
+            self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype, pg_collection=g.collection,
             recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers)
         # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
         # activations between pipeline stages change shape: megatron sends each shape ahead.
@@ -112,8 +112,10 @@ class MegatronEngine:
         )
         if self.model_config.bf16:
             module = Float16Module(self.model_config, module)
-        model = DistributedDataParallel(config=self.model_config, ddp_config=ddp_config, module=module)
-        self.model_config.finalize_model_grads_func = finalize_model_grads
+        groups = self.groups.collection
+        model = DistributedDataParallel(config=self.model_config, ddp_config=ddp_config, module=module,
+                                        pg_collection=groups)
+        self.model_config.finalize_model_grads_func = finalize_model_grads  # the schedule passes it the groups
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -129,6 +131,8 @@ class MegatronEngine:
                 use_distributed_optimizer=optim.use_distributed_optimizer,
             ),
             [model],
+            use_gloo_process_groups=False,  # megatron's extra gloo DP groups: the explicit ones serve
+            pg_collection=groups,
         )
         return model, optimizer, build_lr_scheduler(optimizer, optim)
 
@@ -155,8 +159,6 @@ class MegatronEngine:
         undone here, so the gradient is that of the sum of the micro-batch losses. A per-row statistic
         comes back in the micro-batches' order: ``RunOutputs.rows`` restores the batch's.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         prepare_megatron()
         micro = self.micro_batches(batch)
         mask = batch.batch["attention_mask"]
@@ -180,7 +182,7 @@ class MegatronEngine:
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
         with context:
-            stats = get_forward_backward_func()(
+            stats = self._schedule()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro),
                 model=[self.model],
@@ -190,6 +192,18 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return RunOutputs(stats, micro, padding)
+
+    def _schedule(self) -> Callable:
+        """megatron's forward-backward schedule for this grid (1F1B over the PP group when PP > 1)."""
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        groups = self.groups.collection
+        if self.layout.pp == 1:
+            return partial(schedules.forward_backward_no_pipelining, pg_collection=groups)
+        p2p = P2PCommunicator(pp_group=groups.pp, config=self.model_config)
+        return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=p2p,
+                       pg_collection=groups)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -267,14 +281,14 @@ class MegatronEngine:
         dtype = PRECISIONS[check_precision(precision)] if precision is not None else self.config.params_dtype
         g, layout = self.groups, self.layout
         out = Path(out_dir)
-        if dist.get_rank() == 0:
+        if g.is_first:
             out.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        dist.barrier(group=g.pool_group)
         write = g.tp_rank == 0 and g.dp_rank == 0
         weight_map = export_hf_shard(self.module(), self.spec, out, g.tp_rank, layout.tp, g.pp_rank, layout.pp, g.tp_group,
                                      write, dtype)
-        maps: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(maps, weight_map)
-        if dist.get_rank() == 0:
+        maps: list[dict] = [None] * layout.world_size  # type: ignore[list-item]
+        dist.all_gather_object(maps, weight_map, group=g.pool_group)
+        if g.is_first:
             write_hf_index(out, maps, self.model_path, dtype)
-        dist.barrier()
+        dist.barrier(group=g.pool_group)

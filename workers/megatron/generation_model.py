@@ -4,8 +4,8 @@ The Resharder hands each rank its generation shard (TP=t_g, PP=p_g) as
 tensors, often views into one flat buffer. Here that shard becomes a
 GPTModel wired to the generation TP/PP groups through a
 ProcessGroupCollection, with the tensors installed as its parameters
-without a copy. megatron's global parallel_state keeps the training grid;
-nothing here reads or changes it.
+without a copy. Like the training engines' grids (workers/megatron/parallel.py),
+it never touches megatron's global parallel state.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hybridengine.device import prepare_megatron
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
 from workers.megatron.model import gpt_config, gpt_model
+from workers.megatron.parallel import ensure_scratch_buffer
 
 __all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 
@@ -67,7 +68,7 @@ def generation_process_groups(plan: ReshardPlan, rank: int, groups_cache: dict[t
 
     tp, pp, mp, dp = mine(plan.gen_tp_groups), mine(plan.gen_pp_groups), mine(mp_groups), mine(dp_groups)
     single = groups_cache[(rank,)]
-    # Size-1 groups rather than None: megatron falls back to its globals (the training grid) on None.
+    # Size-1 groups rather than None: megatron falls back to its (unset) global grid on None.
     # The embedding group is size 1 too: it only syncs tied-embedding grads, and generation has none.
     return ProcessGroupCollection(
         tp=tp, pp=pp, mp=mp, dp=dp, dp_cp=dp, cp=single, tp_cp=tp, embd=single, pos_embd=single,
@@ -94,6 +95,7 @@ def build_generation_model(
     if spec.is_value_model:
         raise ValueError("a generation model is a causal LM; a value model (scalar head) does not generate")
     prepare_megatron()
+    ensure_scratch_buffer()
     me = plan.ranks[rank]
     tp, pp = plan.gen.tensor_parallel, plan.gen.pipeline_parallel
     pg_collection = generation_process_groups(plan, rank, groups_cache)

@@ -123,11 +123,13 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
     return model.to(dtype=config.params_dtype)
 
 
-def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, **recompute):
-    """One training stage of ``spec`` in ``dtype``; ``recompute``: gpt_config's recompute settings."""
+def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, *,
+                    pg_collection, **recompute):
+    """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``recompute``:
+    gpt_config's recompute settings."""
     config = gpt_config(spec, tp, pp, dtype, **recompute)
     tied = spec.tie_word_embeddings and not spec.is_value_model
-    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied)
+    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype)
     return config, model

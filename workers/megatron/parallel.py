@@ -1,9 +1,14 @@
-"""megatron-core's model-parallel state for one worker process, with explicit groups.
+"""A training grid's process groups, built explicitly and handed to megatron-core.
 
-megatron keeps its TP/PP/DP groups in module globals; the engine reads them
-once, here, into a ``MegatronGroups`` value and passes that around, so no
-other code reaches into ``parallel_state``. The training grid is the only
-grid megatron's globals ever hold (a generation layout gets its own groups).
+megatron can keep one TP/PP/DP grid in module globals (``parallel_state``);
+this project never sets or reads them. Each engine builds its own grid over
+its pool's ranks (``training_groups``) and passes it to every megatron
+object that communicates (the GPTModel, DDP, the optimizer, the schedule,
+the gradient finalizer) as a ``ProcessGroupCollection``. So two training
+grids live in one process: an actor at TP2 and a reward model at TP1 on the
+same two processes each have their own groups. Groups are created with
+local synchronization (``hybridengine.process_groups``), so only the pool's
+members take part, and a rank set two grids share is one group.
 """
 
 from __future__ import annotations
@@ -15,61 +20,101 @@ import torch.distributed as dist
 
 from hybridengine.device import prepare_megatron
 from hybridengine.layout import ParallelLayout
+from hybridengine.process_groups import group_ranks, subgroup
 
-__all__ = ["MegatronGroups", "initialize_megatron"]
+__all__ = ["MegatronGroups", "ensure_scratch_buffer", "training_groups"]
 
 
 @dataclass(frozen=True)
 class MegatronGroups:
+    """One process's place in a training grid, and the grid's groups (``collection`` for megatron)."""
+
     layout: ParallelLayout
+    ranks: tuple[int, ...]  # the pool's global ranks; grid rank i is global rank ranks[i]
     tp_rank: int
     pp_rank: int
     dp_rank: int
     tp_group: Any
     pp_group: Any
     dp_group: Any
+    pool_group: Any  # every rank of the grid
+    collection: Any  # megatron's ProcessGroupCollection
+
+    @property
+    def grid_rank(self) -> int:
+        """This process's rank within the grid (0 .. layout.world_size - 1)."""
+        return self.layout.rank_of(self.tp_rank, self.pp_rank, self.dp_rank)
+
+    @property
+    def is_first(self) -> bool:
+        """Grid rank 0: the one that writes what the whole grid writes once."""
+        return self.grid_rank == 0
 
 
-def initialize_megatron(layout: ParallelLayout, seed: int, process_group: Any = None) -> MegatronGroups:
-    """Set up megatron's groups for ``layout`` over this process's torch.distributed world.
+def ensure_scratch_buffer() -> None:
+    """megatron's process-wide scratch memory, which its TP layers and attention draw on whatever the grid.
 
-    Colocated megatron roles share one process and so one set of megatron
-    groups: a second role must ask for the same layout.
+    ``initialize_model_parallel`` would set it along with the global grid this project never uses, so it
+    is set here, once per process (megatron has no public setter for it alone). It is grid-free: a pool
+    of reusable tensors keyed by name.
     """
     from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is None:
+        ps._set_global_memory_buffer()
+
+
+def _mine(groups: list[list[int]], grid_rank: int, ranks: tuple[int, ...]) -> Any:
+    own = next(group for group in groups if grid_rank in group)
+    return subgroup([ranks[r] for r in own])
+
+
+def _embedding_groups(layout: ParallelLayout) -> list[list[int]]:
+    """megatron's embedding group: the first and last stage of each pipeline (a rank alone at PP1).
+
+    It all-reduces the tied embedding's gradient between the input embedding (first stage) and the
+    output layer (last stage).
+    """
+    return [sorted({group[0], group[-1]}) for group in layout.pp_groups()]
+
+
+def training_groups(layout: ParallelLayout, seed: int, process_group: Any = None) -> MegatronGroups:
+    """This rank's groups of ``layout`` laid over the ranks of ``process_group`` (None: the world).
+
+    Collective over the pool's ranks only. Grid rank i is the pool's i-th rank in increasing order,
+    placed as megatron places ranks (TP fastest, then DP, then PP).
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     prepare_megatron()
-    if process_group is not None and process_group is not dist.group.WORLD:
+    ensure_scratch_buffer()
+    ranks = tuple(group_ranks(process_group))
+    if len(ranks) != layout.world_size:
         raise ValueError(
-            "megatron roles need a resource pool that spans the whole torch.distributed world; "
-            "under torchrun, give them the first pool and make it as large as the world"
+            f"a pool of {len(ranks)} ranks cannot hold {layout} ({layout.world_size} ranks = "
+            f"tensor_parallel {layout.tp} x pipeline_parallel {layout.pp} x data_parallel {layout.dp})"
         )
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(
-            f"world size {dist.get_world_size()} != tensor_parallel * pipeline_parallel * data_parallel "
-            f"= {layout.tp} * {layout.pp} * {layout.dp}"
-        )
-    if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (layout.tp, layout.pp):
-            raise ValueError(
-                f"this process already runs megatron at TP{have[0]}xPP{have[1]}; colocated roles must use "
-                f"the same layout, not {layout}"
-            )
-    else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
-    model_parallel_cuda_manual_seed(seed)
-    coord = layout.coordinate(dist.get_rank())
-    groups = MegatronGroups(
-        layout=layout,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
+    me = ranks.index(dist.get_rank())
+    coord = layout.coordinate(me)
+    tp = _mine(layout.tp_groups(), me, ranks)
+    pp = _mine(layout.pp_groups(), me, ranks)
+    dp = _mine(layout.dp_groups(), me, ranks)
+    mp = _mine(layout.model_parallel_groups(), me, ranks)
+    embd = _mine(_embedding_groups(layout), me, ranks)
+    single = subgroup([dist.get_rank()])
+    pool = subgroup(ranks)
+    # Without context or expert parallelism, megatron's derived groups are these: dp_cp = dp,
+    # tp_cp = tp, the expert groups are the dense ones (expt_dp = dp, tp_ep_pp = mp), and the
+    # distributed optimizer's single instance spans the pool.
+    collection = ProcessGroupCollection(
+        tp=tp, pp=pp, dp=dp, mp=mp, embd=embd, pos_embd=single, cp=single, dp_cp=dp, tp_cp=tp,
+        ep=single, expt_tp=single, expt_dp=dp, tp_ep_pp=mp, intra_dp_cp=dp, intra_expt_dp=dp,
+        intra_dist_opt=pool,
     )
-    if (groups.tp_rank, groups.pp_rank, groups.dp_rank) != coord:
-        raise RuntimeError(f"megatron placed rank {dist.get_rank()} at {groups} but the layout says {coord}")
-    return groups
+    # The model-parallel RNG (dropout in TP regions) is per process: the grid built last seeds it.
+    model_parallel_cuda_manual_seed(seed, tp_rank=coord.tp_rank, ep_rank=0, etp_rank=0)
+    return MegatronGroups(
+        layout=layout, ranks=ranks, tp_rank=coord.tp_rank, pp_rank=coord.pp_rank, dp_rank=coord.dp_rank,
+        tp_group=tp, pp_group=pp, dp_group=dp, pool_group=pool, collection=collection,
+    )

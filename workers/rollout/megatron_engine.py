@@ -24,8 +24,8 @@ What this module adds to megatron, mixed into its controller (_RolloutSampling):
   loop can end early.
 
 Every process group the engine uses is the generation model's
-(``model.pg_collection``); megatron's global parallel_state keeps the
-training grid and is never consulted for generation groups.
+(``model.pg_collection``); megatron's global parallel state is never set or
+consulted.
 """
 
 from __future__ import annotations
