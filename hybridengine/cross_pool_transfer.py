@@ -1,0 +1,224 @@
+"""The 3D-HybridEngine's executor across pools: training shards -> a generation pool's shards, bucket by bucket.
+
+Each side of a ``CrossPoolPlan`` runs one ``CrossPoolTransfer``: a training
+rank sends parts of its own training shard, a generation rank receives
+exactly its generation shard into one flat buffer (each generation parameter
+a view of it, in the generation stage's order, as ``Resharder`` lays it out)
+and, under the broadcast method, forwards what it received to the next rank
+of its replica chain. Buckets follow the generation shard's parameters; for
+each bucket a segment travels as one message, so the temporary memory is one
+bucket per route. Messages go point-to-point over a process group that spans
+both pools (gloo on CPU, NCCL on GPU); ranks are the group's global ranks.
+
+Every generation rank receives only its shard (the plan's bound), and the
+training parameters are only read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.cross_pool_plan import CrossPoolPlan, Route, plan_cross_pool
+from hybridengine.layout import ParallelLayout
+from hybridengine.model_spec import ModelSpec
+from hybridengine.ops.copy_blocks import copy_blocks
+from hybridengine.reshard_plan import GenerationLayout
+from hybridengine.resharder import GenParamSource, generation_sources
+from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
+
+__all__ = ["CrossPoolTransfer", "plan_for_model", "segment_bytes"]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
+    return generation_sources(spec, plan.colocated, plan.colocated_rank(gen_tp, gen_pp))
+
+
+def _piece_shape(source: GenParamSource, index: int, slices: int) -> tuple[int, ...]:
+    """The shape of member ``index``'s piece of ``source``: its training shard, or (sliced) the generation shape."""
+    return tuple(source.param.shape) if slices > 1 else tuple(source.train_shapes[index])
+
+
+def segment_bytes(spec: ModelSpec, plan: CrossPoolPlan, element_size: int):
+    """``(gen_tp, gen_pp, position) -> bytes`` of one segment for ``spec`` (replicated norms travel once)."""
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def size(gen_tp: int, gen_pp: int, position: int) -> int:
+        if (gen_tp, gen_pp) not in cache:
+            slices = plan.shard_segments(gen_tp, gen_pp)[0].slices
+            counts = [0] * len(plan.shard_segments(gen_tp, gen_pp))
+            for s in _shard_sources(spec, plan, gen_tp, gen_pp):
+                for i, m in enumerate(s.members):
+                    counts[m] += _numel(_piece_shape(s, i, slices))
+            cache[(gen_tp, gen_pp)] = counts
+        return cache[(gen_tp, gen_pp)][position] * element_size
+
+    return size
+
+
+def plan_for_model(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout, gen_dp: int,
+                   element_size: int, method: str = "auto") -> CrossPoolPlan:
+    """``plan_cross_pool`` deciding between the methods on ``spec``'s exact segment sizes."""
+    rough = plan_cross_pool(train, gen, gen_dp, "p2p")
+    return plan_cross_pool(train, gen, gen_dp, method, segment_bytes(spec, rough, element_size))
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    sources: tuple[GenParamSource, ...]
+    sizes: tuple[int, ...]  # elements of each segment's message
+
+
+class CrossPoolTransfer:
+    """One rank's side of a cross-pool plan; build once, call ``send`` (training) or ``receive`` (generation) each step.
+
+    ``train_ranks`` / ``gen_ranks``: the global ranks of the two pools, in pool order; ``group``: a
+    process group containing both (None: the default group).
+    """
+
+    def __init__(self, spec: ModelSpec, plan: CrossPoolPlan, train_ranks: Sequence[int], gen_ranks: Sequence[int],
+                 group: Any = None, bucket_bytes: int = 64 << 20) -> None:
+        if len(train_ranks) != plan.train.world_size or len(gen_ranks) != plan.gen_world_size:
+            raise ValueError(f"the plan needs {plan.train.world_size} training and {plan.gen_world_size} generation "
+                             f"ranks; got {len(train_ranks)} and {len(gen_ranks)}")
+        if set(train_ranks) & set(gen_ranks):
+            raise ValueError(f"training ranks {list(train_ranks)} and generation ranks {list(gen_ranks)} overlap: "
+                             f"a colocated rollout reshards in place (hybridengine.Resharder)")
+        self.spec, self.plan, self.group, self.bucket_bytes = spec, plan, group, bucket_bytes
+        self.train_ranks, self.gen_ranks = list(train_ranks), list(gen_ranks)
+        self.bytes_sent = self.bytes_received = 0
+        self._buckets: dict[tuple[int, int], list[_Bucket]] = {}
+        self.buffer: torch.Tensor | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+
+    # ----------------------------------------------------------- shared shape
+    def buckets(self, gen_tp: int, gen_pp: int, element_size: int) -> list[_Bucket]:
+        """Generation shard (gen_tp, gen_pp)'s parameters in buckets of about ``bucket_bytes``; both sides agree."""
+        key = (gen_tp, gen_pp)
+        if key not in self._buckets:
+            segments = self.plan.shard_segments(gen_tp, gen_pp)
+            slices = segments[0].slices
+            buckets, current, size = [], [], 0
+            for s in _shard_sources(self.spec, self.plan, gen_tp, gen_pp):
+                nbytes = s.param.numel * element_size
+                if current and size + nbytes > self.bucket_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+                current.append(s)
+                size += nbytes
+            if current:
+                buckets.append(current)
+            shaped = []
+            for bucket in buckets:
+                sizes = [0] * len(segments)
+                for s in bucket:
+                    for i, m in enumerate(s.members):
+                        sizes[m] += _numel(_piece_shape(s, i, slices))
+                shaped.append(_Bucket(tuple(bucket), tuple(sizes)))
+            self._buckets[key] = shaped
+        return self._buckets[key]
+
+    def _tag(self, route: Route, bucket: int) -> int:
+        return bucket * len(self.plan.shard_segments(route.gen_tp, route.gen_pp)) + route.position
+
+    # ------------------------------------------------------------ training side
+    def send(self, train_rank: int, params: dict[str, torch.Tensor]) -> None:
+        """Send ``train_rank``'s parts to the generation pool (its training shard's parameters, names local to
+        its stage); collective with the generation ranks' ``receive``."""
+        routes = self.plan.routes_from(train_rank)
+        if not routes:
+            return
+        element = next(iter(params.values())).element_size()
+        depth = max(len(self.buckets(r.gen_tp, r.gen_pp, element)) for r in routes)
+        for b in range(depth):
+            pending = []
+            for route in routes:
+                buckets = self.buckets(route.gen_tp, route.gen_pp, element)
+                if b >= len(buckets) or buckets[b].sizes[route.position] == 0:
+                    continue
+                message = self._segment_message(route, buckets[b], params)
+                pending.append((dist.isend(message, self.gen_ranks[route.chain[0]], group=self.group,
+                                           tag=self._tag(route, b)), message))
+                self.bytes_sent += message.numel() * element
+            for work, _ in pending:
+                work.wait()
+
+    def _segment_message(self, route: Route, bucket: _Bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        seg = self.plan.shard_segments(route.gen_tp, route.gen_pp)[route.position]
+        pieces = []
+        for s in bucket.sources:
+            for m, name in zip(s.members, s.train_names):
+                if m == route.position:
+                    pieces.append(split_tp_shard(s.param.kind, params[name], seg.slices, seg.slice_index).reshape(-1))
+        if not pieces:
+            return next(iter(params.values())).new_empty(0)
+        return torch.cat(pieces)
+
+    # ---------------------------------------------------------- generation side
+    def receive(self, gen_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """This generation rank's shard (names local to its generation stage), each a view of one flat buffer;
+        collective with the training ranks' ``send`` and, under broadcast, with the rest of the replica chain."""
+        coord = self.plan.gen_coordinate(gen_rank)
+        element = torch.empty((), dtype=dtype).element_size()
+        buckets = self.buckets(coord.tp_rank, coord.pp_rank, element)
+        sources = [s for bucket in buckets for s in bucket.sources]
+        total = sum(s.param.numel for s in sources)
+        if self.buffer is None or self.buffer.numel() != total or self.buffer.dtype != dtype:
+            self.buffer = torch.empty(total, dtype=dtype, device=device)
+        offsets, offset, views = {}, 0, {}
+        for s in sources:
+            offsets[s.param.name] = offset
+            views[s.param.name] = self.buffer[offset: offset + s.param.numel].view(s.param.shape)
+            offset += s.param.numel
+        # Earlier chain positions first: a rank's position-p message depends only on position p-1 elsewhere.
+        routes = sorted(self.plan.routes_into(gen_rank), key=lambda r: r.chain.index(gen_rank))
+        slices = self.plan.shard_segments(coord.tp_rank, coord.pp_rank)[0].slices
+        forwards: list = []
+        for b, bucket in enumerate(buckets):
+            parts: list[torch.Tensor | None] = [None] * len(bucket.sizes)
+            posted = []
+            for route in routes:  # every receive of the bucket posted at once, then waited in chain order
+                at = route.chain.index(gen_rank)
+                src = self.train_ranks[route.src] if at == 0 else self.gen_ranks[route.chain[at - 1]]
+                part = torch.empty(bucket.sizes[route.position], dtype=dtype, device=device)
+                work = dist.irecv(part, src, group=self.group, tag=self._tag(route, b)) if part.numel() else None
+                posted.append((route, at, part, work))
+            for route, at, part, work in posted:
+                if work is None:  # nothing of this segment in the bucket (a replicated tensor sent by another)
+                    continue
+                work.wait()
+                self.bytes_received += part.numel() * element
+                parts[route.position] = part
+                if at + 1 < len(route.chain):
+                    forwards.append((dist.isend(part, self.gen_ranks[route.chain[at + 1]], group=self.group,
+                                                tag=self._tag(route, b)), part))
+                    self.bytes_sent += part.numel() * element
+            cursor, blocks = [0] * len(bucket.sizes), []
+            for s in bucket.sources:
+                pieces = []
+                for i, m in enumerate(s.members):
+                    shape = _piece_shape(s, i, slices)
+                    pieces.append(Piece(m, cursor[m], shape))
+                    cursor[m] += _numel(shape)
+                # A slice is already the generation shard: one piece, copied whole.
+                blocks += join_blocks(s.param.kind, pieces, offsets[s.param.name], s.param.shape)
+            copy_blocks(self.buffer, [p if p is not None else self.buffer.new_empty(0) for p in parts], blocks)
+            for work, _ in forwards:
+                work.wait()
+            forwards = []
+        self.weights = views
+        return views
+
+    def release(self) -> None:
+        """Drop the generation buffer (the generation engine keeps what it copied)."""
+        self.buffer, self.weights = None, {}

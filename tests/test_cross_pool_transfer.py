@@ -1,0 +1,77 @@
+"""The cross-pool transfer in real processes over gloo: the training pool's shards -> a generation pool.
+
+Ranks 0..T-1 hold training shards read from the HF checkpoint; ranks T..T+G-1 are the generation
+pool. Each generation rank must end with exactly its generation shard, bit-equal to the same slice
+read from the checkpoint, and every rank must send and receive exactly the bytes the plan says
+(the bound: M / (t_g p_g) into each generation rank, nothing into a training rank). A small bucket
+makes each segment travel as several messages.
+"""
+
+import pytest
+import torch
+
+from dist_utils import run_in_processes
+from test_resharder import shard_from_checkpoint
+from tiny_models import make_llama
+
+from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model, segment_bytes
+from hybridengine.layout import ParallelLayout
+from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard_plan import GenerationLayout
+
+
+def _worker(rank, world_size, path, train_dims, gen_dims, gen_dp, method, expect_method, bucket_bytes):
+    spec = ModelSpec.from_pretrained(path)
+    train, gen = ParallelLayout(*train_dims), GenerationLayout(*gen_dims)
+    plan = plan_for_model(spec, train, gen, gen_dp, 4, method)
+    assert plan.method == expect_method, plan.reason
+    T = train.world_size
+    assert world_size == T + plan.gen_world_size
+    transfer = CrossPoolTransfer(spec, plan, range(T), range(T, world_size), bucket_bytes=bucket_bytes)
+    links = plan.link_bytes(segment_bytes(spec, plan, 4))
+    if rank < T:
+        coord = train.coordinate(rank)
+        params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+        before = {k: v.clone() for k, v in params.items()}
+        transfer.send(rank, params)
+        assert transfer.bytes_sent == links.train_sent[rank] and transfer.bytes_received == 0
+        assert all(torch.equal(params[k], v) for k, v in before.items())  # only read
+    else:
+        g = rank - T
+        coord = plan.gen_coordinate(g)
+        got = transfer.receive(g, torch.float32)
+        expected = shard_from_checkpoint(path, spec, gen.tensor_parallel, gen.pipeline_parallel,
+                                         coord.tp_rank, coord.pp_rank)
+        assert list(got) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), (rank, name)
+            assert got[name].untyped_storage().data_ptr() == transfer.buffer.untyped_storage().data_ptr()
+        shard = sum(t.numel() for t in expected.values()) * 4
+        assert transfer.bytes_received == links.gen_received[g] == shard  # exactly the shard: the bound
+        assert transfer.bytes_sent == links.gen_sent[g]
+        assert transfer.buffer.numel() * 4 == shard  # no rank holds more than its shard
+
+
+CASES = [  # (model, training t-p-d, generation t_g-p_g, replicas, method asked, method expected)
+    ("llama", (2, 1, 2), (1, 1), 2, "auto", "p2p"),  # join TP shards; one training replica per generation one
+    ("qwen2-tied", (2, 2, 1), (1, 1), 1, "auto", "p2p"),  # join stages too, tied embeddings
+    ("llama", (1, 1, 2), (2, 1), 2, "auto", "broadcast"),  # slice, relayed down each replica chain
+    ("llama", (2, 1, 1), (2, 1), 3, "auto", "broadcast"),  # same TP, many replicas
+    ("qwen2-tied", (2, 1, 1), (2, 1), 3, "p2p", "p2p"),  # the same pair forced to p2p
+    ("llama", (1, 2, 2), (1, 2), 2, "broadcast", "broadcast"),  # PP2 on both sides, forced broadcast
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cross_pool")
+    return {"llama": make_llama(root / "llama", heads=8, kv_heads=4),
+            "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
+
+
+@pytest.mark.parametrize("model,train,gen,gen_dp,method,expect", CASES,
+                         ids=[f"{m}-{t}->{g}x{d}-{a}" for m, t, g, d, a, _ in CASES])
+def test_each_generation_rank_gets_exactly_its_shard_at_the_planned_bytes(models, model, train, gen, gen_dp,
+                                                                          method, expect):
+    world = train[0] * train[1] * train[2] + gen[0] * gen[1] * gen_dp
+    run_in_processes(_worker, world, str(models[model]), train, gen, gen_dp, method, expect, 32 << 10)
