@@ -301,7 +301,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # ------------------------------------------------------------------ cross-field checks
-PLACEABLE_ROLES = ("actor", "critic", "ref_policy", "reward_model", "reward")
+PLACEABLE_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "reward")
 
 
 def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
@@ -348,6 +348,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     from the policy; ``reward_spec`` those of the reward model; ``cluster`` (the Ray cluster's nodes)
     the check that the job's pools fit it.
     """
+    from hybridengine.cross_pool_plan import plan_cross_pool
     from hybridengine.layout import ParallelLayout
     from hybridengine.reshard_plan import (
         GenerationLayout,
@@ -439,9 +440,20 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
             problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
                             f"longest sequence, rollout.max_prompt_length + {_response_limit(rollout)} = {longest}")
-    if actor_layout is not None:
+    gen = GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel)
+    if actor_layout is not None and "rollout" in pools:  # its own pool, fed across pools by the actor
+        world, mp = pools["rollout"].world_size, gen.tensor_parallel * gen.pipeline_parallel
+        if world % mp:
+            problems.append(f"rollout: tensor_parallel x pipeline_parallel = {mp} does not divide "
+                            f"trainer.placement.rollout {world}")
+        else:
+            try:
+                plan_cross_pool(actor_layout, gen, world // mp)
+            except ReshardLayoutError as exc:
+                problems.append(f"rollout: {exc}")
+    elif actor_layout is not None:
         try:
-            plan_reshard(actor_layout, GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel))
+            plan_reshard(actor_layout, gen)
         except ReshardLayoutError as exc:
             problems.append(f"rollout: {exc}")
     if model_spec is not None:

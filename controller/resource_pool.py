@@ -16,7 +16,9 @@ world, and the first pool created turns every rank but 0 into a server
 from __future__ import annotations
 
 import itertools
+import os
 import threading
+
 from controller.hosts import HostSet
 
 __all__ = ["ResourcePool"]
@@ -107,6 +109,14 @@ class ResourcePool:
             return f"{self.world_size} processes"
         listing = ", ".join(f"{node} (ranks {self.hosts.ranks_on(node)})" for node in nodes)
         return f"{self.world_size} processes on {len(nodes)} node(s): {listing}"
+
+    def controller_address(self) -> str:
+        """The address this pool's workers reach the controller's process at (for a rendezvous it hosts)."""
+        if self.backend == "ray":
+            import ray
+
+            return ray.util.get_node_ip_address()
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
     def pids(self) -> list[int]:
         return self.hosts.pids()

@@ -35,6 +35,7 @@ from controller.data import PromptDataset, PromptLoader
 from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
+from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.step_metrics import batch_metrics, reduce_update_metrics
 from controller.trainer_checkpoint import TrainerCheckpoint
 from controller.worker_group import WorkerGroup
@@ -49,7 +50,10 @@ __all__ = ["RLTrainer"]
 
 # The rollout's own metrics that a step reports; extra generation rounds add to the timings and bytes.
 ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
-                   "reshard/bytes_received", "rollout/tokens_per_s")
+                   "reshard/bytes_received", "rollout/tokens_per_s",
+                   # a rollout on its own pool: the cross-pool transfer, beside the in-place reshard's
+                   "timing_s/weight_transfer", "weight_transfer/bytes", "weight_transfer/bound_bytes",
+                   "weight_transfer/bytes_sent")
 
 
 class RLTrainer:
@@ -98,6 +102,8 @@ class RLTrainer:
             reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward_kwargs, reward_worker=reward_worker,
             cost_fn=cost_fn, cost_model=cost_model, kl_loss_fn=kl_loss_fn)
         self.placement = {role: "default" for role in self.specs}
+        self.rollout_on_its_own_pool = False
+        self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
         # None: the default pool spans the launcher's world (torchrun's WORLD_SIZE, else one process).
         self.pool_shapes: dict[str, PoolShape | None] = {
             "default": PoolShape("default", 1, processes) if processes is not None else None}
@@ -145,17 +151,21 @@ class RLTrainer:
             trainer.register_placement("ref_policy", pool="actor")               # colocated with the actor
 
         Roles given the same ``pool`` name share its processes (colocation); by
-        default every role is on the pool "default". The rollout reshards the
-        actor's weights in place, so it always sits on the actor's pool. Under
-        torchrun a megatron role's pool must be the whole world, so split
-        placement is a Ray feature.
+        default every role is on the pool "default". The rollout follows the
+        actor and reshards its weights in place, unless it is placed itself::
+
+            trainer.register_placement("rollout", 4)    # generation on 4 processes of its own
+
+        Then the actor sends it the weights across pools after each update
+        (``controller.rollout_pool``). Under torchrun a megatron role's pool must
+        be the whole world, so split placement is a Ray feature.
         """
         self._before_build("register_placement")
         if role not in self.specs:
             raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        if role == "rollout":
-            raise ConfigError("the rollout reshards the actor's weights in place and always shares the actor's pool; "
-                              "place the actor instead")
+        if role == "rollout" and pool is not None and pool == self.placement.get("actor"):
+            raise ConfigError(f"register_placement('rollout', pool={pool!r}): that is the actor's pool, where the "
+                              f"rollout sits by default; give it a pool of its own, or leave it with the actor")
         if devices is not None and (nodes is not None or processes_per_node is not None):
             raise ConfigError(f"register_placement({role!r}): give devices (one node) or nodes and "
                               f"processes_per_node, not both")
@@ -180,8 +190,10 @@ class RLTrainer:
         else:
             self.pool_shapes[pool] = shape
         self.placement[role] = pool
-        if role == "actor":
+        if role == "actor" and not self.rollout_on_its_own_pool:
             self.placement["rollout"] = pool
+        if role == "rollout":
+            self.rollout_on_its_own_pool = True
 
     def register_parallelism(self, role: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> None:
         """Set a megatron role's TP/PP (the rollout's generation TP/PP). Before the first step."""
@@ -224,8 +236,15 @@ class RLTrainer:
             self.pools[name] = ResourcePool(nodes, backend=self.backend, ray_address=self.ray_address)
         for role in ROLE_ORDER:
             if role in self.specs:
-                spec = self.specs[role]
-                self.groups[role] = WorkerGroup(self.pools[self.placement[role]], spec.worker_cls, role=role, kwargs=spec.kwargs)
+                spec, pool = self.specs[role], self.pools[self.placement[role]]
+                kwargs = spec.kwargs
+                if role == "rollout" and self.rollout_on_its_own_pool:
+                    kwargs = separate_rollout_kwargs(kwargs, self.specs["actor"].kwargs.get("engine"),
+                                                     self.groups["actor"].world_size)
+                self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs)
+        if self.rollout_on_its_own_pool:
+            self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
+                                                  self.pools[self.placement["rollout"]].controller_address())
 
     # --------------------------------------------------------------------- step
     def step(self, step: int | None = None) -> dict[str, float]:
@@ -257,8 +276,9 @@ class RLTrainer:
     def generate(self, prompts: DataProto, state: StepState | None, sampling: dict[str, Any],
                  keep_metrics: bool = True) -> DataProto:
         """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
+        transfer = self.rollout_link.sync() if self.rollout_link is not None else {}
         out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, sampling))
-        metrics = out.meta_info.pop("metrics", {})
+        metrics = {**out.meta_info.pop("metrics", {}), **transfer}
         if keep_metrics and state is not None:
             # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
             state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
@@ -317,6 +337,8 @@ class RLTrainer:
                 batch.meta_info.update({"kl_loss_fn": self.kl_loss_fn, "step": self.global_step})
             metrics = reduce_update_metrics(g["actor"].update_actor(batch))
             batch.meta_info.pop("kl_loss_fn", None)
+        if self.rollout_link is not None:
+            self.rollout_link.mark_stale()
         for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:
             metrics[key.removeprefix("actor/")] = metrics.pop(key)
         if self.old_log_probs_from_update:  # the agreement the skipped pass would have measured
@@ -347,6 +369,8 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         scores, lengths = [], []
+        if self.rollout_link is not None:
+            self.rollout_link.sync()
         for prompts in self.val_loader.all_batches():
             out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
             scores.append(self.score(out).batch["scores"])
@@ -373,7 +397,10 @@ class RLTrainer:
     def resume(self) -> int:
         """Continue from the newest complete checkpoint under run_dir; returns its step (0: none)."""
         self.build()
-        return self.checkpoints.resume(self)
+        step = self.checkpoints.resume(self)
+        if self.rollout_link is not None:
+            self.rollout_link.mark_stale()
+        return step
 
     def export_hf(self, path: str | Path, precision: str | None = None) -> Path:
         """The actor's current weights (and the tokenizer) as an HF checkpoint directory, in ``precision``
@@ -386,6 +413,9 @@ class RLTrainer:
         return Path(path)
 
     def shutdown(self) -> None:
+        if self.rollout_link is not None:
+            self.rollout_link.close()
+            self.rollout_link = None
         for pool in self.pools.values():
             pool.shutdown()
 

@@ -8,7 +8,8 @@ and, under the broadcast method, forwards what it received to the next rank
 of its replica chain. Buckets follow the generation shard's parameters; for
 each bucket a segment travels as one message, so the temporary memory is one
 bucket per route. Messages go point-to-point over a process group that spans
-both pools (gloo on CPU, NCCL on GPU); ranks are the group's global ranks.
+both pools (gloo on CPU, NCCL on GPU): a group of this world (torchrun, one
+world for every pool) or a standalone group of its own (Ray, a world per pool).
 
 Every generation rank receives only its shard (the plan's bound), and the
 training parameters are only read.
@@ -30,7 +31,34 @@ from hybridengine.reshard_plan import GenerationLayout
 from hybridengine.resharder import GenParamSource, generation_sources
 from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
 
-__all__ = ["CrossPoolTransfer", "plan_for_model", "segment_bytes"]
+__all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink", "plan_for_model", "segment_bytes"]
+
+
+class GroupLink:
+    """Point-to-point over a torch.distributed group of this world (None: the default group); peers are global ranks."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.isend(tensor, peer, group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.irecv(tensor, peer, group=self.group, tag=tag)
+
+
+class StandaloneLink:
+    """Point-to-point over a process group outside the world (``hybridengine.device.standalone_process_group``);
+    peers are that group's ranks."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self.group.send([tensor], peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self.group.recv([tensor], peer, tag)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -82,19 +110,20 @@ class _Bucket:
 class CrossPoolTransfer:
     """One rank's side of a cross-pool plan; build once, call ``send`` (training) or ``receive`` (generation) each step.
 
-    ``train_ranks`` / ``gen_ranks``: the global ranks of the two pools, in pool order; ``group``: a
-    process group containing both (None: the default group).
+    ``train_ranks`` / ``gen_ranks``: the two pools' ranks on ``link``, in pool order; ``link``: the
+    point-to-point path that spans both pools (default: the default group of this world).
     """
 
     def __init__(self, spec: ModelSpec, plan: CrossPoolPlan, train_ranks: Sequence[int], gen_ranks: Sequence[int],
-                 group: Any = None, bucket_bytes: int = 64 << 20) -> None:
+                 link: GroupLink | StandaloneLink | None = None, bucket_bytes: int = 64 << 20) -> None:
         if len(train_ranks) != plan.train.world_size or len(gen_ranks) != plan.gen_world_size:
             raise ValueError(f"the plan needs {plan.train.world_size} training and {plan.gen_world_size} generation "
                              f"ranks; got {len(train_ranks)} and {len(gen_ranks)}")
         if set(train_ranks) & set(gen_ranks):
             raise ValueError(f"training ranks {list(train_ranks)} and generation ranks {list(gen_ranks)} overlap: "
                              f"a colocated rollout reshards in place (hybridengine.Resharder)")
-        self.spec, self.plan, self.group, self.bucket_bytes = spec, plan, group, bucket_bytes
+        self.spec, self.plan, self.bucket_bytes = spec, plan, bucket_bytes
+        self.link = link if link is not None else GroupLink()
         self.train_ranks, self.gen_ranks = list(train_ranks), list(gen_ranks)
         self.bytes_sent = self.bytes_received = 0
         self._buckets: dict[tuple[int, int], list[_Bucket]] = {}
@@ -147,8 +176,7 @@ class CrossPoolTransfer:
                 if b >= len(buckets) or buckets[b].sizes[route.position] == 0:
                     continue
                 message = self._segment_message(route, buckets[b], params)
-                pending.append((dist.isend(message, self.gen_ranks[route.chain[0]], group=self.group,
-                                           tag=self._tag(route, b)), message))
+                pending.append((self.link.isend(message, self.gen_ranks[route.chain[0]], self._tag(route, b)), message))
                 self.bytes_sent += message.numel() * element
             for work, _ in pending:
                 work.wait()
@@ -191,7 +219,7 @@ class CrossPoolTransfer:
                 at = route.chain.index(gen_rank)
                 src = self.train_ranks[route.src] if at == 0 else self.gen_ranks[route.chain[at - 1]]
                 part = torch.empty(bucket.sizes[route.position], dtype=dtype, device=device)
-                work = dist.irecv(part, src, group=self.group, tag=self._tag(route, b)) if part.numel() else None
+                work = self.link.irecv(part, src, self._tag(route, b)) if part.numel() else None
                 posted.append((route, at, part, work))
             for route, at, part, work in posted:
                 if work is None:  # nothing of this segment in the bucket (a replicated tensor sent by another)
@@ -200,8 +228,8 @@ class CrossPoolTransfer:
                 self.bytes_received += part.numel() * element
                 parts[route.position] = part
                 if at + 1 < len(route.chain):
-                    forwards.append((dist.isend(part, self.gen_ranks[route.chain[at + 1]], group=self.group,
-                                                tag=self._tag(route, b)), part))
+                    forwards.append((self.link.isend(part, self.gen_ranks[route.chain[at + 1]], self._tag(route, b)),
+                                     part))
                     self.bytes_sent += part.numel() * element
             cursor, blocks = [0] * len(bucket.sizes), []
             for s in bucket.sources:
@@ -219,6 +247,22 @@ class CrossPoolTransfer:
         self.weights = views
         return views
 
+    @classmethod
+    def standalone(cls, spec: ModelSpec, plan: CrossPoolPlan, joint_rank: int, host: str, port: int,
+                   timeout_s: float = 600.0, bucket_bytes: int = 64 << 20) -> "CrossPoolTransfer":
+        """A transfer over a process group of its own: ranks 0..T-1 the training pool, T.. the generation pool,
+        meeting at the TCP store ``host:port``; collective over both pools."""
+        from hybridengine.device import standalone_process_group
+
+        t, g = plan.train.world_size, plan.gen_world_size
+        group = standalone_process_group(host, port, joint_rank, t + g, timeout_s, "hybridflow-weights")
+        return cls(spec, plan, range(t), range(t, t + g), StandaloneLink(group), bucket_bytes)
+
     def release(self) -> None:
         """Drop the generation buffer (the generation engine keeps what it copied)."""
         self.buffer, self.weights = None, {}
+
+    def close(self) -> None:
+        """Drop the buffer and the link's process group, while its peers are still up."""
+        self.release()
+        self.link = None

@@ -108,10 +108,21 @@ def test_each_megatron_role_is_checked_on_its_own_layout(tmp_path):
 
 def test_split_placement_is_checked_per_pool_and_needs_ray():
     assert "needs trainer.launcher=ray" in problems("trainer.placement={critic: 4}")
-    assert "'rollout' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={rollout: 2}")
+    assert "'rollouts' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={rollouts: 2}")
     assert "tensor_parallel x pipeline_parallel = 4 does not divide trainer.placement.critic 2" in problems(
         "trainer.launcher=ray", "trainer.placement={critic: 2}")
     check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["trainer.launcher=ray", "trainer.placement={critic: 4}"]))
+
+
+def test_a_rollout_pool_of_its_own_is_checked_against_the_cross_pool_plan():
+    ray = ["trainer.launcher=ray"]
+    # Generation TP1 on 3 processes of its own, fed by the actor at TP2 x PP2: legal (3 replicas).
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*ray, "trainer.placement={rollout: 3}"]))
+    assert "needs trainer.launcher=ray" in problems("trainer.placement={rollout: 2}")
+    assert "rollout: tensor_parallel x pipeline_parallel = 2 does not divide trainer.placement.rollout 3" in problems(
+        *ray, "trainer.placement={rollout: 3}", "rollout.tensor_parallel=2")
+    assert "generation tensor_parallel=4, pipeline_parallel=1 cannot be fed from training TP2xPP2xDP1" in problems(
+        *ray, "trainer.placement={rollout: 4}", "rollout.tensor_parallel=4")
 
 
 def test_trainer_placement_and_parallelism_by_declaration():
@@ -132,8 +143,11 @@ def test_trainer_placement_and_parallelism_by_declaration():
     assert trainer.specs["rollout"].kwargs["config"]["tensor_parallel"] == 2
     assert trainer.placement == {"actor": "policy", "rollout": "policy", "critic": "critic", "reward": "default"}
     assert trainer.pool_sizes == {"default": None, "critic": 4, "policy": 2}
-    with pytest.raises(ConfigError, match="always shares the actor's pool"):
-        trainer.register_placement("rollout", devices=2)
+    with pytest.raises(ConfigError, match=r"register_placement\('rollout', pool='policy'\): that is the actor's pool"):
+        trainer.register_placement("rollout", pool="policy")
+    trainer.register_placement("rollout", devices=3, pool="generation")  # a pool of its own, fed across pools
+    trainer.register_placement("actor", devices=2, pool="policy")  # placing the actor again leaves it there
+    assert trainer.placement["rollout"] == "generation" and trainer.pool_sizes["generation"] == 3
     with pytest.raises(ConfigError, match="pool 'critic' has 4 processes, not 2"):
         trainer.register_placement("reward", devices=2, pool="critic")
     with pytest.raises(ConfigError, match=r"unknown role 'judge'; roles of this trainer: \['actor', 'critic', 'reward', 'rollout'\]"):

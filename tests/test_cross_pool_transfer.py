@@ -20,14 +20,17 @@ from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import GenerationLayout
 
 
-def _worker(rank, world_size, path, train_dims, gen_dims, gen_dp, method, expect_method, bucket_bytes):
+def _worker(rank, world_size, path, train_dims, gen_dims, gen_dp, method, expect_method, bucket_bytes, store_port=None):
     spec = ModelSpec.from_pretrained(path)
     train, gen = ParallelLayout(*train_dims), GenerationLayout(*gen_dims)
     plan = plan_for_model(spec, train, gen, gen_dp, 4, method)
     assert plan.method == expect_method, plan.reason
     T = train.world_size
     assert world_size == T + plan.gen_world_size
-    transfer = CrossPoolTransfer(spec, plan, range(T), range(T, world_size), bucket_bytes=bucket_bytes)
+    if store_port is None:  # one world for both pools (torchrun): a group of it
+        transfer = CrossPoolTransfer(spec, plan, range(T), range(T, world_size), bucket_bytes=bucket_bytes)
+    else:  # a world per pool (Ray): a process group of its own, meeting at the test's TCP store
+        transfer = CrossPoolTransfer.standalone(spec, plan, rank, "127.0.0.1", store_port, 60, bucket_bytes)
     links = plan.link_bytes(segment_bytes(spec, plan, 4))
     if rank < T:
         coord = train.coordinate(rank)
@@ -75,3 +78,13 @@ def test_each_generation_rank_gets_exactly_its_shard_at_the_planned_bytes(models
                                                                           method, expect):
     world = train[0] * train[1] * train[2] + gen[0] * gen[1] * gen_dp
     run_in_processes(_worker, world, str(models[model]), train, gen, gen_dp, method, expect, 32 << 10)
+
+
+def test_the_transfer_over_a_process_group_outside_the_world(models):
+    """As between two Ray pools, each its own world: a standalone group, meeting at a TCP store the
+    controller (here the test) hosts."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    run_in_processes(_worker, 2 + 4, str(models["llama"]), (2, 1, 1), (1, 1), 4, "auto", "broadcast", 32 << 10,
+                     store.port)

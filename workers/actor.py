@@ -192,6 +192,25 @@ class Actor(_LogProbRole):
         return self.hybrid.to_generation(GenerationLayout(tensor_parallel, pipeline_parallel), method, release_training)
 
     @register(Dispatch.ONE_TO_ALL)
+    def connect_generation_pool(self, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,
+                                gen_dp: int, method: str = "auto") -> dict[str, Any]:
+        """Join the weight link to a rollout on a pool of its own (the controller calls the rollout's side at once)."""
+        return self.hybrid.connect_generation_pool(host, port, GenerationLayout(tensor_parallel, pipeline_parallel),
+                                                   gen_dp, method)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def disconnect_generation_pool(self) -> None:
+        """Drop the weight link (with the rollout's side, at the same time)."""
+        if self.hybrid.cross_pool is not None:
+            self.hybrid.cross_pool.close()
+            self.hybrid.cross_pool = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> dict[str, float]:
+        """The current weights to the separate rollout pool, each generation rank exactly its shard."""
+        return self.hybrid.send_to_generation_pool()
+
+    @register(Dispatch.ONE_TO_ALL)
     def to_training(self, offload: bool = False) -> dict[str, float]:
         """Drop the generation weights; the training shards were never moved."""
         return self.hybrid.to_training(offload)

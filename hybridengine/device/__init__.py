@@ -23,6 +23,7 @@ __all__ = [
     "DEVICE_ENV",
     "kernel_devices",
     "synchronize",
+    "standalone_process_group",
 ]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
@@ -46,6 +47,25 @@ def device_type() -> str:
 
 def dist_backend() -> str:
     return "nccl" if accelerator_available() else "gloo"
+
+
+def standalone_process_group(host: str, port: int, rank: int, size: int, timeout_s: float, name: str):
+    """A process group of its own, outside this process's torch.distributed world (NCCL or gloo).
+
+    For ranks of different worlds (a Ray pool is a world of its own) that must talk, such as the
+    actor's and a separate rollout pool's: they meet at the TCP store at ``host:port`` (hosted by
+    whoever calls ``TCPStore(..., is_master=True)``), under the key prefix ``name``. The group is
+    used through its own ``send`` / ``recv``; torch.distributed's functions do not know it.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(f"{name}/", dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    if accelerator_available():
+        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def kernel_devices() -> list[torch.device]:

@@ -19,7 +19,7 @@ from hybridengine.device import prepare_megatron
 from hybridengine.model_spec import ModelSpec
 from hybridengine.reshard_plan import ReshardPlan
 from workers.megatron.model import gpt_config, gpt_model
-from workers.megatron.parallel import ensure_scratch_buffer
+from workers.megatron.parallel import ensure_rng_states, ensure_scratch_buffer
 
 __all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 
@@ -97,6 +97,7 @@ def build_generation_model(
     prepare_megatron()
     ensure_scratch_buffer()
     me = plan.ranks[rank]
+    ensure_rng_states(me.gen_tp_rank)
     tp, pp = plan.gen.tensor_parallel, plan.gen.pipeline_parallel
     pg_collection = generation_process_groups(plan, rank, groups_cache)
     if pg_collection.tp.size() != tp or pg_collection.pp.size() != pp:

@@ -1,4 +1,5 @@
-"""The actor's side of the 3D-HybridEngine: reshard its training shards for generation, and back."""
+"""The actor's side of the 3D-HybridEngine: reshard its training shards for generation, and back; or send
+them to a rollout on a pool of its own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model
 from hybridengine.reshard_baselines import BASELINES, RESHARD_METHODS
 from hybridengine.reshard_plan import GenerationLayout, plan_reshard
 from hybridengine.resharder import Resharder
@@ -23,6 +25,7 @@ class HybridBridge:
         self.transport = TorchTransport()
         self.resharders: dict[GenerationLayout, Resharder] = {}
         self.weights: dict[str, torch.Tensor] = {}
+        self.cross_pool: CrossPoolTransfer | None = None
 
     def _training_params(self) -> dict[str, torch.Tensor]:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
@@ -61,3 +64,24 @@ class HybridBridge:
             resharder.to_training(offload=offload)
         self.weights = {}
         return {"timing_s/reshard_back": time.perf_counter() - start}
+
+    # ------------------------------------------------------- a separate rollout pool
+    def connect_generation_pool(self, host: str, port: int, gen: GenerationLayout, gen_dp: int, method: str = "auto",
+                                timeout_s: float = 600.0) -> dict[str, Any]:
+        """Join the weight link to a rollout on its own pool (``gen_dp`` replicas at ``gen``); collective over
+        both pools. Returns the plan's method and why it was chosen."""
+        engine = self.engine
+        element = next(engine.module().parameters()).element_size()
+        plan = plan_for_model(engine.spec, engine.layout, gen, gen_dp, element, method)
+        self.cross_pool = CrossPoolTransfer.standalone(engine.spec, plan, engine.groups.grid_rank, host, port,
+                                                       timeout_s, self.bucket_bytes)
+        return {"method": plan.method, "reason": plan.reason}
+
+    def send_to_generation_pool(self) -> dict[str, float]:
+        """Send this rank's parts of the current weights to the rollout pool (which receives them at once)."""
+        if self.cross_pool is None:
+            raise RuntimeError("no rollout pool is connected: call connect_generation_pool first")
+        before, start = self.cross_pool.bytes_sent, time.perf_counter()
+        self.cross_pool.send(self.engine.groups.grid_rank, self._training_params())
+        return {"timing_s/weight_send": time.perf_counter() - start,
+                "weight_transfer/bytes_sent": self.cross_pool.bytes_sent - before}

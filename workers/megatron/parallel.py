@@ -22,7 +22,7 @@ from hybridengine.device import prepare_megatron
 from hybridengine.layout import ParallelLayout
 from hybridengine.process_groups import group_ranks, subgroup
 
-__all__ = ["MegatronGroups", "ensure_scratch_buffer", "training_groups"]
+__all__ = ["MegatronGroups", "ensure_rng_states", "ensure_scratch_buffer", "training_groups"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,15 @@ def ensure_scratch_buffer() -> None:
 
     if ps._GLOBAL_MEMORY_BUFFER is None:
         ps._set_global_memory_buffer()
+
+
+def ensure_rng_states(tp_rank: int, seed: int = 1) -> None:
+    """Seed megatron's named RNG states (which its attention forks into) when no grid in this process has:
+    a rollout on a pool of its own builds no training grid."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    if not get_cuda_rng_tracker().get_states():
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
 
 
 def _mine(groups: list[list[int]], grid_rank: int, ranks: tuple[int, ...]) -> Any:

@@ -41,6 +41,7 @@ from workers.rollout.batch import (
     build_rollout_batch,
     check_special_tokens,
 )
+from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
 
 __all__ = ["Rollout"]
@@ -49,13 +50,22 @@ VLLM_VOCAB_PADDING = 64
 
 
 class Rollout(BaseWorker):
-    def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor") -> None:
+    def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor",
+                 training: dict[str, Any] | None = None) -> None:
+        """``training``: set when the rollout has a pool of its own and the actor sends it weights
+        (``receive_weights``): the actor's tensor_parallel, pipeline_parallel, data_parallel,
+        make_vocab_size_divisible_by and precision, which its shards are cut by."""
         from transformers import AutoTokenizer
 
         self.config = cfg = RolloutConfig.from_value(config)
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         if spec.is_value_model:
             raise ValueError(f"{model_path} is a {spec.architecture} (a value head); rollout needs a causal LM")
+        if training is not None and actor_role is not None:
+            raise ValueError("a rollout on its own pool (training=...) takes its weights from the actor's pool, "
+                             "not from a colocated actor: give actor_role=None")
+        self.training = dict(training) if training is not None else None
+        self.cross_pool = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.tokenizer.pad_token_id
         self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -64,6 +74,10 @@ class Rollout(BaseWorker):
         if self.actor is not None:
             # The actor's spec: its vocabulary padding is what the resharded shards carry.
             self.spec = spec = self.actor.engine.spec
+            spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        elif self.training is not None:  # the shards that arrive are padded as the actor's engine pads
+            self.spec = spec = spec.with_padded_vocab(self.training["make_vocab_size_divisible_by"],
+                                                      self.training["tensor_parallel"])
             spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         if cfg.engine == "vllm":
             # vLLM pads the vocabulary to a multiple of 64 itself (its DEFAULT_VOCAB_PADDING_SIZE) and splits that.
@@ -74,12 +88,14 @@ class Rollout(BaseWorker):
             train = self.actor.engine.layout
             dtype = next(self.actor.engine.module().parameters()).dtype
         else:
-            if cfg.engine == "megatron":
-                raise ValueError("the megatron rollout generates from the actor's resharded weights; "
-                                 "colocate it with an actor (actor_role) or use engine='vllm'")
-            # Standalone: the generation grid is the whole layout (each rank its own shard, no resharding).
+            if cfg.engine == "megatron" and self.training is None:
+                raise ValueError("the megatron rollout generates from the actor's weights; colocate it with an "
+                                 "actor (actor_role), give it a pool of its own fed by the actor (training=...), "
+                                 "or use engine='vllm'")
+            # Standalone or fed across pools: the generation grid is the whole pool, each rank its own shard.
             train = ParallelLayout.for_world(self.world_size, cfg.tensor_parallel, cfg.pipeline_parallel)
-            dtype = torch.float32
+            dtype = PRECISIONS[self.training["precision"]] if self.training is not None else torch.float32
+        self.dtype = dtype
         self.plan = plan_reshard(train, self.gen)  # refuses an unreachable layout, listing the legal ones
         self.set_layout(GenerationMesh(train, self.gen))
         if cfg.engine == "vllm":
@@ -88,7 +104,8 @@ class Rollout(BaseWorker):
             self.generator = VLLMGenerator(
                 model_path, spec, self.plan, self.rank, dtype=dtype, max_model_len=cfg.max_model_len,
                 eos_token_id=self.eos_token_id, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
-                seed=cfg.seed, dummy_weights=self.actor is not None, enforce_eager=cfg.enforce_eager,
+                seed=cfg.seed, dummy_weights=self.actor is not None or self.training is not None,
+                enforce_eager=cfg.enforce_eager,
                 sleep_between_rollouts=cfg.sleep_between_rollouts,
             )
         else:
@@ -226,6 +243,48 @@ class Rollout(BaseWorker):
         for key in ("gen_tp_rank", "gen_pp_rank", "gen_dp_rank"):
             metrics.pop(key, None)
         return metrics
+
+    # ------------------------------------------------------- on a pool of its own
+    @register(Dispatch.ONE_TO_ALL)
+    def connect_training_pool(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
+        """Join the weight link from the actor's pool (the controller calls the actor's side at once)."""
+        from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model
+
+        if self.training is None:
+            raise RuntimeError("this rollout shares the actor's processes and reshards in place; it has no "
+                               "training pool to connect to")
+        t = self.training
+        train = ParallelLayout(t["tensor_parallel"], t["pipeline_parallel"], t["data_parallel"])
+        element = torch.empty((), dtype=self.dtype).element_size()
+        plan = plan_for_model(self.spec, train, self.gen, self.plan.gen_dp, element, method)
+        self.cross_pool = CrossPoolTransfer.standalone(self.spec, plan, train.world_size + self.rank, host, port,
+                                                       timeout_s)
+        return {"method": plan.method, "reason": plan.reason}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict[str, Any]:
+        """Take the actor's current weights, this rank's generation shard, into the engine; times and bytes."""
+        if self.cross_pool is None:
+            raise RuntimeError("no training pool is connected: call connect_training_pool first")
+        before, start = self.cross_pool.bytes_received, time.perf_counter()
+        weights = self.cross_pool.receive(self.rank, self.dtype, self.device)
+        metrics = {"timing_s/weight_transfer": time.perf_counter() - start,
+                   "weight_transfer/bytes": self.cross_pool.bytes_received - before,
+                   "weight_transfer/bound_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
+        if self.config.engine == "vllm":
+            metrics.update(self.generator.sync_weights(weights))
+            self.cross_pool.release()  # vLLM holds its own copy
+        else:
+            self.generator.set_weights(weights)  # views of the transfer's buffer, kept until the next weights
+            metrics.update({"timing_s/weight_sync": 0.0, "weight_sync/bytes": 0})
+        return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def disconnect_training_pool(self) -> None:
+        """Drop the weight link (with the actor's side, at the same time)."""
+        if self.cross_pool is not None:
+            self.cross_pool.close()
+            self.cross_pool = None
 
     def close(self) -> None:
         if self.agent is not None:
