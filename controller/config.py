@@ -172,6 +172,10 @@ class TrainerConfig:
     plots: bool = True  # write PNG curves of the metrics at the end
     seed: int = 0
     verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
+    # sync: generate each step's batch, then train on it; one_step_off: the rollout (on a pool of its own,
+    # trainer.placement.rollout) generates step k+1 while step k trains (controller.schedules)
+    mode: str = "sync"
+    max_staleness: int = 1  # samples more updates stale than this are not trained on (counted)
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,24 @@ def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
     return pools
 
 
+def _schedule_problems(trainer: TrainerConfig) -> list[str]:
+    from controller.schedules import TRAINER_MODES
+
+    if trainer.mode not in TRAINER_MODES:
+        return [f"trainer.mode {trainer.mode!r} is not one of {TRAINER_MODES}"]
+    problems = []
+    if trainer.max_staleness < 0:
+        problems.append(f"trainer.max_staleness must be >= 0, got {trainer.max_staleness}")
+    if trainer.mode == "one_step_off":
+        if "rollout" not in trainer.placement:
+            problems.append("trainer.mode one_step_off overlaps generation with training: give the rollout a pool "
+                            "of its own (trainer.placement.rollout, with trainer.launcher=ray)")
+        if trainer.max_staleness < 1:
+            problems.append(f"trainer.mode one_step_off trains on samples one update stale: trainer.max_staleness "
+                            f"must be >= 1, got {trainer.max_staleness}")
+    return problems
+
+
 def _launch_problems(trainer: TrainerConfig) -> list[str]:
     problems = []
     if trainer.ray_address is not None and trainer.launcher != "ray":
@@ -376,6 +398,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
     problems += _launch_problems(trainer)
+    problems += _schedule_problems(trainer)
     pools = {}
     try:
         pools = job_pools(trainer)

@@ -147,7 +147,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         ray_address=trainer_cfg.ray_address,
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         val_before_train=trainer_cfg.val_before_train,
-        seed=trainer_cfg.seed, shuffle=config.data.shuffle,
+        seed=trainer_cfg.seed, shuffle=config.data.shuffle, mode=trainer_cfg.mode,
+        max_staleness=trainer_cfg.max_staleness,
     )
     for role, shape in job_pools(trainer_cfg).items():
         if role != "default":

@@ -36,6 +36,7 @@ from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
 from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
+from controller.schedules import build_schedule, generation_seed, with_sampling
 from controller.step_metrics import batch_metrics, reduce_update_metrics
 from controller.trainer_checkpoint import TrainerCheckpoint
 from controller.worker_group import WorkerGroup
@@ -86,8 +87,12 @@ class RLTrainer:
         val_before_train: bool = False,
         seed: int = 0,
         shuffle: bool = True,
+        mode: str = "sync",
+        max_staleness: int = 1,
     ) -> None:
-        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object."""
+        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync",
+        or "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains; samples
+        more than ``max_staleness`` updates stale are not trained on); see ``controller.schedules``."""
         safe_rlhf = cost_fn is not None or cost_model is not None
         if not isinstance(algorithm, RLAlgorithm):
             config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
@@ -103,6 +108,8 @@ class RLTrainer:
             cost_fn=cost_fn, cost_model=cost_model, kl_loss_fn=kl_loss_fn)
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
+        self.mode = mode
+        self.schedule = build_schedule(mode, max_staleness)
         self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
         # None: the default pool spans the launcher's world (torchrun's WORLD_SIZE, else one process).
         self.pool_shapes: dict[str, PoolShape | None] = {
@@ -218,6 +225,9 @@ class RLTrainer:
     def build(self) -> None:
         if self.groups:
             return
+        if self.mode != "sync" and not self.rollout_on_its_own_pool:
+            raise ConfigError(f"mode {self.mode!r} overlaps generation with training, so the rollout needs a pool of "
+                              f"its own: register_placement('rollout', n) (trainer.placement.rollout)")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
@@ -253,8 +263,7 @@ class RLTrainer:
         if step is not None:
             self.global_step = step
         alg, state = self.algorithm, StepState(self.global_step)
-        state.prompts = alg.before_generation(self, state, self.loader.next_batch())
-        batch = self.generate_and_score(state.prompts, state)
+        batch = self.schedule.rollout(self, state)  # sync: generated now; one_step_off: during the last step
         batch = alg.after_scoring(self, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
         batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
         with state.timed("adv"):
@@ -267,7 +276,7 @@ class RLTrainer:
     # ------------------------------------------------------------- phases
     def generate_and_score(self, prompts: DataProto, state: StepState, round_index: int = 0) -> DataProto:
         """Sampled responses to ``prompts``, scored; ``round_index`` > 0: an extra generation round of the step."""
-        seed = self.seed * 1_000_003 + state.step * 100_000 + round_index * 10_007
+        seed = generation_seed(self.seed, state.step, round_index)
         with state.timed("rollout"):
             batch = self.generate(prompts, state, sampling={"seed": seed})
         with state.timed("reward"):
@@ -277,16 +286,21 @@ class RLTrainer:
                  keep_metrics: bool = True) -> DataProto:
         """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
         transfer = self.rollout_link.sync() if self.rollout_link is not None else {}
-        out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, sampling))
+        out = self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
         metrics = {**out.meta_info.pop("metrics", {}), **transfer}
         if keep_metrics and state is not None:
-            # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
-            state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
-            for key in (k for k in ROLLOUT_METRICS if k in metrics):
-                summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
-                previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
-                state.rollout_metrics[key] = previous + float(metrics[key])
+            self.record_rollout_metrics(state, metrics)
         return out
+
+    @staticmethod
+    def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
+        """A generation's metrics into the step's: timings and bytes add up over a step's rounds."""
+        # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
+        state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
+        for key in (k for k in ROLLOUT_METRICS if k in metrics):
+            summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
+            previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
+            state.rollout_metrics[key] = previous + float(metrics[key])
 
     def score(self, batch: DataProto) -> DataProto:
         """``token_level_scores`` and ``scores`` of each response (and its cost under Safe-RLHF)."""
@@ -372,7 +386,7 @@ class RLTrainer:
         if self.rollout_link is not None:
             self.rollout_link.sync()
         for prompts in self.val_loader.all_batches():
-            out = self.groups["rollout"].generate_sequences(_with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
+            out = self.groups["rollout"].generate_sequences(with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
             scores.append(self.score(out).batch["scores"])
             lengths.append(out.batch["response_mask"].sum(-1).float())
         return {"val/reward/mean": float(torch.cat(scores).mean()), "val/response_length/mean": float(torch.cat(lengths).mean())}
@@ -419,6 +433,3 @@ class RLTrainer:
         for pool in self.pools.values():
             pool.shutdown()
 
-
-def _with_sampling(prompts: DataProto, sampling: dict[str, Any]) -> DataProto:
-    return DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, "sampling": sampling})

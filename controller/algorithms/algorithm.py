@@ -127,7 +127,9 @@ class RLAlgorithm:
         return batch
 
     def loss_terms(self, trainer: RLTrainer, state: StepState, batch: DataProto) -> dict[str, Any]:
-        correction = resolve_rollout_correction(self.config.rollout_correction, same_precision=True)
+        # Off the on-policy path (trainer.mode one_step_off) the samples come from older weights.
+        correction = resolve_rollout_correction(self.config.rollout_correction, same_precision=True,
+                                                off_policy=getattr(trainer, "mode", "sync") != "sync")
         return {"loss_terms": PolicyUpdateTerms(trainer.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
                                                 norm_length=trainer.max_response_length)}
 

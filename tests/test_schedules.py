@@ -1,0 +1,57 @@
+"""The schedules' pure parts: staleness metrics, dropping stale samples by prompt group, the generation seed,
+and the config checks of trainer.mode (no process)."""
+
+import numpy as np
+import pytest
+import torch
+
+from controller.config import ConfigError, check_config, load_config
+from controller.schedules import build_schedule, drop_stale, generation_seed, staleness_metrics
+from workers.data_proto import DataProto
+
+from test_config import EXAMPLES
+
+
+def batch(versions, uids):
+    return DataProto({"policy_version": torch.tensor(versions), "x": torch.arange(len(versions))},
+                     {"uid": np.array(uids, dtype=object)})
+
+
+def test_staleness_metrics_count_each_age():
+    m = staleness_metrics(torch.tensor([3, 3, 2, 0]), now=3, max_staleness=1)
+    assert m == {"staleness/mean": pytest.approx(1.0), "staleness/max": 3.0, "staleness/dropped": 1.0,
+                 "staleness/hist/0": 2.0, "staleness/hist/1": 1.0, "staleness/hist/2": 0.0, "staleness/hist/3": 1.0}
+    with pytest.raises(ValueError, match="policy version 5 is ahead of the trainer's 3"):
+        staleness_metrics(torch.tensor([5]), now=3, max_staleness=1)
+
+
+def test_stale_samples_are_dropped_with_their_whole_prompt_group():
+    data = batch([4, 4, 2, 4, 3, 3], ["a", "a", "b", "b", "c", "c"])
+    kept, metrics = drop_stale(data, now=4, max_staleness=1)
+    assert kept.batch["x"].tolist() == [0, 1, 4, 5]  # group b had one sample 2 updates stale
+    assert metrics["staleness/dropped"] == 1.0
+    same, _ = drop_stale(data, now=4, max_staleness=2)
+    assert same is data
+    with pytest.raises(RuntimeError, match="every sample of the step is more than trainer.max_staleness=0"):
+        drop_stale(batch([1, 1], ["a", "a"]), now=3, max_staleness=0)
+
+
+def test_generation_seeds_depend_on_the_step_and_round_only():
+    seeds = {generation_seed(0, step, r) for step in range(50) for r in range(5)}
+    assert len(seeds) == 250
+    assert generation_seed(1, 3, 0) == 1_000_003 + 300_000
+
+
+def test_trainer_mode_is_checked_before_launch():
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as info:
+            check_config(load_config(EXAMPLES / "ppo_tiny.yaml", list(overrides)))
+        return str(info.value)
+
+    assert "trainer.mode 'async_v2' is not one of ('sync', 'one_step_off')" in problems("trainer.mode=async_v2")
+    assert "give the rollout a pool of its own (trainer.placement.rollout" in problems("trainer.mode=one_step_off")
+    ray = ["trainer.launcher=ray", "trainer.placement={rollout: 2}", "trainer.mode=one_step_off"]
+    assert "trainer.max_staleness must be >= 1, got 0" in problems(*ray, "trainer.max_staleness=0")
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ray))
+    with pytest.raises(ValueError, match="trainer.mode 'later' is not one of"):
+        build_schedule("later", 1)
