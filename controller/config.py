@@ -399,6 +399,9 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
     problems += _launch_problems(trainer)
     problems += _schedule_problems(trainer)
+    if trainer.mode == "one_step_off" and alg.name == "dapo" and alg.dynamic_sampling is not False:
+        problems.append("trainer.mode one_step_off does not yet run DAPO's dynamic sampling (its extra generation "
+                        "rounds within a step); set algorithm.dynamic_sampling=false or trainer.mode=sync")
     pools = {}
     try:
         pools = job_pools(trainer)

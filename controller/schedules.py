@@ -94,7 +94,8 @@ class OneStepOff:
     def __init__(self, max_staleness: int = 1) -> None:
         self.max_staleness = max_staleness
         self.in_flight = None  # (prompts, the generation's future, its policy version)
-        self.ready: tuple[DataProto, DataProto, int] | None = None  # a generated batch loaded from a checkpoint
+        # A batch generated ahead and already collected (at a checkpoint, or loaded from one)
+        self.ready: tuple[DataProto, DataProto, int] | None = None
 
     def _launch(self, trainer: RLTrainer, state: StepState, step: int) -> None:
         prompts = trainer.algorithm.before_generation(trainer, state, trainer.loader.next_batch())

@@ -53,5 +53,6 @@ def test_trainer_mode_is_checked_before_launch():
     ray = ["trainer.launcher=ray", "trainer.placement={rollout: 2}", "trainer.mode=one_step_off"]
     assert "trainer.max_staleness must be >= 1, got 0" in problems(*ray, "trainer.max_staleness=0")
     check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ray))
+    assert "does not yet run DAPO's dynamic sampling" in problems(*ray, "algorithm.name=dapo", "rollout.sampling.n=2")
     with pytest.raises(ValueError, match="trainer.mode 'later' is not one of"):
         build_schedule("later", 1)
