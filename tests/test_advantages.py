@@ -222,6 +222,6 @@ def test_gae_over_a_multi_turn_mask_skips_the_tool_tokens():
         compact = AdvantageInputs(rewards[row, keep][None], torch.ones(1, n, dtype=torch.long),
                                   values=values[row, keep][None])
         c_adv, c_ret = compute_advantages("gae", compact, config)
-        close(adv[row, keep][None], c_adv)
-        close(ret[row, keep][None], c_ret)
+        close(adv[row, keep][None], c_adv.tolist())
+        close(ret[row, keep][None], c_ret.tolist())
         assert (adv[row, ~keep] == 0).all() and (ret[row, ~keep] == 0).all()
