@@ -318,7 +318,7 @@ def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
     return pools
 
 
-def _schedule_problems(trainer: TrainerConfig) -> list[str]:
+def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig) -> list[str]:
     from controller.schedules import TRAINER_MODES
 
     if trainer.mode not in TRAINER_MODES:
@@ -333,6 +333,9 @@ def _schedule_problems(trainer: TrainerConfig) -> list[str]:
         if trainer.max_staleness < 1:
             problems.append(f"trainer.mode one_step_off trains on samples one update stale: trainer.max_staleness "
                             f"must be >= 1, got {trainer.max_staleness}")
+        if alg.name == "dapo" and alg.dynamic_sampling is not False:
+            problems.append("trainer.mode one_step_off does not yet run DAPO's dynamic sampling (its extra "
+                            "generation rounds within a step); set algorithm.dynamic_sampling=false or trainer.mode=sync")
     return problems
 
 
@@ -398,10 +401,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
     problems += _launch_problems(trainer)
-    problems += _schedule_problems(trainer)
-    if trainer.mode == "one_step_off" and alg.name == "dapo" and alg.dynamic_sampling is not False:
-        problems.append("trainer.mode one_step_off does not yet run DAPO's dynamic sampling (its extra generation "
-                        "rounds within a step); set algorithm.dynamic_sampling=false or trainer.mode=sync")
+    problems += _schedule_problems(trainer, alg)
     pools = {}
     try:
         pools = job_pools(trainer)

@@ -17,6 +17,7 @@ training parameters are only read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,8 +29,8 @@ from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
 from hybridengine.reshard_plan import GenerationLayout
-from hybridengine.resharder import GenParamSource, generation_sources
-from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
+from hybridengine.resharder import GenParamSource, bucket_blocks, bucket_sources, generation_sources
+from hybridengine.tp_layout import split_tp_shard
 
 __all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink", "plan_for_model", "segment_bytes"]
 
@@ -61,13 +62,6 @@ class StandaloneLink:
         return self.group.recv([tensor], peer, tag)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
     return generation_sources(spec, plan.colocated, plan.colocated_rank(gen_tp, gen_pp))
 
@@ -77,18 +71,24 @@ def _piece_shape(source: GenParamSource, index: int, slices: int) -> tuple[int, 
     return tuple(source.param.shape) if slices > 1 else tuple(source.train_shapes[index])
 
 
+def _segment_sizes(sources: Sequence[GenParamSource], segments: int, slices: int) -> tuple[int, ...]:
+    """Elements each segment (micro-DP member) contributes to ``sources``."""
+    sizes = [0] * segments
+    for s in sources:
+        for i, m in enumerate(s.members):
+            sizes[m] += math.prod(_piece_shape(s, i, slices))
+    return tuple(sizes)
+
+
 def segment_bytes(spec: ModelSpec, plan: CrossPoolPlan, element_size: int):
     """``(gen_tp, gen_pp, position) -> bytes`` of one segment for ``spec`` (replicated norms travel once)."""
     cache: dict[tuple[int, int], list[int]] = {}
 
     def size(gen_tp: int, gen_pp: int, position: int) -> int:
         if (gen_tp, gen_pp) not in cache:
-            slices = plan.shard_segments(gen_tp, gen_pp)[0].slices
-            counts = [0] * len(plan.shard_segments(gen_tp, gen_pp))
-            for s in _shard_sources(spec, plan, gen_tp, gen_pp):
-                for i, m in enumerate(s.members):
-                    counts[m] += _numel(_piece_shape(s, i, slices))
-            cache[(gen_tp, gen_pp)] = counts
+            segments = plan.shard_segments(gen_tp, gen_pp)
+            cache[(gen_tp, gen_pp)] = _segment_sizes(_shard_sources(spec, plan, gen_tp, gen_pp), len(segments),
+                                                     segments[0].slices)
         return cache[(gen_tp, gen_pp)][position] * element_size
 
     return size
@@ -105,6 +105,7 @@ def plan_for_model(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout
 class _Bucket:
     sources: tuple[GenParamSource, ...]
     sizes: tuple[int, ...]  # elements of each segment's message
+    blocks: tuple  # the copies that lay the segments' messages into the flat generation buffer
 
 
 class CrossPoolTransfer:
@@ -136,24 +137,18 @@ class CrossPoolTransfer:
         key = (gen_tp, gen_pp)
         if key not in self._buckets:
             segments = self.plan.shard_segments(gen_tp, gen_pp)
+            buckets = bucket_sources(_shard_sources(self.spec, self.plan, gen_tp, gen_pp), element_size,
+                                     self.bucket_bytes)
             slices = segments[0].slices
-            buckets, current, size = [], [], 0
-            for s in _shard_sources(self.spec, self.plan, gen_tp, gen_pp):
-                nbytes = s.param.numel * element_size
-                if current and size + nbytes > self.bucket_bytes:
-                    buckets.append(current)
-                    current, size = [], 0
-                current.append(s)
-                size += nbytes
-            if current:
-                buckets.append(current)
-            shaped = []
-            for bucket in buckets:
-                sizes = [0] * len(segments)
-                for s in bucket:
-                    for i, m in enumerate(s.members):
-                        sizes[m] += _numel(_piece_shape(s, i, slices))
-                shaped.append(_Bucket(tuple(bucket), tuple(sizes)))
+            offsets, offset = {}, 0  # where each generation parameter starts in the flat buffer
+            for s in (s for b in buckets for s in b):
+                offsets[s.param.name] = offset
+                offset += s.param.numel
+            # A slice is already the generation shard: one piece, copied whole.
+            shaped = [_Bucket(tuple(b), _segment_sizes(b, len(segments), slices),
+                              tuple(bucket_blocks(b, offsets, len(segments),
+                                                  lambda source, i: _piece_shape(source, i, slices))))
+                      for b in buckets]
             self._buckets[key] = shaped
         return self._buckets[key]
 
@@ -203,14 +198,12 @@ class CrossPoolTransfer:
         total = sum(s.param.numel for s in sources)
         if self.buffer is None or self.buffer.numel() != total or self.buffer.dtype != dtype:
             self.buffer = torch.empty(total, dtype=dtype, device=device)
-        offsets, offset, views = {}, 0, {}
+        offset, views = 0, {}
         for s in sources:
-            offsets[s.param.name] = offset
             views[s.param.name] = self.buffer[offset: offset + s.param.numel].view(s.param.shape)
             offset += s.param.numel
         # Earlier chain positions first: a rank's position-p message depends only on position p-1 elsewhere.
         routes = sorted(self.plan.routes_into(gen_rank), key=lambda r: r.chain.index(gen_rank))
-        slices = self.plan.shard_segments(coord.tp_rank, coord.pp_rank)[0].slices
         forwards: list = []
         for b, bucket in enumerate(buckets):
             parts: list[torch.Tensor | None] = [None] * len(bucket.sizes)
@@ -231,16 +224,8 @@ class CrossPoolTransfer:
                     forwards.append((self.link.isend(part, self.gen_ranks[route.chain[at + 1]], self._tag(route, b)),
                                      part))
                     self.bytes_sent += part.numel() * element
-            cursor, blocks = [0] * len(bucket.sizes), []
-            for s in bucket.sources:
-                pieces = []
-                for i, m in enumerate(s.members):
-                    shape = _piece_shape(s, i, slices)
-                    pieces.append(Piece(m, cursor[m], shape))
-                    cursor[m] += _numel(shape)
-                # A slice is already the generation shard: one piece, copied whole.
-                blocks += join_blocks(s.param.kind, pieces, offsets[s.param.name], s.param.shape)
-            copy_blocks(self.buffer, [p if p is not None else self.buffer.new_empty(0) for p in parts], blocks)
+            copy_blocks(self.buffer, [p if p is not None else self.buffer.new_empty(0) for p in parts],
+                        list(bucket.blocks))
             for work, _ in forwards:
                 work.wait()
             forwards = []

@@ -32,7 +32,8 @@ from hybridengine.ops.copy_blocks import copy_blocks
 from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
 from hybridengine.transport import Transport
 
-__all__ = ["GenParamSource", "generation_sources", "Resharder", "expected_bytes_received"]
+__all__ = ["GenParamSource", "bucket_blocks", "bucket_sources", "generation_sources", "Resharder",
+           "expected_bytes_received"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,38 @@ def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, eleme
     return element_size * sum(
         _numel(shape) for s in generation_sources(spec, plan, rank) for m, shape in zip(s.members, s.train_shapes) if m != me
     )
+
+
+def bucket_sources(sources: Sequence[GenParamSource], element_size: int, bucket_bytes: int) -> list[list[GenParamSource]]:
+    """``sources`` in order, cut into buckets of at most ``bucket_bytes`` of generation parameters (a larger
+    parameter alone in its own)."""
+    buckets, current, size = [], [], 0
+    for s in sources:
+        nbytes = s.param.numel * element_size
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += nbytes
+    return buckets + ([current] if current else [])
+
+
+def bucket_blocks(bucket: Sequence[GenParamSource], offsets: dict[str, int], members: int,
+                  piece_shape=lambda source, i: source.train_shapes[i]) -> list:
+    """The block copies that join a bucket's pieces into the flat generation buffer at ``offsets``.
+
+    Member m's pieces lie one after another in its flat part, in the bucket's order; ``piece_shape(source,
+    i)`` is the shape of ``source``'s i-th piece (its training shard by default).
+    """
+    cursor, blocks = [0] * members, []
+    for s in bucket:
+        pieces = []
+        for i, m in enumerate(s.members):
+            shape = tuple(piece_shape(s, i))
+            pieces.append(Piece(m, cursor[m], shape))
+            cursor[m] += _numel(shape)
+        blocks += join_blocks(s.param.kind, pieces, offsets[s.param.name], s.param.shape)
+    return blocks
 
 
 class Resharder:
@@ -166,15 +199,7 @@ class Resharder:
         return views
 
     def _buckets(self, element: int) -> list[list[GenParamSource]]:
-        buckets, current, size = [], [], 0
-        for s in self.sources:
-            nbytes = s.param.numel * element
-            if current and size + nbytes > self.bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(s)
-            size += nbytes
-        return buckets + ([current] if current else [])
+        return bucket_sources(self.sources, element, self.bucket_bytes)
 
     def _gather_bucket(self, bucket: list[GenParamSource], views: dict[str, torch.Tensor]) -> None:
         d_g = len(self.my_group)
@@ -186,14 +211,7 @@ class Resharder:
         own = torch.cat(own_pieces) if own_pieces else next(iter(self.params.values())).new_empty(0)
         parts = self.transport.gather_parts(self.group_keys[self.my_group], self.my_group, own, sizes)
         # Every parameter of the bucket joined into the buffer by one block copy.
-        cursor, blocks = [0] * d_g, []
-        for s in bucket:
-            pieces = []
-            for m, shape in zip(s.members, s.train_shapes):
-                pieces.append(Piece(m, cursor[m], tuple(shape)))
-                cursor[m] += _numel(shape)
-            blocks += join_blocks(s.param.kind, pieces, self.offsets[s.param.name], s.param.shape)
-        copy_blocks(self.buffer, [p.reshape(-1) for p in parts], blocks)
+        copy_blocks(self.buffer, [p.reshape(-1) for p in parts], bucket_blocks(bucket, self.offsets, d_g))
 
     def _own_pieces(self):
         """(training parameter, its copy inside the generation buffer) for every parameter this rank holds."""
