@@ -173,9 +173,13 @@ class TrainerConfig:
     seed: int = 0
     verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
     # sync: generate each step's batch, then train on it; one_step_off: the rollout (on a pool of its own,
-    # trainer.placement.rollout) generates step k+1 while step k trains (controller.schedules)
+    # trainer.placement.rollout) generates step k+1 while step k trains; async: it generates a stream of
+    # samples, interrupted by each weight update at a chunk boundary (controller.schedules)
     mode: str = "sync"
     max_staleness: int = 1  # samples more updates stale than this are not trained on (counted)
+    # async: tokens per sample per rollout call, where weight updates may interrupt; null: whole responses
+    partial_rollout_tokens: int | None = None
+    max_in_flight: int | None = None  # async: prompt groups in generation at once; null: what max_staleness allows
 
 
 @dataclass(frozen=True)
@@ -318,7 +322,7 @@ def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
     return pools
 
 
-def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig) -> list[str]:
+def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
     from controller.schedules import TRAINER_MODES
 
     if trainer.mode not in TRAINER_MODES:
@@ -326,16 +330,31 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig) -> list[str
     problems = []
     if trainer.max_staleness < 0:
         problems.append(f"trainer.max_staleness must be >= 0, got {trainer.max_staleness}")
-    if trainer.mode == "one_step_off":
+    mode = f"trainer.mode {trainer.mode}"
+    if trainer.mode != "async":
+        problems += [f"trainer.{key} is a setting of trainer.mode async (this run is {trainer.mode}); drop it"
+                     for key in ("partial_rollout_tokens", "max_in_flight") if getattr(trainer, key) is not None]
+    if trainer.mode != "sync":
         if "rollout" not in trainer.placement:
-            problems.append("trainer.mode one_step_off overlaps generation with training: give the rollout a pool "
-                            "of its own (trainer.placement.rollout, with trainer.launcher=ray)")
-        if trainer.max_staleness < 1:
-            problems.append(f"trainer.mode one_step_off trains on samples one update stale: trainer.max_staleness "
-                            f"must be >= 1, got {trainer.max_staleness}")
+            problems.append(f"{mode} overlaps generation with training: give the rollout a pool "
+                            f"of its own (trainer.placement.rollout, with trainer.launcher=ray)")
         if alg.name == "dapo" and alg.dynamic_sampling is not False:
-            problems.append("trainer.mode one_step_off does not yet run DAPO's dynamic sampling (its extra "
-                            "generation rounds within a step); set algorithm.dynamic_sampling=false or trainer.mode=sync")
+            problems.append(f"{mode} does not yet run DAPO's dynamic sampling (its extra generation rounds "
+                            f"within a step); set algorithm.dynamic_sampling=false or trainer.mode=sync")
+    if trainer.mode == "one_step_off" and trainer.max_staleness < 1:
+        problems.append(f"trainer.mode one_step_off trains on samples one update stale: trainer.max_staleness "
+                        f"must be >= 1, got {trainer.max_staleness}")
+    if trainer.mode == "async":
+        tokens, limit = trainer.partial_rollout_tokens, rollout.sampling.max_new_tokens
+        if tokens is not None and not (isinstance(tokens, int) and 1 <= tokens <= limit):
+            problems.append(f"trainer.partial_rollout_tokens must be an integer in [1, rollout.sampling.max_new_tokens="
+                            f"{limit}] (tokens per sample per rollout call), got {tokens!r}")
+        if trainer.max_in_flight is not None and not (isinstance(trainer.max_in_flight, int) and trainer.max_in_flight >= 1):
+            problems.append(f"trainer.max_in_flight must be a positive integer (prompt groups in generation at once) "
+                            f"or null, got {trainer.max_in_flight!r}")
+        if rollout.agent is not None:
+            problems.append("trainer.mode async continues single-turn responses across weight updates; multi-turn "
+                            "(rollout.agent) conversations run with trainer.mode sync or one_step_off")
     return problems
 
 
@@ -401,7 +420,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
     problems += _launch_problems(trainer)
-    problems += _schedule_problems(trainer, alg)
+    problems += _schedule_problems(trainer, alg, rollout)
     pools = {}
     try:
         pools = job_pools(trainer)

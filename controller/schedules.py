@@ -4,6 +4,13 @@
 * ``one_step_off``: with the rollout on a pool of its own, the batch of step k+1 is generated while
   step k trains, on the weights from before step k's update; every trained sample is one update stale.
   The generation pool and the training pool are busy at the same time.
+* ``async``: the rollout on its own pool generates a stream of samples (``controller.sample_stream``),
+  one rollout call always in flight; a step trains on the oldest ready prompt groups, and groups start
+  only while they can be trained within ``trainer.max_staleness`` updates. A call advances every sample
+  by at most ``trainer.partial_rollout_tokens`` tokens (default: a whole response). New weights reach
+  the rollout at the first call boundary after each update; with chunks shorter than a response they
+  interrupt the samples in the middle of their responses, which continue under them (partial rollouts;
+  ``token_versions`` records each token's version), so a long response no longer holds a step back.
 
 Every sample carries the policy version that generated it (``policy_version``: the number of actor
 updates behind its weights). At training time a sample is ``version_now - policy_version`` updates
@@ -11,8 +18,9 @@ stale; samples staler than ``trainer.max_staleness`` are not trained on and are 
 (``staleness/dropped``). Off the on-policy path the rollout correction's ``auto`` mode turns on
 (truncated importance weights between the rollout's log-probs and the trainer's).
 
-A checkpoint of a one-step-off run holds the batch generated in advance, so a resumed run trains
-on exactly the batches an uninterrupted one would have.
+A checkpoint of a one-step-off run holds the batch generated in advance, and one of an async run the
+whole stream (prompts drawn, samples in generation with their tokens so far, ready groups), so a
+resumed run trains on exactly the batches an uninterrupted one would have, losing and repeating none.
 """
 
 from __future__ import annotations
@@ -22,16 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from controller.sample_stream import SampleStream
 from workers.data_proto import DataProto
 
 if TYPE_CHECKING:
     from controller.algorithms import StepState
     from controller.trainer import RLTrainer
 
-__all__ = ["TRAINER_MODES", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale", "generation_seed",
-           "staleness_metrics", "with_sampling"]
+__all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale",
+           "generation_seed", "staleness_metrics", "with_sampling"]
 
-TRAINER_MODES = ("sync", "one_step_off")
+TRAINER_MODES = ("sync", "one_step_off", "async")
 VERSION_KEY = "policy_version"
 
 
@@ -83,7 +92,7 @@ class SyncSchedule:
     def state_dict(self, path: Path) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         pass
 
 
@@ -139,22 +148,133 @@ class OneStepOff:
             self.ready = (prompts, out, version)
         if self.ready is None:
             return {}
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(self.ready, tmp)
-        tmp.replace(path)
+        _atomic_save(self.ready, path)
         return {"generated_ahead": path.name}
 
-    def load_state_dict(self, state: dict[str, Any], path: Path) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         self.in_flight = None
-        self.ready = torch.load(path, weights_only=False) if state.get("generated_ahead") else None
+        name = state.get("generated_ahead")
+        self.ready = torch.load(directory / name, weights_only=False) if name else None
 
 
-def build_schedule(mode: str, max_staleness: int):
+class AsyncStream:
+    """A stream of samples from the rollout's own pool, one chunk always in flight (see the module's text)."""
+
+    def __init__(self, max_staleness: int = 1, partial_rollout_tokens: int | None = None,
+                 max_in_flight: int | None = None) -> None:
+        for name, value in (("partial_rollout_tokens", partial_rollout_tokens), ("max_in_flight", max_in_flight)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        self.max_staleness, self.max_in_flight = max_staleness, max_in_flight
+        self.partial_rollout_tokens = partial_rollout_tokens
+        self.stream: SampleStream | None = None  # made at the first step, from the rollout's sampling settings
+        self.saved_stream: dict[str, Any] | None = None  # a checkpoint's, until the stream is made
+        self.in_flight = None  # (the chunk call's future, its samples, the weights' version)
+        self.weights_version: int | None = None  # the policy version the rollout holds; None: not sent yet
+        self.chunks = 0  # chunk calls made; each one's sampling seed
+
+    def _stream(self, trainer: RLTrainer) -> SampleStream:
+        if self.stream is None:
+            sampling = trainer.rollout_sampling
+            chunk = self.partial_rollout_tokens or sampling.max_new_tokens
+            self.stream = SampleStream(trainer.batch_size, sampling.n, sampling.max_new_tokens, chunk,
+                                       self.max_staleness, trainer.pad_token_id, self.max_in_flight)
+        if self.saved_stream is not None:
+            self.stream.load_state_dict(self.saved_stream)
+            self.saved_stream = None
+        return self.stream
+
+    def rollout(self, trainer: RLTrainer, state: StepState) -> DataProto:
+        stream, version = self._stream(trainer), trainer.global_step
+        dropped_before = stream.dropped_samples
+        if self.weights_version != version:  # an update (or a resume) since the rollout's weights were sent
+            self._finish_chunk(trainer, state)  # the chunk in flight ends under the old weights ...
+            state.metrics["stream/interrupted_samples"] = float(stream.partial_samples())
+            trainer.record_rollout_metrics(state, trainer.rollout_link.sync())  # ... and the rest under these
+            self.weights_version = version
+        stream.drop_stale(version)
+        while not stream.has_batch():
+            if self.in_flight is None and not self._launch(trainer, state):
+                raise RuntimeError(f"the sample stream is stuck: no group can start at version {version} "
+                                   f"and only {len(stream.ready)} of the batch's {trainer.batch_size} are ready")
+            self._finish_chunk(trainer, state)
+            stream.drop_stale(version)
+        out, state.prompts = stream.take_batch()
+        self._launch(trainer, state)  # generation goes on while this batch is scored and trained on
+        with state.timed("reward"):
+            batch = out.union(trainer.score(out))
+        state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, self.max_staleness))
+        state.metrics["staleness/dropped"] = float(stream.dropped_samples - dropped_before)
+        versions = batch.batch["token_versions"]
+        spans = versions.max(-1).values - versions.masked_fill(versions < 0, versions.max() + 1).min(-1).values
+        state.metrics["stream/mixed_version_samples"] = float((spans > 0).sum())
+        state.metrics.update(stream.metrics())
+        return batch
+
+    def _launch(self, trainer: RLTrainer, state: StepState) -> bool:
+        """Draw the prompts that may start, and send the next chunk; False when nothing is left to generate."""
+        stream, version = self.stream, trainer.global_step
+        while stream.wants_prompts(version):
+            stream.add_prompts(trainer.algorithm.before_generation(trainer, state, trainer.loader.next_batch()))
+        chunk = stream.next_chunk(version)
+        if chunk is None:
+            return False
+        chunk.meta_info["sampling"]["seed"] = generation_seed(trainer.seed, self.chunks)
+        self.chunks += 1
+        future = trainer.groups["rollout"].generate_chunk.submit(chunk)
+        self.in_flight = (future, list(stream.generating), self.weights_version)
+        return True
+
+    def _finish_chunk(self, trainer: RLTrainer | None, state: StepState | None) -> None:
+        if self.in_flight is None:
+            return
+        future, sent, version = self.in_flight
+        if state is not None:
+            with state.timed("wait_rollout"):  # what generation did not hide behind training
+                out = future.result()
+            trainer.record_rollout_metrics(state, out.meta_info.pop("metrics", {}))
+        else:
+            out = future.result()
+        self.in_flight = None
+        self.stream.add_chunk(sent, out, version)
+
+    # ----------------------------------------------------------- checkpoint
+    def state_dict(self, path: Path) -> dict[str, Any]:
+        """Waits for the chunk in flight, then writes the stream to ``path``."""
+        if self.stream is None:
+            return {}
+        self._finish_chunk(None, None)
+        _atomic_save({"stream": self.stream.state_dict(), "weights_version": self.weights_version,
+                      "chunks": self.chunks}, path)
+        return {"stream": path.name}
+
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        self.in_flight = None
+        if not state.get("stream"):
+            return
+        saved = torch.load(directory / state["stream"], weights_only=False)
+        self.weights_version, self.chunks = saved["weights_version"], saved["chunks"]
+        if self.stream is not None:
+            self.stream.load_state_dict(saved["stream"])
+        else:
+            self.saved_stream = saved["stream"]
+
+
+def build_schedule(mode: str, max_staleness: int, partial_rollout_tokens: int | None = None,
+                   max_in_flight: int | None = None):
     if mode == "sync":
         return SyncSchedule()
     if mode == "one_step_off":
         return OneStepOff(max_staleness)
+    if mode == "async":
+        return AsyncStream(max_staleness, partial_rollout_tokens, max_in_flight)
     raise ValueError(f"trainer.mode {mode!r} is not one of {TRAINER_MODES}")
+
+
+def _atomic_save(value: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(value, tmp)
+    tmp.replace(path)
 
 
 def with_sampling(prompts: DataProto, sampling: dict[str, Any]) -> DataProto:

@@ -148,7 +148,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
         val_before_train=trainer_cfg.val_before_train,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle, mode=trainer_cfg.mode,
-        max_staleness=trainer_cfg.max_staleness,
+        max_staleness=trainer_cfg.max_staleness, partial_rollout_tokens=trainer_cfg.partial_rollout_tokens,
+        max_in_flight=trainer_cfg.max_in_flight,
     )
     for role, shape in job_pools(trainer_cfg).items():
         if role != "default":

@@ -89,10 +89,15 @@ class RLTrainer:
         shuffle: bool = True,
         mode: str = "sync",
         max_staleness: int = 1,
+        partial_rollout_tokens: int | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
-        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync",
-        or "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains; samples
-        more than ``max_staleness`` updates stale are not trained on); see ``controller.schedules``."""
+        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync";
+        "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains); or "async"
+        (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None: whole
+        responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
+        allows). Samples more than ``max_staleness`` updates stale are not trained on; see
+        ``controller.schedules``."""
         safe_rlhf = cost_fn is not None or cost_model is not None
         if not isinstance(algorithm, RLAlgorithm):
             config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
@@ -109,7 +114,7 @@ class RLTrainer:
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
         self.mode = mode
-        self.schedule = build_schedule(mode, max_staleness)
+        self.schedule = build_schedule(mode, max_staleness, partial_rollout_tokens, max_in_flight)
         self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
         # None: the default pool spans the launcher's world (torchrun's WORLD_SIZE, else one process).
         self.pool_shapes: dict[str, PoolShape | None] = {
@@ -124,7 +129,7 @@ class RLTrainer:
         self.logger = logger
         self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
         rollout_config = RolloutConfig.from_value(rollout.kwargs.get("config"))
-        sampling = rollout_config.sampling
+        self.rollout_sampling = sampling = rollout_config.sampling
         self.max_response_length = rollout_config.max_response_length  # a conversation's, for agent rollouts
         self.old_log_probs_from_update = old_log_probs_from_update(
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
@@ -263,7 +268,7 @@ class RLTrainer:
         if step is not None:
             self.global_step = step
         alg, state = self.algorithm, StepState(self.global_step)
-        batch = self.schedule.rollout(self, state)  # sync: generated now; one_step_off: during the last step
+        batch = self.schedule.rollout(self, state)  # sync: generated now; else while earlier steps trained
         batch = alg.after_scoring(self, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
         batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
         with state.timed("adv"):

@@ -3,7 +3,8 @@
     runs/x/checkpoints/actor/step_00000004/...      megatron distributed checkpoints (workers)
     runs/x/checkpoints/critic/step_00000004/...
     runs/x/checkpoints/trainer/step_00000004.json   step, data loader position, the algorithm's state
-    runs/x/checkpoints/trainer/step_00000004.generated.pt   one-step-off: the batch generated ahead
+    runs/x/checkpoints/trainer/step_00000004.schedule.pt    one-step-off: the batch generated ahead;
+                                                            async: the sample stream
     runs/x/checkpoints/trainer/latest               the name of the newest complete one
 
 A step's checkpoint exists once ``trainer/latest`` names it; each file is written to a temporary
@@ -45,8 +46,8 @@ class TrainerCheckpoint:
                 trainer.groups[role].save_checkpoint(str(self.root / role), step)
         trainer_dir = self.root / "trainer"
         trainer_dir.mkdir(parents=True, exist_ok=True)
-        # One-step-off: the batch generated ahead (written before the commit point, so it is part of this step).
-        schedule = trainer.schedule.state_dict(trainer_dir / f"step_{step:08d}.generated.pt")
+        # One-step-off's batch generated ahead, async's stream (before the commit point: part of this step).
+        schedule = trainer.schedule.state_dict(trainer_dir / f"step_{step:08d}.schedule.pt")
         state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
                  **trainer.algorithm.state_dict()}
         _atomic_write(trainer_dir / f"step_{step:08d}.json", json.dumps(state))
@@ -64,7 +65,7 @@ class TrainerCheckpoint:
             if role in trainer.groups:
                 trainer.groups[role].load_checkpoint(str(self.root / role / f"step_{step:08d}"))
         trainer.loader.load_state_dict(state["loader"])
-        trainer.schedule.load_state_dict(state.get("schedule", {}), pointer.parent / f"step_{step:08d}.generated.pt")
+        trainer.schedule.load_state_dict(state.get("schedule", {}), pointer.parent)
         trainer.algorithm.load_state_dict(state)
         trainer.global_step = step
         return step

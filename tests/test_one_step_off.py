@@ -4,9 +4,11 @@ step k trains.
 Checked: step 1 trains on fresh samples and every later step on samples exactly one update stale
 (the staleness metrics); the rollout correction is on by default off the on-policy path and sees the
 staleness (a KL between the rollout's and the trainer's log-probs that is 0 on step 1's fresh samples,
-up to kernel rounding, and clearly not after); and a run stopped after step 2 and resumed reproduces
-the uninterrupted run's step 3 exactly, since the checkpoint holds the batch generated ahead.
+up to kernel rounding, and clearly not after); and the run resumed from its step-2 checkpoint reproduces
+its own step 3 exactly, since the checkpoint holds the batch generated ahead.
 """
+
+import shutil
 
 import pytest
 
@@ -23,14 +25,24 @@ COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor
             "rollout_corr/kl_k1", "staleness/mean")
 
 
-def train(run_dir, model, *extra):  # noqa: F811
-    proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={run_dir}", *extra)
+def train(run_dir, model, *extra, job=JOB):  # noqa: F811
+    proc = hybridflow("train", *job, f"model_path={model}", f"trainer.run_dir={run_dir}", *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return read_metrics(run_dir)
 
 
+def stopped_at(run_dir, step: int, copy):
+    """A copy of ``run_dir`` as a run stopped right after saving ``step``: later checkpoints gone."""
+    shutil.copytree(run_dir, copy)
+    for later in copy.glob("checkpoints/*/step_*"):
+        if int(later.name.removeprefix("step_")[:8]) > step:
+            shutil.rmtree(later) if later.is_dir() else later.unlink()
+    (copy / "checkpoints" / "trainer" / "latest").write_text(f"step_{step:08d}.json")
+    return copy
+
+
 def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, model):  # noqa: F811
-    whole = train(tmp_path / "whole", model, "trainer.total_steps=3", "trainer.save_every=0")
+    whole = train(tmp_path / "whole", model, "trainer.total_steps=3", "trainer.save_every=2")
     assert [m["step"] for m in whole] == [1, 2, 3]
     assert [m["staleness/mean"] for m in whole] == [0.0, 1.0, 1.0]
     assert [m["staleness/max"] for m in whole] == [0.0, 1.0, 1.0]
@@ -38,10 +50,11 @@ def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, mode
                for m in whole)
     assert all("rollout_corr/weight_mean" in m for m in whole)  # truncated IS: on by default off-policy
     assert abs(whole[0]["rollout_corr/kl_k1"]) < 1e-5 < abs(whole[1]["rollout_corr/kl_k1"])
-    assert all("timing_s/wait_rollout" in m and m["weight_transfer/bytes"] > 0 for m in whole)
+    assert all(m["weight_transfer/bytes"] > 0 for m in whole)
+    # Step 3's batch was collected by the step-2 checkpoint, so only steps 1 and 2 waited for theirs.
+    assert ["timing_s/wait_rollout" in m for m in whole] == [True, True, False]
 
-    stopped = tmp_path / "stopped"
-    train(stopped, model, "trainer.total_steps=2", "trainer.save_every=2")
+    stopped = stopped_at(tmp_path / "whole", 2, tmp_path / "stopped")
     resumed = train(stopped, model, "trainer.total_steps=3", "trainer.save_every=2", "trainer.resume=true")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for ours, theirs in zip(resumed, whole):

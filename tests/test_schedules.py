@@ -48,11 +48,25 @@ def test_trainer_mode_is_checked_before_launch():
             check_config(load_config(EXAMPLES / "ppo_tiny.yaml", list(overrides)))
         return str(info.value)
 
-    assert "trainer.mode 'async_v2' is not one of ('sync', 'one_step_off')" in problems("trainer.mode=async_v2")
+    assert "trainer.mode 'async_v2' is not one of ('sync', 'one_step_off', 'async')" in problems("trainer.mode=async_v2")
     assert "give the rollout a pool of its own (trainer.placement.rollout" in problems("trainer.mode=one_step_off")
     ray = ["trainer.launcher=ray", "trainer.placement={rollout: 2}", "trainer.mode=one_step_off"]
     assert "trainer.max_staleness must be >= 1, got 0" in problems(*ray, "trainer.max_staleness=0")
     check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ray))
     assert "does not yet run DAPO's dynamic sampling" in problems(*ray, "algorithm.name=dapo", "rollout.sampling.n=2")
+    # async: the same pool rule, and its own settings checked against the rollout's
+    assert "trainer.mode async overlaps generation with training" in problems("trainer.mode=async")
+    asynchronous = ["trainer.launcher=ray", "trainer.placement={rollout: 2}", "trainer.mode=async"]
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*asynchronous, "trainer.max_staleness=0",
+                                                          "trainer.partial_rollout_tokens=6", "trainer.max_in_flight=4"]))
+    assert ("trainer.partial_rollout_tokens must be an integer in [1, rollout.sampling.max_new_tokens=6] (tokens per "
+            "sample per rollout call), got 7") in problems(*asynchronous, "trainer.partial_rollout_tokens=7")
+    assert "trainer.max_in_flight must be a positive integer" in problems(*asynchronous, "trainer.max_in_flight=0")
+    assert "trainer.mode async does not yet run DAPO's dynamic sampling" in problems(
+        *asynchronous, "algorithm.name=dapo", "rollout.sampling.n=2")
+    assert ("trainer.partial_rollout_tokens is a setting of trainer.mode async (this run is one_step_off); drop it"
+            in problems(*ray, "trainer.partial_rollout_tokens=2"))
+    with pytest.raises(ConfigError, match=r"trainer.mode async continues single-turn responses .* multi-turn"):
+        check_config(load_config(EXAMPLES / "calculator_agent.yaml", asynchronous))
     with pytest.raises(ValueError, match="trainer.mode 'later' is not one of"):
         build_schedule("later", 1)

@@ -2,7 +2,8 @@
 
 Stops: the EOS id is set to a token that greedy decoding produces, and a
 stop string is the text of another. The shard loader refuses a shard that
-lacks a fused group. Writes OUT/standalone.pt.
+lacks a fused group. Greedy partial rollouts (``generate_chunk``) continue where they stopped. Writes
+OUT/standalone.pt.
 """
 
 import argparse
@@ -30,6 +31,27 @@ class ProbeRollout(Rollout):
         return "no error"
 
 
+def greedy_in_chunks(rollout, prompt: list[int], greedy: list[int]) -> list:
+    """Async mode's partial rollouts: two rows of one prompt, the second 4 greedy tokens ahead, continued 4
+    tokens a call (the last call mixes the limits 4 and 2); each call's output."""
+    from workers.data_proto import DataProto
+
+    responses = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros(2, 10, dtype=torch.long)
+    responses[1, :4], mask[1, :4] = torch.tensor(greedy[:4]), 1
+    partial = DataProto({"prompts": torch.tensor([prompt, prompt]), "prompt_mask": torch.ones(2, len(prompt), dtype=torch.long),
+                         "responses": responses, "response_mask": mask, "rollout_log_probs": torch.zeros(2, 10)},
+                        meta_info={"sampling": {"greedy": True, "ignore_eos": True, "max_new_tokens": 4, "seed": None}})
+    outputs = []
+    for _ in range(2):
+        out = rollout.generate_chunk(partial)
+        outputs.append(out)
+        partial = DataProto({**partial.batch, **{k: out.batch[k] for k in ("responses", "response_mask",
+                                                                             "rollout_log_probs")}},
+                            meta_info=partial.meta_info)
+    return outputs
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -49,6 +71,7 @@ def main():
     result["stop"] = stop
     result["stopped"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, stop=[stop]))
     result["short"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, max_new_tokens=4))
+    result["chunks"] = greedy_in_chunks(rollout, PROMPTS[0], greedy)
     result["missing_qkv"] = rollout.load_without_v()
     torch.save(result, os.path.join(args.out, "standalone.pt"))
 

@@ -105,5 +105,15 @@ def test_standalone_vllm_rollout_stops_and_refuses_partial_shards(tmp_path):
     stop_at = greedy.index(greedy[1])  # one character per token: the stop text first appears here
     assert responses(result["stopped"]) == [greedy[: stop_at + 1]]  # the stop string's token ends it
     assert responses(result["short"]) == [greedy[:4]] and result["short"].batch["responses"].shape[1] == 4
+    # Partial rollouts: continued 4 tokens a call, both rows follow HF's greedy tokens; the row 4 ahead ends at
+    # max_new_tokens on the second call (limit 2) and says so; log-probs match the one-call generation's.
+    first, second = result["chunks"]
+    assert [responses(first)[0], responses(first)[1]] == [greedy[:4], greedy[:8]]
+    assert [responses(second)[0], responses(second)[1]] == [greedy[:8], greedy]
+    assert first.batch["finished"].tolist() == [False, False] and second.batch["finished"].tolist() == [False, True]
+    whole = result["no_eos"].batch["rollout_log_probs"][0]
+    assert torch.allclose(second.batch["rollout_log_probs"][1, 4:], whole[4:], atol=1e-5)
+    assert torch.allclose(second.batch["rollout_log_probs"][0, :8], whole[:8], atol=1e-5)
+    assert second.batch["rollout_log_probs"][1, :4].abs().sum() == 0  # given as zeros: come back as given
     (refusal,) = result["missing_qkv"]
     assert "ShardLoadError" in refusal and "missing ['model.layers.0.self_attn.qkv_proj.weight'" in refusal

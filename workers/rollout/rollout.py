@@ -22,6 +22,7 @@ of one generation TP x PP group sees the same prompts.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from workers.dispatch import Dispatch
 from workers.register import register
 from workers.role_spec import RoleSpec
 from workers.rollout.batch import (
+    Completion,
+    GenerationRequest,
     PromptError,
     build_requests,
     build_rollout_batch,
@@ -106,7 +109,9 @@ class Rollout(BaseWorker):
                 eos_token_id=self.eos_token_id, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
                 seed=cfg.seed, dummy_weights=self.actor is not None or self.training is not None,
                 enforce_eager=cfg.enforce_eager,
-                sleep_between_rollouts=cfg.sleep_between_rollouts,
+                # Only a rollout sharing the actor's devices frees them between rollouts: one fed across pools
+                # (or serving its own checkpoint) keeps its weights, which a level-2 sleep would discard.
+                sleep_between_rollouts=cfg.sleep_between_rollouts and self.actor is not None,
             )
         else:
             from workers.rollout.megatron_engine import MegatronGenerator
@@ -151,6 +156,65 @@ class Rollout(BaseWorker):
         completions, metrics = self._on_current_weights(lambda: self.generator.generate(requests, sampling))
         batch = build_rollout_batch(prompts, requests, completions, sampling, cfg.max_prompt_length, self.pad_token_id)
         return self._with_metrics(batch, metrics, start)
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def generate_chunk(self, partial: DataProto) -> DataProto:
+        """The next tokens of partially generated samples: async mode's partial rollouts (``controller.sample_stream``).
+
+        Each row is one sample: its prompt (``prompts``, left-padded, with ``prompt_mask``) and its response so far
+        (``responses``, right-padded to the configured max_new_tokens, the first ``response_mask.sum()`` of them
+        generated). It continues from there on the weights the rollout holds now, for at most
+        ``meta_info["sampling"]["max_new_tokens"]`` more tokens and never past the configured max_new_tokens.
+        Returns the extended ``responses``, ``response_mask`` and ``rollout_log_probs`` (the rows' own log-probs
+        before this chunk come back as given) and ``finished`` (EOS or a stop string, or the full length), with
+        the generation's metrics. Row i draws from the seed ``sampling.seed + i`` (its global row index).
+        """
+        cfg = self.config
+        if self.agent is not None:
+            raise ValueError("partial rollouts continue single-turn responses; a multi-turn (agent) rollout "
+                             "generates whole conversations with generate_sequences")
+        start = time.perf_counter()
+        sampling = cfg.sampling.updated({**partial.meta_info.get("sampling", {}), "n": 1})
+        responses = partial.batch["responses"].clone()
+        response_mask = partial.batch["response_mask"].clone()
+        log_probs = partial.batch["rollout_log_probs"].clone()
+        width = responses.shape[1]
+        if width != cfg.sampling.max_new_tokens:
+            raise ValueError(f"partial responses are {width} wide; this rollout generates {cfg.sampling.max_new_tokens}")
+        lengths = response_mask.sum(-1).tolist()
+        first_index = self.layout.coordinate(self.rank).dp_rank * len(partial)
+        prompts, prompt_mask = partial.batch["prompts"], partial.batch["prompt_mask"].bool()
+        requests = [GenerationRequest(tuple(prompts[i][prompt_mask[i]].tolist() + responses[i, :lengths[i]].tolist()),
+                                      sampling.request_seed(first_index + i, 0)) for i in range(len(partial))]
+        # Rows with fewer tokens left than a chunk run as a second batch, under their own limit.
+        limits = [min(sampling.max_new_tokens, width - length) for length in lengths]
+        if min(limits) < 1:
+            raise ValueError(f"row {limits.index(min(limits))} is already {width} tokens long: nothing is left to generate")
+
+        def generate() -> list[Completion]:
+            completions: list[Completion | None] = [None] * len(requests)
+            for limit in sorted(set(limits), reverse=True):
+                rows = [i for i, lim in enumerate(limits) if lim == limit]
+                for i, done in zip(rows, self.generator.generate([requests[i] for i in rows],
+                                                                 replace(sampling, max_new_tokens=limit))):
+                    completions[i] = done
+            return completions
+
+        completions, metrics = self._on_current_weights(generate)
+        finished = torch.zeros(len(partial), dtype=torch.bool)
+        for i, completion in enumerate(completions):
+            begin, count = lengths[i], len(completion.token_ids)
+            responses[i, begin:begin + count] = torch.tensor(completion.token_ids, dtype=torch.long)
+            log_probs[i, begin:begin + count] = torch.tensor(completion.log_probs, dtype=torch.float32)
+            response_mask[i, begin:begin + count] = 1
+            finished[i] = completion.finish_reason == "stop" or begin + count >= width
+        tokens = sum(len(c.token_ids) for c in completions)
+        metrics.update({"rollout/response_tokens": tokens, "timing_s/rollout": time.perf_counter() - start,
+                        "rollout/tokens_per_s": tokens / metrics["timing_s/gen"] if metrics["timing_s/gen"] > 0 else 0.0})
+        return DataProto({"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs,
+                          "finished": finished},
+                         {"finish_reason": ["stop" if c.finish_reason == "stop" else "length" for c in completions]},
+                         {"metrics": metrics, "temperature": sampling.logprob_temperature})
 
     def _on_current_weights(self, generate) -> tuple[Any, dict[str, Any]]:
         """``generate()`` on the actor's weights as they are now (resharded in, released after), timed."""
