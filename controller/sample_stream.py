@@ -32,7 +32,7 @@ import torch
 from workers.data_proto import DataProto
 from workers.rollout.batch import sequence_tensors
 
-__all__ = ["Sample", "SampleStream"]
+__all__ = ["Sample", "SampleStream", "mixed_version_samples"]
 
 
 @dataclass
@@ -51,6 +51,13 @@ class Sample:
     @property
     def policy_version(self) -> int:
         return min(self.versions)
+
+
+def mixed_version_samples(token_versions: torch.Tensor) -> int:
+    """Rows of ``token_versions`` (-1 on padding) whose tokens come from more than one policy version."""
+    newest = token_versions.max(-1).values
+    oldest = token_versions.masked_fill(token_versions < 0, torch.iinfo(token_versions.dtype).max).min(-1).values
+    return int((newest > oldest).sum())
 
 
 class SampleStream:
@@ -112,23 +119,30 @@ class SampleStream:
         self.drop_stale(version)
         if not self.generating:
             return None
-        rows = self.generating
-        prompt_width = max(len(s.prompt_ids) for s in rows)
-        prompts = torch.full((len(rows), prompt_width), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(len(rows), prompt_width, dtype=torch.long)
-        responses = torch.full((len(rows), self.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(len(rows), self.max_new_tokens, dtype=torch.long)
-        log_probs = torch.zeros(len(rows), self.max_new_tokens)
+        padded = self._padded(self.generating)
+        padded.pop("token_versions")
+        return DataProto(padded, meta_info={"sampling": {"max_new_tokens": self.chunk_tokens}})
+
+    def _padded(self, rows: list[Sample]) -> dict[str, torch.Tensor]:
+        """``rows``' prompts left-padded (``prompts``, ``prompt_mask``) and their tokens so far right-padded to
+        max_new_tokens (``responses``, ``response_mask``, ``rollout_log_probs``, ``token_versions``: -1 on padding)."""
+        prompt_width, width = max(len(s.prompt_ids) for s in rows), self.max_new_tokens
+        out = {"prompts": torch.full((len(rows), prompt_width), self.pad_token_id, dtype=torch.long),
+               "prompt_mask": torch.zeros(len(rows), prompt_width, dtype=torch.long),
+               "responses": torch.full((len(rows), width), self.pad_token_id, dtype=torch.long),
+               "response_mask": torch.zeros(len(rows), width, dtype=torch.long),
+               "rollout_log_probs": torch.zeros(len(rows), width),
+               "token_versions": torch.full((len(rows), width), -1, dtype=torch.long)}
         for row, sample in enumerate(rows):
-            prompts[row, prompt_width - len(sample.prompt_ids):] = torch.tensor(sample.prompt_ids)
-            prompt_mask[row, prompt_width - len(sample.prompt_ids):] = 1
+            out["prompts"][row, prompt_width - len(sample.prompt_ids):] = torch.tensor(sample.prompt_ids)
+            out["prompt_mask"][row, prompt_width - len(sample.prompt_ids):] = 1
             if sample.tokens:
-                responses[row, :len(sample.tokens)] = torch.tensor(sample.tokens)
-                response_mask[row, :len(sample.tokens)] = 1
-                log_probs[row, :len(sample.tokens)] = torch.tensor(sample.log_probs)
-        return DataProto({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                          "response_mask": response_mask, "rollout_log_probs": log_probs},
-                         meta_info={"sampling": {"max_new_tokens": self.chunk_tokens}})
+                length = len(sample.tokens)
+                out["responses"][row, :length] = torch.tensor(sample.tokens, dtype=torch.long)
+                out["response_mask"][row, :length] = 1
+                out["rollout_log_probs"][row, :length] = torch.tensor(sample.log_probs)
+                out["token_versions"][row, :length] = torch.tensor(sample.versions, dtype=torch.long)
+        return out
 
     def add_chunk(self, sent: list[Sample], out: DataProto, version: int) -> None:
         """The rollout's answer to a chunk of ``sent`` (``self.generating`` when it was made), generated at ``version``."""
@@ -190,23 +204,11 @@ class SampleStream:
         groups, self.ready = self.ready[:self.batch_size], self.ready[self.batch_size:]
         self.trained += len(groups)
         rows = [s for g in groups for s in g]
-        prompt_width = max(len(s.prompt_ids) for s in rows)
-        width = self.max_new_tokens
-        prompts = torch.full((len(rows), prompt_width), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(len(rows), prompt_width, dtype=torch.long)
-        responses = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(len(rows), width, dtype=torch.long)
-        log_probs = torch.zeros(len(rows), width)
-        token_versions = torch.full((len(rows), width), -1, dtype=torch.long)
-        for row, s in enumerate(rows):
-            prompts[row, prompt_width - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-            prompt_mask[row, prompt_width - len(s.prompt_ids):] = 1
-            responses[row, :len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-            response_mask[row, :len(s.tokens)] = 1
-            log_probs[row, :len(s.tokens)] = torch.tensor(s.log_probs)
-            token_versions[row, :len(s.tokens)] = torch.tensor(s.versions, dtype=torch.long)
-        tensors = sequence_tensors(prompts, prompt_mask, responses, response_mask, response_mask, log_probs)
-        tensors["token_versions"] = token_versions
+        padded = self._padded(rows)
+        prompts, prompt_mask, response_mask = padded["prompts"], padded["prompt_mask"], padded["response_mask"]
+        tensors = sequence_tensors(prompts, prompt_mask, padded["responses"], response_mask, response_mask,
+                                   padded["rollout_log_probs"])
+        tensors["token_versions"] = padded["token_versions"]
         tensors["policy_version"] = torch.tensor([s.policy_version for s in rows], dtype=torch.long)
         fields = {key: [s.fields[key] for s in rows] for key in rows[0].fields}
         fields["finish_reason"] = [s.finish_reason for s in rows]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controller.sample_stream import SampleStream
+from controller.sample_stream import SampleStream, mixed_version_samples
 from workers.data_proto import DataProto
 
 if TYPE_CHECKING:
@@ -205,9 +205,7 @@ class AsyncStream:
             batch = out.union(trainer.score(out))
         state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, self.max_staleness))
         state.metrics["staleness/dropped"] = float(stream.dropped_samples - dropped_before)
-        versions = batch.batch["token_versions"]
-        spans = versions.max(-1).values - versions.masked_fill(versions < 0, versions.max() + 1).min(-1).values
-        state.metrics["stream/mixed_version_samples"] = float((spans > 0).sum())
+        state.metrics["stream/mixed_version_samples"] = float(mixed_version_samples(batch.batch["token_versions"]))
         state.metrics.update(stream.metrics())
         return batch
 
