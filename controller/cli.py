@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from controller.torchrun_backend import under_torchrun
+from hybridengine.device import allocator_env
 from workers.console import configure_console
 
 
@@ -82,7 +83,7 @@ def _torchrun(trainer, argv: list[str]) -> int:
     # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
     # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // trainer.nproc))
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads})
+    return subprocess.call(command, env={**os.environ, **allocator_env(), "OMP_NUM_THREADS": threads})
 
 
 def _ray_cluster(config):

@@ -1,14 +1,24 @@
 """The 3D-HybridEngine's executor: training shards -> this rank's generation shard, and back.
 
 For a gather plan each rank all-gathers, within its micro-DP group, the
-training shards that make up its generation shard, bucket by bucket, and
-joins them into one flat generation buffer laid out parameter by parameter
-in the generation stage's order, so each generation parameter is a view of
-the buffer. Temporary memory is one bucket. For a slice plan nothing is sent:
-generation parameters are views (fc1: a copy) of the rank's own shards.
+training shards that make up its generation shard into one flat generation
+buffer, so each generation parameter is a view of the buffer. What moves in
+which collective is a ``GatherSchedule``, computed once at construction:
+row-joined parameters are gathered straight into their place in the buffer;
+the rest arrive in a staging area and are laid out by one block copy per
+unit. The collectives run two at a time: unit k+1's is in flight while unit
+k is laid out. Temporary memory is two staging areas, at most one bucket.
+For a slice plan nothing is sent: generation parameters are views (fc1: a
+copy) of the rank's own shards.
+
+Buckets are sized from a ``CollectiveProfile`` (the link's latency and
+bandwidth, configured or measured): large enough that a collective's fixed
+cost is small beside its bytes, and a parameter goes in place when the copy
+it saves costs more than a collective of its own.
 
 Training parameters are only read. Returning to training drops the buffer
-(or moves it to host memory); training continues exactly as before.
+(or moves it to host memory; on CPU it is then kept for the next step);
+training continues exactly as before.
 
 With ``release_training=True`` the rank's training shards give up their
 memory while the generation weights exist, since every byte of them also
@@ -19,21 +29,24 @@ redundant memory, as in HybridFlow section 5.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from hybridengine.device import CollectiveProfile, collective_profile
+from hybridengine.gather_schedule import GatherSchedule, GatherUnit, gather_schedule
 from hybridengine.model_spec import ModelSpec
 from hybridengine.param_catalogue import ShardKind
 from hybridengine.reshard_plan import ReshardPlan
 from hybridengine.stage_params import StageParam, stage_params
-from hybridengine.ops.copy_blocks import copy_blocks
+from hybridengine.ops.copy_blocks import copy_blocks, whole_block
 from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
 from hybridengine.transport import Transport
 
-__all__ = ["GenParamSource", "bucket_blocks", "bucket_sources", "generation_sources", "Resharder",
-           "expected_bytes_received"]
+__all__ = ["GenParamSource", "bucket_blocks", "bucket_sources", "default_bucket_bytes", "generation_sources",
+           "in_place_min_bytes", "Resharder", "expected_bytes_received"]
 
 
 @dataclass(frozen=True)
@@ -85,12 +98,19 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, element_size: int) -> int:
-    """What a gather plan must move to ``rank``: every piece its micro-DP peers hold, once."""
+    """What a gather plan must move to ``rank``: every piece its micro-DP peers hold, once.
+
+    A replicated tensor (a norm) is held whole by every member of its stage: where no stages merge, each
+    member takes its own copy and nothing moves; across a merge its first holder sends it to the group.
+    """
     if plan.kind == "slice":
         return 0
-    me = plan.ranks[rank].micro_dp_index
+    me = plan.ranks[rank]
+    one_stage = len({pp for _, pp in me.source_shards}) == 1
     return element_size * sum(
-        _numel(shape) for s in generation_sources(spec, plan, rank) for m, shape in zip(s.members, s.train_shapes) if m != me
+        _numel(shape) for s in generation_sources(spec, plan, rank)
+        if not (one_stage and s.param.kind == ShardKind.REPLICATED)
+        for m, shape in zip(s.members, s.train_shapes) if m != me.micro_dp_index
     )
 
 
@@ -126,6 +146,31 @@ def bucket_blocks(bucket: Sequence[GenParamSource], offsets: dict[str, int], mem
     return blocks
 
 
+def default_bucket_bytes(profile: CollectiveProfile, group_size: int) -> int:
+    """A bucket whose transfer takes about 16 collective latencies (the fixed cost is then ~6%), in whole MiB,
+    between 4 and 64 MiB (the fixed bucket it replaces: peak memory stays where it was)."""
+    if group_size < 2:
+        return 4 << 20
+    received_share = (group_size - 1) / group_size
+    target = 16 * profile.latency_s * profile.link_bytes_per_s / received_share
+    return int(min(max(target, 4 << 20), 64 << 20)) >> 20 << 20
+
+
+def in_place_min_bytes(profile: CollectiveProfile) -> int:
+    """Below this, a parameter's own collective costs more than the staging copy it would save."""
+    return int(profile.latency_s * profile.copy_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class _UnitPlan:
+    """A schedule unit bound to this rank: what it sends, where parts arrive, what it frees when done."""
+
+    unit: GatherUnit
+    own: tuple[torch.Tensor, ...]  # views of this rank's training shards, in send order
+    table: torch.Tensor | None  # the staged unit's block table (int64 [n, 7])
+    release: tuple[str, ...]  # own training parameters whose bytes are all in the buffer after this unit
+
+
 class Resharder:
     """Builds and drops this rank's generation weights; the same object is reused every step."""
 
@@ -136,10 +181,14 @@ class Resharder:
         rank: int,
         training_params: dict[str, torch.Tensor],
         transport: Transport,
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int | None = None,
+        profile: CollectiveProfile | None = None,
     ) -> None:
+        """``bucket_bytes``: the staging budget per step of the gather (two units in flight share it);
+        ``None`` sizes it from ``profile`` (default: ``hybridengine.device.collective_profile()``)."""
         self.spec, self.plan, self.rank, self.transport = spec, plan, rank, transport
-        self.bucket_bytes = bucket_bytes
+        self.profile = profile or collective_profile()
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(self.profile, plan.micro_dp_size)
         me = plan.ranks[rank]
         own_stage = plan.train.coordinate(rank).pp_rank
         expected = {p.name: p.shape for p in stage_params(spec, plan.train.tp, plan.train.pp, own_stage)}
@@ -151,18 +200,46 @@ class Resharder:
                              f"unexpected {extra[:3]}, wrong shapes {wrong[:3]}")
         self.params = training_params
         self.sources = generation_sources(spec, plan, rank)
-        # Where each generation parameter starts in the flat buffer (the order of self.sources).
-        self.offsets, offset = {}, 0
-        for s in self.sources:
-            self.offsets[s.param.name] = offset
-            offset += s.param.numel
         # Every rank of the world creates every micro-DP group, in the same order.
         self.group_keys = {group: transport.new_group(group) for group in plan.micro_dp_groups}
         self.my_group = me.micro_dp_group
         self.my_index = me.micro_dp_index
         self.buffer: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []
+        self._keep_staging = False  # kept between transitions only while the buffer is kept
         self.weights: dict[str, torch.Tensor] = {}
         self.released: dict[int, int] = {}  # id(training parameter) -> its storage bytes, while released
+        self.schedule: GatherSchedule | None = None
+        if plan.kind == "gather":
+            element = next(iter(training_params.values())).element_size()
+            self.schedule = gather_schedule(self.sources, me.source_shards, element, self.bucket_bytes,
+                                            in_place_min_bytes(self.profile))
+            self.offsets = self.schedule.offsets
+            self._units = self._bind(self.schedule)
+
+    def _bind(self, schedule: GatherSchedule) -> list[_UnitPlan]:
+        """The per-parameter work, done once: own send views, block tables, and when each own shard is free."""
+        stage_of = [pp for _, pp in self.plan.ranks[self.rank].source_shards]
+        mine = stage_of[self.my_index]
+        last: dict[str, int] = {}  # own training parameter -> the last unit that lands any of its bytes
+        for k, unit in enumerate(schedule.units):
+            for m, pieces in enumerate(unit.sends):
+                if stage_of[m] == mine:
+                    for p in pieces:
+                        last[p.name] = k
+        # Replicated tensors every member holds: one local block copy from the own shards.
+        self._local_sources = [self.params[p.name].view(-1) for p, _ in schedule.local]
+        self._local_table = torch.tensor([tuple(whole_block(i, p.start, at, p.length))
+                                          for i, (p, at) in enumerate(schedule.local)], dtype=torch.int64)
+        plans = []
+        for k, unit in enumerate(schedule.units):
+            own = tuple(self.params[p.name].view(-1)[p.start: p.start + p.length] for p in unit.sends[self.my_index])
+            table = None if unit.in_place else torch.tensor([tuple(b) for b in unit.blocks], dtype=torch.int64)
+            plans.append(_UnitPlan(unit, own, table, tuple(n for n, j in last.items() if j == k)))
+        # Two staging areas, used by staged units in turn: each fits its units' parts and this rank's send.
+        staged = [u for u in schedule.units if not u.in_place]
+        self._area_numel = [max(u.numel + u.sizes[self.my_index] for u in staged[i::2]) for i in range(min(len(staged), 2))]
+        return plans
 
     # ---------------------------------------------------------------- to generation
     def to_generation(self, release_training: bool = False) -> dict[str, torch.Tensor]:
@@ -180,38 +257,71 @@ class Resharder:
         return self._gather(release_training)
 
     def _gather(self, release: bool) -> dict[str, torch.Tensor]:
-        dtype = next(iter(self.params.values())).dtype
-        device = next(iter(self.params.values())).device
-        total = sum(s.param.numel for s in self.sources)
-        if self.buffer is None or self.buffer.numel() != total or self.buffer.device != device:
+        first = next(iter(self.params.values()))
+        schedule = self.schedule
+        if (self.buffer is None or self.buffer.numel() != schedule.numel or self.buffer.device != first.device
+                or self.buffer.dtype != first.dtype):
             # An offloaded buffer is not reused in place: its contents are rebuilt anyway.
-            self.buffer = torch.empty(total, dtype=dtype, device=device)
-        views = {}
-        for s in self.sources:
-            offset = self.offsets[s.param.name]
-            views[s.param.name] = self.buffer[offset : offset + s.param.numel].view(s.param.shape)
-        element = self.buffer.element_size()
-        self.weights = views
-        for bucket in self._buckets(element):
-            self._gather_bucket(bucket, views)
+            self.buffer = torch.empty(schedule.numel, dtype=first.dtype, device=first.device)
+        if [a.numel() for a in self._staging] != self._area_numel or any(
+                a.device != first.device or a.dtype != first.dtype for a in self._staging):
+            self._staging = [torch.empty(n, dtype=first.dtype, device=first.device) for n in self._area_numel]
+        self.weights = {s.param.name: self.buffer[self.offsets[s.param.name]: self.offsets[s.param.name]
+                                                  + s.param.numel].view(s.param.shape) for s in self.sources}
+        in_flight: deque = deque()
+        n_staged = 0
+        if self._local_sources:
+            copy_blocks(self.buffer, self._local_sources, self._local_table)
             if release:
-                self._release(bucket)
-        return views
+                self._release([p.name for p, _ in self.schedule.local])
+        for plan in self._units:
+            area = None
+            if not plan.unit.in_place:
+                area, n_staged = self._staging[n_staged % 2], n_staged + 1  # as _bind sized them
+            in_flight.append(self._start(plan, area))
+            if len(in_flight) == 2:  # unit k+1's collective is in flight while unit k is laid out
+                self._finish(*in_flight.popleft(), release)
+        while in_flight:
+            self._finish(*in_flight.popleft(), release)
+        if not self._keep_staging:
+            self._staging = []
+        return self.weights
 
-    def _buckets(self, element: int) -> list[list[GenParamSource]]:
-        return bucket_sources(self.sources, element, self.bucket_bytes)
+    def _start(self, plan: _UnitPlan, area: torch.Tensor | None):
+        """Post the unit's collective(s); returns what ``_finish`` needs."""
+        unit, me, key = plan.unit, self.my_index, self.group_keys[self.my_group]
+        sizes = unit.sizes
+        if unit.in_place:
+            parts = [None if t < 0 else self.buffer[t: t + n] for t, n in zip(unit.targets, sizes)]
+        else:
+            bounds = [0]
+            for n in sizes:
+                bounds.append(bounds[-1] + n)
+            parts = [area[bounds[m]: bounds[m + 1]] for m in range(len(sizes))]
+        if unit.collective == "all_gather":
+            own = plan.own[0] if len(plan.own) == 1 else torch.cat(plan.own, out=area[-sizes[me]:])
+            out = self.buffer[unit.targets[0]: unit.targets[0] + sum(sizes)] if unit.in_place else area[: sum(sizes)]
+            return plan, parts, [self.transport.all_gather_into(out, own, key, async_op=True)]
+        handles = []
+        for m, (rank, part) in enumerate(zip(self.my_group, parts)):
+            if not sizes[m]:
+                continue
+            if m == me:  # the sender's own part goes into place locally; it broadcasts from there
+                if len(plan.own) == 1 and unit.in_place:
+                    part.copy_(plan.own[0])
+                else:
+                    torch.cat(plan.own, out=part)
+            handles.append(self.transport.broadcast(part, rank, key, async_op=True))
+        return plan, parts, handles
 
-    def _gather_bucket(self, bucket: list[GenParamSource], views: dict[str, torch.Tensor]) -> None:
-        d_g = len(self.my_group)
-        sizes = [0] * d_g
-        for s in bucket:
-            for m, shape in zip(s.members, s.train_shapes):
-                sizes[m] += _numel(shape)
-        own_pieces = [self.params[name].reshape(-1) for s in bucket for m, name in zip(s.members, s.train_names) if m == self.my_index]
-        own = torch.cat(own_pieces) if own_pieces else next(iter(self.params.values())).new_empty(0)
-        parts = self.transport.gather_parts(self.group_keys[self.my_group], self.my_group, own, sizes)
-        # Every parameter of the bucket joined into the buffer by one block copy.
-        copy_blocks(self.buffer, [p.reshape(-1) for p in parts], bucket_blocks(bucket, self.offsets, d_g))
+    def _finish(self, plan: _UnitPlan, parts: list, handles: list, release: bool) -> None:
+        for handle in handles:
+            handle.wait()
+        if plan.table is not None:
+            empty = self.buffer.new_empty(0)
+            copy_blocks(self.buffer, [p if p is not None else empty for p in parts], plan.table)
+        if release:
+            self._release(plan.release)
 
     def _own_pieces(self):
         """(training parameter, its copy inside the generation buffer) for every parameter this rank holds."""
@@ -233,17 +343,14 @@ class Resharder:
         if not all(p.untyped_storage().resizable() for p in self.params.values()):
             raise ValueError("training parameters live in memory that cannot be resized (e.g. memory-mapped); cannot release them")
 
-    def _release(self, bucket: list[GenParamSource]) -> None:
-        """Free the own training shards whose bytes this bucket put into the buffer.
+    def _release(self, names: Sequence[str]) -> None:
+        """Free the own training shards whose bytes are all in the buffer now.
 
         Every own shard has a copy in the buffer, except the last stage's copy
         of tied embeddings when the generation layout has one stage: that one stays.
         """
-        own_stage = self.plan.train.coordinate(self.rank).pp_rank
-        for s in bucket:
-            if s.stage != own_stage:
-                continue
-            param = self.params[s.train_names[0]]
+        for name in names:
+            param = self.params[name]
             if id(param) not in self.released:
                 self.released[id(param)] = param.untyped_storage().nbytes()
                 param.untyped_storage().resize_(0)
@@ -268,6 +375,10 @@ class Resharder:
             self._restore_training_shards()
         self.weights = {}
         if offload and self.buffer is not None:
+            device = self.buffer.device
             self.buffer = self.buffer.cpu()
+            self._keep_staging = self.buffer.device == device  # on CPU the buffer stays where it is: keep all
         else:
-            self.buffer = None
+            self.buffer, self._keep_staging = None, False
+        if not self._keep_staging:
+            self._staging = []

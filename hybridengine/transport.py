@@ -1,11 +1,13 @@
 """Transports: how resharding moves bytes between ranks.
 
-A transport offers two collectives over groups it created, all-gather of
-equal parts and broadcast, and counts the bytes this rank receives, so the
-lower bound can be checked rather than claimed. ``gather_parts`` (every
-member's flat part, sizes possibly different or zero, to every member) is
-built on them. ``TorchTransport`` uses torch.distributed (gloo on CPU, NCCL on
-GPU); a point-to-point or RDMA transport implements the same three methods.
+A transport offers collectives over groups it created: all-gather of equal
+parts (into a list, or into one flat output, which may be a slice of the
+generation buffer) and broadcast, each optionally asynchronous, and counts
+the bytes this rank receives, so the lower bound can be checked rather than
+claimed. ``gather_parts`` (every member's flat part, sizes possibly
+different or zero, to every member) is built on them. ``TorchTransport``
+uses torch.distributed (gloo on CPU, NCCL on GPU); a point-to-point or RDMA
+transport implements the same methods.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Transport", "TorchTransport"]
+
+# torch 2.10 renamed all_gather_into_tensor (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Transport(abc.ABC):
@@ -32,8 +37,15 @@ class Transport(abc.ABC):
         """Equal-sized parts of every member, in group order."""
 
     @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any) -> None:
-        """``src``'s tensor into ``tensor`` on every member."""
+    def all_gather_into(self, out: torch.Tensor, own: torch.Tensor, group_key: Any, async_op: bool = False):
+        """Every member's equal part into the flat ``out``, member after member in group order.
+
+        Returns a handle with ``wait()`` when ``async_op``; ``out`` is ready after it.
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any, async_op: bool = False):
+        """``src``'s tensor into ``tensor`` on every member (a handle with ``wait()`` when ``async_op``)."""
 
     def gather_parts(self, group_key: Any, ranks: Sequence[int], own: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Every member's flat part, in ``ranks`` order; ``sizes`` (element counts) are known to all."""
@@ -49,6 +61,13 @@ class Transport(abc.ABC):
                 self.broadcast(buffer, rank, group_key)
             parts.append(buffer)
         return parts
+
+
+class _Done:
+    """The handle of a collective that had nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
 
 
 class TorchTransport(Transport):
@@ -70,7 +89,21 @@ class TorchTransport(Transport):
         by_rank = dict(zip(sorted(group_key), parts))
         return [by_rank[r] for r in group_key]
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any) -> None:
-        dist.broadcast(tensor, src=src, group=self._groups[group_key])
+    def all_gather_into(self, out: torch.Tensor, own: torch.Tensor, group_key: Any, async_op: bool = False):
+        if len(group_key) == 1:  # a group of one (TP -> the same TP): the own part is the whole
+            out.copy_(own)
+            return _Done() if async_op else None
+        if list(group_key) != sorted(group_key):
+            # torch orders a group's members by global rank: the flat output follows that order.
+            raise ValueError(f"all_gather_into needs a group in rank order, got {group_key}")
+        if out.numel() != own.numel() * len(group_key):
+            raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected {len(group_key)} x {own.numel()}")
+        self.bytes_received += own.numel() * own.element_size() * (len(group_key) - 1)
+        return _all_gather_single(out, own, group=self._groups[group_key], async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any, async_op: bool = False):
+        if len(group_key) == 1:
+            return _Done() if async_op else None
         if dist.get_rank() != src:
             self.bytes_received += tensor.numel() * tensor.element_size()
+        return dist.broadcast(tensor, src=src, group=self._groups[group_key], async_op=async_op)

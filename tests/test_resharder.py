@@ -102,3 +102,53 @@ def test_generation_weights_are_exact_slices_of_the_model(models, model, train, 
 
 def test_the_papers_eight_rank_example(models):
     run_in_processes(_worker, 8, str(models["llama"]), (4, 1, 2), (2, 1), 1 << 20)
+
+
+class RecordingTransport(TorchTransport):
+    """Notes where every all-gather writes: (storage pointer, first byte, bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def all_gather_into(self, out, own, group_key, async_op=False):
+        self.outputs.append((out.untyped_storage().data_ptr(), out.data_ptr(), out.numel() * out.element_size()))
+        return super().all_gather_into(out, own, group_key, async_op)
+
+
+def _in_place_worker(rank, world_size, path, train_dims, gen_dims):
+    from hybridengine.device import CollectiveProfile
+    from hybridengine.param_catalogue import ShardKind
+
+    spec = ModelSpec.from_pretrained(path)
+    train = ParallelLayout(*train_dims)
+    plan = plan_reshard(train, GenerationLayout(*gen_dims))
+    coord, me = train.coordinate(rank), plan.ranks[rank]
+    params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+    expected = shard_from_checkpoint(path, spec, gen_dims[0], gen_dims[1], me.gen_tp_rank, me.gen_pp_rank)
+    transport = RecordingTransport()
+    # A link with no fixed cost: every parameter the layout allows is gathered in place.
+    resharder = Resharder(spec, plan, rank, params, transport, profile=CollectiveProfile(1e-12, 1e9, 1e9))
+    for attempt in range(2):
+        transport.outputs.clear()
+        got = resharder.to_generation(release_training=attempt == 1)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        storage = resharder.buffer.untyped_storage().data_ptr()
+        row_joined = [s.param.name for s in resharder.sources if s.param.kind in (ShardKind.VOCAB_ROWS, ShardKind.QKV)]
+        assert row_joined
+        for name in row_joined:  # the all-gather wrote these bytes where the generation weight is: no second copy
+            w = got[name]
+            start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+            assert w.untyped_storage().data_ptr() == storage, name
+            assert any(s == storage and lo <= start and end <= lo + n for s, lo, n in transport.outputs), name
+        first = resharder.buffer.data_ptr()
+        resharder.to_training(offload=True)  # on CPU the buffer stays for the next transition
+        assert resharder.buffer is not None and resharder.buffer.data_ptr() == first
+    assert transport.bytes_received == 2 * expected_bytes_received(spec, plan, rank, 4)  # at the bound, twice
+    for name, tensor in shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank).items():
+        assert torch.equal(params[name], tensor), name  # released shards came back intact
+
+
+@pytest.mark.parametrize("train,gen", [((4, 1, 1), (1, 1)), ((2, 2, 1), (1, 1))], ids=["tp4->1", "tp2pp2->1"])
+def test_row_joined_parameters_are_gathered_into_the_generation_buffer(models, train, gen):
+    run_in_processes(_in_place_worker, train[0] * train[1] * train[2], str(models["llama"]), train, gen)

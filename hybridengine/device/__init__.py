@@ -7,6 +7,7 @@ in the project names a device type or a backend; it asks this module.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,10 @@ __all__ = [
     "kernel_devices",
     "synchronize",
     "standalone_process_group",
+    "CollectiveProfile",
+    "collective_profile",
+    "PROFILE_ENV",
+    "allocator_env",
 ]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
@@ -66,6 +71,56 @@ def standalone_process_group(host: str, port: int, rank: int, size: int, timeout
     if accelerator_available():
         return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+@dataclass(frozen=True)
+class CollectiveProfile:
+    """What one collective costs on this backend: the cost model that sizes resharding's buckets.
+
+    ``latency_s``: the fixed cost of one collective; ``link_bytes_per_s``: the
+    bytes a rank receives per second within a collective; ``copy_bytes_per_s``:
+    a local copy's speed (what laying bytes out costs).
+    """
+
+    latency_s: float
+    link_bytes_per_s: float
+    copy_bytes_per_s: float
+
+
+# Defaults: gloo between processes of one host, as measured on this project's 2-core CI machine
+# (tools/bench_reshard.py --measure-link); NCCL over NVLink inside one node.
+_CPU_PROFILE = CollectiveProfile(latency_s=2.5e-3, link_bytes_per_s=2e9, copy_bytes_per_s=2e9)
+_GPU_PROFILE = CollectiveProfile(latency_s=30e-6, link_bytes_per_s=150e9, copy_bytes_per_s=1.5e12)
+# "latency_s,link_bytes_per_s,copy_bytes_per_s" overrides the default (e.g. "20e-6,25e9,1e12" across nodes).
+PROFILE_ENV = "HYBRIDFLOW_COLLECTIVE_PROFILE"
+
+
+def collective_profile() -> CollectiveProfile:
+    """The configured cost model: ``HYBRIDFLOW_COLLECTIVE_PROFILE`` if set, else this backend's default."""
+    text = os.environ.get(PROFILE_ENV, "").strip()
+    if not text:
+        return _GPU_PROFILE if accelerator_available() else _CPU_PROFILE
+    try:
+        latency, link, copy = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{PROFILE_ENV}={text!r}: expected three numbers 'latency_s,link_bytes_per_s,"
+                         f"copy_bytes_per_s', e.g. '2.5e-3,2e9,2e9'") from None
+    if min(latency, link, copy) <= 0:
+        raise ValueError(f"{PROFILE_ENV}={text!r}: every figure must be positive")
+    return CollectiveProfile(latency, link, copy)
+
+
+def allocator_env() -> dict[str, str]:
+    """Environment for worker processes' memory allocator, to be set before they start.
+
+    On the CPU path torch's allocator backs allocations of 2 MiB and more with
+    transparent huge pages (``THP_MEM_ALLOC_ENABLE``): a fresh generation
+    buffer then takes 512 times fewer page faults to fill. It is read once,
+    at the first allocation, so launchers pass it; a user's value wins.
+    """
+    if accelerator_available():
+        return {}
+    return {"THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
 
 
 def kernel_devices() -> list[torch.device]:

@@ -19,7 +19,9 @@ __all__ = ["HybridBridge", "RESHARD_METHODS"]
 
 
 class HybridBridge:
-    def __init__(self, engine: MegatronEngine, bucket_bytes: int = 64 << 20) -> None:
+    def __init__(self, engine: MegatronEngine, bucket_bytes: int | None = None) -> None:
+        """``bucket_bytes``: the resharder's staging budget; ``None`` sizes it from the link's profile
+        (``hybridengine.device.collective_profile``)."""
         self.engine = engine
         self.bucket_bytes = bucket_bytes
         self.transport = TorchTransport()
@@ -74,7 +76,7 @@ class HybridBridge:
         element = next(engine.module().parameters()).element_size()
         plan = plan_for_model(engine.spec, engine.layout, gen, gen_dp, element, method)
         self.cross_pool = CrossPoolTransfer.standalone(engine.spec, plan, engine.groups.grid_rank, host, port,
-                                                       timeout_s, self.bucket_bytes)
+                                                       timeout_s, self.bucket_bytes or 64 << 20)
         return {"method": plan.method, "reason": plan.reason}
 
     def send_to_generation_pool(self) -> dict[str, float]:
