@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from controller.torchrun_backend import under_torchrun
-from hybridengine.device import allocator_env
 from workers.console import configure_console
 
 
@@ -20,6 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run an RL job from a YAML config (key.sub=value overrides after it)")
     train.add_argument("--config", help="a YAML file (examples/*.yaml); omitted: all defaults")
     train.add_argument("overrides", nargs="*", help="key.sub=value, e.g. algorithm.name=grpo rollout.sampling.n=4")
+    sft = commands.add_parser("sft", help="supervised fine-tuning from a YAML config (key.sub=value overrides after it)")
+    sft.add_argument("--config", help="a YAML file (examples/sft_tiny.yaml); omitted: all defaults")
+    sft.add_argument("overrides", nargs="*", help="key.sub=value, e.g. data.batch_size=32 trainer.total_steps=100")
     plot = commands.add_parser("plot", help="write PNG curves of a run's metrics")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="directory for the PNGs (default RUN_DIR/plots)")
@@ -83,7 +85,7 @@ def _torchrun(trainer, argv: list[str]) -> int:
     # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
     # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // trainer.nproc))
-    return subprocess.call(command, env={**os.environ, **allocator_env(), "OMP_NUM_THREADS": threads})
+    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads})
 
 
 def _ray_cluster(config):
@@ -124,11 +126,36 @@ def _train(args, argv: list[str]) -> int:
     return 0
 
 
+def _sft(args, argv: list[str]) -> int:
+    from controller.config import ConfigError
+    from controller.sft_config import load_sft_config
+    from controller.sft_job import prepare_sft, run_sft
+
+    prepared = None
+    try:
+        config = load_sft_config(args.config, args.overrides)
+        configure_console(config.trainer.verbose)
+        if not under_torchrun():
+            prepared = prepare_sft(config)  # the model, the examples, every config check: before any process
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"hybridflow sft: {exc}", file=sys.stderr)
+        return 2
+    if config.trainer.launcher == "torchrun" and not under_torchrun():
+        return _torchrun(config.trainer, argv)
+    run_sft(config, prepared)
+    return 0
+
+
 def _export(args, argv: list[str]) -> int:
+    import yaml
+
     from controller.config import load_config
+    from controller.sft_config import load_sft_config
     from controller.train_job import export_checkpoint
 
-    config = load_config(Path(args.run_dir) / "config.yaml")
+    saved = Path(args.run_dir) / "config.yaml"
+    kind = (yaml.safe_load(saved.read_text()) or {}).get("kind") if saved.is_file() else None
+    config = load_sft_config(saved) if kind == "sft" else load_config(saved)
     configure_console(config.trainer.verbose)
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer, argv)
@@ -141,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
+    if args.command == "sft":
+        return _sft(args, argv)
     if args.command == "plot":
         from controller.plots import plot_run
 

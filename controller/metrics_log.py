@@ -59,6 +59,8 @@ TIMING_PREFIX = "timing_s/"
 # (label, metric keys tried in order, format) for the console line; the first
 # key present in a step's metrics is shown, entries with none present are left out.
 CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("loss", ("sft/loss",), "{:.3g}"),
+    ("val_loss", ("sft/val_loss",), "{:.3g}"),
     ("reward", ("critic/score/mean", "critic/rewards/mean"), "{:.3g}"),
     ("val", ("val/reward/mean",), "{:.3g}"),
     ("kl", ("actor/ppo_kl",), "{:.2g}"),
@@ -66,7 +68,7 @@ CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("vf_loss", ("critic/vf_loss",), "{:.3g}"),
     ("entropy", ("actor/entropy",), "{:.3g}"),
     ("clipfrac", ("actor/pg_clipfrac",), "{:.3g}"),
-    ("grad_norm", ("actor/grad_norm",), "{:.3g}"),
+    ("grad_norm", ("actor/grad_norm", "sft/grad_norm"), "{:.3g}"),
     ("resp_len", ("response_length/mean",), "{:.1f}"),
     ("tok/s", ("perf/throughput",), "{:.0f}"),
     ("mem", ("perf/max_memory_gb",), "{:.1f}GB"),

@@ -102,7 +102,7 @@ def _ordered_keys(records: list[dict[str, Any]]) -> list[str]:
 
 
 def _is_loss(key: str) -> bool:
-    return key.startswith(("actor/", "critic/")) and key.rsplit("/", 1)[-1].endswith("loss") \
+    return key.startswith(("actor/", "critic/", "sft/")) and key.rsplit("/", 1)[-1].endswith("loss") \
         and key != "actor/kl_loss"
 
 

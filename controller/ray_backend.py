@@ -40,7 +40,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from controller.errors import HostLostError
 from controller.hosts import CallOutcome, HostSet, RankCalls, map_failure
 from controller.placement import ClusterNode, PlacementError, describe_cluster, fit_pools
-from hybridengine.device import allocator_env
 from workers.console import console_env, verbose_console
 from workers.data_proto import DataProto
 from workers.host import Reply, WorkerHost
@@ -112,7 +111,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # driver's path, as the driver itself does.
     # The console choice (workers.console) travels to the workers in their environment too.
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-           **{k: os.environ.get(k, v) for k, v in console_env(verbose_console()).items()}, **allocator_env()}
+           **{k: os.environ.get(k, v) for k, v in console_env(verbose_console()).items()}}
     runtime_env = {"env_vars": env}
     if address:
         node_ip = os.environ.get("HYBRIDFLOW_NODE_IP")

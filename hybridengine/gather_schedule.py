@@ -208,7 +208,7 @@ def gather_schedule(sources: Sequence, source_shards: Sequence[tuple[int, int]],
         items += _columns(runs, d_g)
 
     units: list[GatherUnit] = []
-    staged_limit = max(1, bucket_bytes // 2 // element_size)
+    staged_limit = max(1, bucket_bytes // 2 // element_size)  # two staging areas in flight: one bucket
     packs: dict[str, list[_Item]] = {"all_gather": [], "broadcast": []}
 
     def flush(collective: str) -> None:

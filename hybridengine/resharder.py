@@ -236,9 +236,9 @@ class Resharder:
             own = tuple(self.params[p.name].view(-1)[p.start: p.start + p.length] for p in unit.sends[self.my_index])
             table = None if unit.in_place else torch.tensor([tuple(b) for b in unit.blocks], dtype=torch.int64)
             plans.append(_UnitPlan(unit, own, table, tuple(n for n, j in last.items() if j == k)))
-        # Two staging areas, used by staged units in turn: each fits its units' parts and this rank's send.
+        # Two staging areas, used by staged units in turn: each fits the parts of its units.
         staged = [u for u in schedule.units if not u.in_place]
-        self._area_numel = [max(u.numel + u.sizes[self.my_index] for u in staged[i::2]) for i in range(min(len(staged), 2))]
+        self._area_numel = [max(u.numel for u in staged[i::2]) for i in range(min(len(staged), 2))]
         return plans
 
     # ---------------------------------------------------------------- to generation
@@ -299,8 +299,14 @@ class Resharder:
                 bounds.append(bounds[-1] + n)
             parts = [area[bounds[m]: bounds[m + 1]] for m in range(len(sizes))]
         if unit.collective == "all_gather":
-            own = plan.own[0] if len(plan.own) == 1 else torch.cat(plan.own, out=area[-sizes[me]:])
-            out = self.buffer[unit.targets[0]: unit.targets[0] + sum(sizes)] if unit.in_place else area[: sum(sizes)]
+            if unit.in_place:
+                out, own = self.buffer[unit.targets[0]: unit.targets[0] + sum(sizes)], plan.own[0]
+            else:  # the own part is laid into its place in the staging area and sent from there (in-place gather)
+                out, own = area[: sum(sizes)], parts[me]
+                if len(plan.own) == 1:
+                    own.copy_(plan.own[0])
+                else:
+                    torch.cat(plan.own, out=own)
             return plan, parts, [self.transport.all_gather_into(out, own, key, async_op=True)]
         handles = []
         for m, (rank, part) in enumerate(zip(self.my_group, parts)):

@@ -40,7 +40,8 @@ class Transport(abc.ABC):
     def all_gather_into(self, out: torch.Tensor, own: torch.Tensor, group_key: Any, async_op: bool = False):
         """Every member's equal part into the flat ``out``, member after member in group order.
 
-        Returns a handle with ``wait()`` when ``async_op``; ``out`` is ready after it.
+        ``own`` may be this member's own slice of ``out`` (an in-place gather). Returns a handle with
+        ``wait()`` when ``async_op``; ``out`` is ready after it.
         """
 
     @abc.abstractmethod

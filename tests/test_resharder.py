@@ -116,7 +116,7 @@ class RecordingTransport(TorchTransport):
         return super().all_gather_into(out, own, group_key, async_op)
 
 
-def _in_place_worker(rank, world_size, path, train_dims, gen_dims):
+def _in_place_worker(rank, world_size, path, train_dims, gen_dims, dtype):
     from hybridengine.device import CollectiveProfile
     from hybridengine.param_catalogue import ShardKind
 
@@ -124,15 +124,18 @@ def _in_place_worker(rank, world_size, path, train_dims, gen_dims):
     train = ParallelLayout(*train_dims)
     plan = plan_reshard(train, GenerationLayout(*gen_dims))
     coord, me = train.coordinate(rank), plan.ranks[rank]
-    params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
-    expected = shard_from_checkpoint(path, spec, gen_dims[0], gen_dims[1], me.gen_tp_rank, me.gen_pp_rank)
+    dtype = getattr(torch, dtype)
+    params = {k: v.to(dtype) for k, v in shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank,
+                                                              coord.pp_rank).items()}
+    expected = {k: v.to(dtype) for k, v in shard_from_checkpoint(path, spec, gen_dims[0], gen_dims[1], me.gen_tp_rank,
+                                                                me.gen_pp_rank).items()}
     transport = RecordingTransport()
     # A link with no fixed cost: every parameter the layout allows is gathered in place.
     resharder = Resharder(spec, plan, rank, params, transport, profile=CollectiveProfile(1e-12, 1e9, 1e9))
     for attempt in range(2):
         transport.outputs.clear()
         got = resharder.to_generation(release_training=attempt == 1)
-        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        assert all(got[k].dtype == dtype and torch.equal(got[k], v) for k, v in expected.items())
         storage = resharder.buffer.untyped_storage().data_ptr()
         row_joined = [s.param.name for s in resharder.sources if s.param.kind in (ShardKind.VOCAB_ROWS, ShardKind.QKV)]
         assert row_joined
@@ -144,11 +147,13 @@ def _in_place_worker(rank, world_size, path, train_dims, gen_dims):
         first = resharder.buffer.data_ptr()
         resharder.to_training(offload=True)  # on CPU the buffer stays for the next transition
         assert resharder.buffer is not None and resharder.buffer.data_ptr() == first
-    assert transport.bytes_received == 2 * expected_bytes_received(spec, plan, rank, 4)  # at the bound, twice
+    element = torch.empty(0, dtype=dtype).element_size()
+    assert transport.bytes_received == 2 * expected_bytes_received(spec, plan, rank, element)  # at the bound, twice
     for name, tensor in shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank).items():
-        assert torch.equal(params[name], tensor), name  # released shards came back intact
+        assert torch.equal(params[name], tensor.to(dtype)), name  # released shards came back intact
 
 
-@pytest.mark.parametrize("train,gen", [((4, 1, 1), (1, 1)), ((2, 2, 1), (1, 1))], ids=["tp4->1", "tp2pp2->1"])
-def test_row_joined_parameters_are_gathered_into_the_generation_buffer(models, train, gen):
-    run_in_processes(_in_place_worker, train[0] * train[1] * train[2], str(models["llama"]), train, gen)
+@pytest.mark.parametrize("train,gen,dtype", [((4, 1, 1), (1, 1), "float32"), ((2, 2, 1), (1, 1), "bfloat16")],
+                         ids=["tp4->1-fp32", "tp2pp2->1-bf16"])
+def test_row_joined_parameters_are_gathered_into_the_generation_buffer(models, train, gen, dtype):
+    run_in_processes(_in_place_worker, train[0] * train[1] * train[2], str(models["llama"]), train, gen, dtype)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hybridengine.device import (CollectiveProfile, allocator_env, current_memory, device_for_local_rank,  # noqa: E402
+from hybridengine.device import (CollectiveProfile, current_memory, device_for_local_rank,  # noqa: E402
                                  dist_backend, peak_memory, reset_peak_memory, synchronize)
 from hybridengine.layout import ParallelLayout  # noqa: E402
 from hybridengine.model_spec import ModelSpec  # noqa: E402
@@ -263,7 +263,7 @@ def main() -> None:
                     ["--model", model, "--pair", pair, "--dtype", dtype, "--repeats", str(args.repeats),
                      "--bucket-mb", str(args.bucket_mb), "--methods", *args.methods,
                      *(["--measure-link"] if args.measure_link else [])],
-                    f"{model} {pair} {dtype}", env={"MALLOC_MMAP_THRESHOLD_": "65536", **allocator_env()},
+                    f"{model} {pair} {dtype}", env={"MALLOC_MMAP_THRESHOLD_": "65536"},
                 ))
     print_table(results)
     if args.json:

@@ -180,6 +180,37 @@ class Actor(_LogProbRole):
         self.update_count += 1
         return metrics
 
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def sft_step(self, data: DataProto) -> dict[str, Any]:
+        """One supervised step on ``data`` (prompt | response rows, as a rollout hands them over): the
+        token mean of -log p(response token) over ``response_mask``, over every row of every DP rank, one
+        optimizer step. Metrics ``sft/loss``, ``sft/grad_norm``, ``sft/lr`` (one value each)."""
+        sequences = len(data) * self.engine.layout.dp
+        metrics = run_ppo_epochs(self.engine, data, sequences, epochs=1, shuffle=False, seed=0,
+                                 make_step=lambda normalizer: partial(self._sft_loss, normalizer=normalizer),
+                                 prefix="sft")
+        self.update_count += 1
+        return metrics
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def sft_eval(self, data: DataProto) -> DataProto | None:
+        """Per row: the summed negative log-likelihood of its response tokens and their count (forward
+        only), so that any set of rows gives its token-mean loss as sum / sum."""
+        def step(mb: MicroBatch, output: torch.Tensor):
+            log_prob, _ = response_log_probs(self.engine, mb, output, 1.0)
+            mask = mb["response_mask"].to(log_prob.dtype)
+            return torch.zeros(()), {"nll_sum": -(log_prob * mask).sum(-1), "tokens": mask.sum(-1)}
+
+        outputs = self.engine.run(data, step, forward_only=True)
+        if not outputs:
+            return None
+        return DataProto({"nll_sum": outputs.rows("nll_sum"), "tokens": outputs.rows("tokens")})
+
+    def _sft_loss(self, mb: MicroBatch, output: torch.Tensor, *, normalizer: LossNormalizer):
+        log_prob, _ = response_log_probs(self.engine, mb, output, 1.0)
+        loss = agg_loss(-log_prob, mb["response_mask"], "token-mean", normalizer)
+        return loss, {"loss": loss.detach()}
+
     @register(Dispatch.ONE_TO_ALL)
     def to_generation(
         self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp", release_training: bool = False

@@ -28,7 +28,7 @@ __all__ = [
     "CollectiveProfile",
     "collective_profile",
     "PROFILE_ENV",
-    "allocator_env",
+    "defer_compile_on_cpu",
 ]
 
 # Set to "cpu" to force the CPU path on a machine that has a GPU.
@@ -110,17 +110,13 @@ def collective_profile() -> CollectiveProfile:
     return CollectiveProfile(latency, link, copy)
 
 
-def allocator_env() -> dict[str, str]:
-    """Environment for worker processes' memory allocator, to be set before they start.
+def defer_compile_on_cpu() -> None:
+    """On the CPU path, torch.compile resolves its backend at first use (see cpu_compat.defer_torch_compile):
+    importing megatron-core then skips inductor, about two seconds per process. A no-op with CUDA."""
+    if not accelerator_available():
+        from hybridengine.device import cpu_compat
 
-    On the CPU path torch's allocator backs allocations of 2 MiB and more with
-    transparent huge pages (``THP_MEM_ALLOC_ENABLE``): a fresh generation
-    buffer then takes 512 times fewer page faults to fill. It is read once,
-    at the first allocation, so launchers pass it; a user's value wins.
-    """
-    if accelerator_available():
-        return {}
-    return {"THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
+        cpu_compat.defer_torch_compile()
 
 
 def kernel_devices() -> list[torch.device]:

@@ -17,18 +17,50 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "enter_thread"]
+__all__ = ["install", "enter_thread", "defer_torch_compile"]
 
 _installed = False
 _tls = threading.local()
 _TENSOR_CUDA = torch.Tensor.cuda
 _TENSOR_TYPE = torch.Tensor.type
+
+
+def defer_torch_compile() -> None:
+    """Make ``torch.compile(fn)`` look its backend up at ``fn``'s first call instead of at once (idempotent).
+
+    megatron-core decorates its fusions with torch.compile when it is imported, which imports dynamo and
+    inductor: two seconds in every worker process. On CPU those fused paths are off, so the import is
+    all they cost. A compiled function behaves as before; modules and other arguments go straight through.
+    """
+    if getattr(torch.compile, "_hybridflow_deferred", False):
+        return
+    compile_now = torch.compile
+
+    def compile_later(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) with options: a decorator
+            return lambda fn: compile_later(fn, **kwargs)
+        if isinstance(model, torch.nn.Module) or not callable(model):
+            return compile_now(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return first_call_compiles
+
+    compile_later._hybridflow_deferred = True
+    torch.compile = compile_later
 
 
 def _is_cuda(device) -> bool:

@@ -1,0 +1,176 @@
+"""The SFT job's configuration (``hybridflow sft``): typed, from YAML and ``key=value`` overrides, checked
+before any process starts.
+
+    config = load_sft_config("examples/sft_tiny.yaml", ["trainer.total_steps=50"])
+    check_sft_config(config, ModelSpec.from_pretrained(path))   # ConfigError listing every problem
+
+The actor, trainer and launch keys are those of ``hybridflow train`` (``controller.config``); ``data``
+is SFT's own: examples instead of prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controller.config import (
+    LAUNCHERS, ConfigError, RoleConfig, TrainerConfig, _build, _launch_problems, apply_overrides, job_pools,
+)
+from workers.megatron.config import PRECISIONS
+
+__all__ = ["SFT_FORMATS", "SFT_TASKS", "SFTConfig", "SFTDataConfig", "check_sft_config", "load_sft_config"]
+
+SFT_TASKS = ("arithmetic", "files")
+SFT_FORMATS = ("auto", "pair", "messages", "text")
+
+
+@dataclass(frozen=True)
+class SFTDataConfig:
+    task: str = "arithmetic"  # built-in prompt/answer pairs ("7+5=" -> "12"), or "files"
+    train_files: tuple[str, ...] = ()  # .parquet, .jsonl, .json or a datasets save_to_disk directory
+    val_files: tuple[str, ...] = ()
+    # pair: prompt_key + response_key; messages: a chat, the loss on assistant turns; text: text_key;
+    # auto: whichever key a row has (messages, then a prompt/response pair, then text)
+    format: str = "auto"
+    prompt_key: str = "prompt"  # a string or chat messages (rendered as the rollout renders prompts)
+    response_key: str = "response"
+    messages_key: str = "messages"
+    text_key: str = "text"
+    apply_chat_template: bool | str = "auto"  # pairs: "auto" renders the prompt through the tokenizer's template
+    chat_wrap: bool = False  # pairs: a string prompt becomes one user message
+    system_prompt: str | None = None
+    max_length: int = 64  # prompt + response tokens at most; longer examples are refused (or dropped)
+    drop_overlong: bool = False
+    batch_size: int = 16  # examples per optimizer step, over all data-parallel ranks
+    shuffle: bool = True
+    seed: int = 0
+    train_size: int = 2048  # arithmetic task
+    val_size: int = 64
+    max_operand: int = 9
+    operators: str = "+-*"
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    model_path: str = "builtin:tiny-arithmetic"
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/sft"))
+
+
+def load_sft_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SFTConfig:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path} must hold a mapping at the top level, got {type(values).__name__}")
+    values = apply_overrides(values, overrides or [])
+    values.pop("kind", None)  # a run directory's config.yaml says which job wrote it
+    if "trainer" in values and "run_dir" not in (values["trainer"] or {}):
+        values["trainer"] = {"run_dir": "runs/sft", **values["trainer"]}
+    return _build(SFTConfig, values, "")
+
+
+# RL-only trainer settings: an SFT job refuses them rather than ignoring them.
+_RL_ONLY = ("val_before_train", "placement", "mode", "max_staleness", "partial_rollout_tokens", "max_in_flight")
+
+
+def check_sft_config(config: SFTConfig, model_spec=None) -> None:
+    """Raise ConfigError listing every problem (``model_spec``: the model's ModelSpec, for its checks)."""
+    from hybridengine.layout import ParallelLayout
+
+    problems: list[str] = []
+    data, trainer, engine = config.data, config.trainer, config.actor.engine
+    defaults = TrainerConfig()
+    for key in _RL_ONLY:
+        if getattr(trainer, key) != getattr(defaults, key):
+            problems.append(f"trainer.{key} is a setting of RL training (hybridflow train); an SFT job has none: drop it")
+    if trainer.launcher not in LAUNCHERS:
+        problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
+    for name in ("total_steps", "nproc", "nnodes"):
+        if getattr(trainer, name) < 1:
+            problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
+    for name in ("save_every", "val_every"):
+        if getattr(trainer, name) < 0:
+            problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
+    if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
+        problems.append(f"trainer.export_precision {trainer.export_precision!r} is not one of {sorted(PRECISIONS)} or null")
+    problems += _launch_problems(trainer)
+    problems += _sft_data_problems(data, trainer)
+    world = trainer.nnodes * trainer.nproc
+    mp = engine.tensor_parallel * engine.pipeline_parallel
+    if world % mp:
+        problems.append(f"actor: tensor_parallel x pipeline_parallel = {mp} does not divide the {world} processes "
+                        f"(trainer.nnodes x nproc)")
+    elif data.batch_size >= 1:
+        layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel)
+        if data.batch_size % layout.dp:
+            problems.append(f"data.batch_size {data.batch_size} does not divide over {layout.dp} data-parallel ranks")
+        elif (data.batch_size // layout.dp) % engine.micro_batch_multiple:
+            problems.append(f"data.batch_size gives each data-parallel rank {data.batch_size // layout.dp} examples, "
+                            f"not a multiple of actor.engine.micro_batch_size {engine.micro_batch_size}")
+    if engine.max_tokens_per_micro_batch is not None and engine.max_tokens_per_micro_batch < data.max_length:
+        problems.append(f"actor.engine.max_tokens_per_micro_batch {engine.max_tokens_per_micro_batch} is below "
+                        f"data.max_length {data.max_length}, the longest example")
+    if model_spec is not None:
+        try:
+            padded = model_spec.with_padded_vocab(engine.make_vocab_size_divisible_by, engine.tensor_parallel)
+            padded.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
+        except ValueError as exc:
+            problems.append(f"actor: {exc}")
+        if data.max_length > model_spec.max_position_embeddings:
+            problems.append(f"data.max_length {data.max_length} exceeds the model's max_position_embeddings "
+                            f"{model_spec.max_position_embeddings}")
+    try:
+        job_pools(trainer)
+    except Exception as exc:  # a malformed placement entry, listed above as RL-only
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError("the SFT configuration cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def _sft_data_problems(data: SFTDataConfig, trainer: TrainerConfig) -> list[str]:
+    from controller.data.arithmetic import ARITHMETIC_OPERATORS
+
+    problems = []
+    if data.task not in SFT_TASKS:
+        return [f"data.task {data.task!r} is not one of {SFT_TASKS}"]
+    if data.format not in SFT_FORMATS:
+        problems.append(f"data.format {data.format!r} is not one of {SFT_FORMATS}")
+    if data.batch_size < 1:
+        problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
+    if data.max_length < 2:
+        problems.append(f"data.max_length must be >= 2 (a prompt token and a learned one), got {data.max_length}")
+    if data.task == "arithmetic":
+        if data.train_files or data.val_files:
+            problems.append("data.train_files / val_files are set but data.task is 'arithmetic'; set data.task=files")
+        if data.train_size < data.batch_size or data.val_size < 0:
+            problems.append(f"data.train_size ({data.train_size}) must be at least data.batch_size ({data.batch_size}) "
+                            f"and data.val_size >= 0 (got {data.val_size})")
+        if not data.operators or set(data.operators) - set(ARITHMETIC_OPERATORS):
+            problems.append(f"data.operators {data.operators!r}: each must be one of {ARITHMETIC_OPERATORS!r}")
+    elif not data.train_files:
+        problems.append("data.task 'files' needs data.train_files (one path or a list)")
+    for path in (*data.train_files, *data.val_files):
+        if not Path(path).exists():
+            problems.append(f"data: example file {path} does not exist")
+    has_val = data.val_files or (data.task == "arithmetic" and data.val_size > 0)
+    if trainer.val_every and not has_val:
+        problems.append(f"trainer.val_every {trainer.val_every} needs validation examples (data.val_files, or "
+                        "data.val_size > 0 for the arithmetic task)")
+    if not isinstance(data.apply_chat_template, bool) and data.apply_chat_template != "auto":
+        problems.append(f"data.apply_chat_template must be true, false or auto, got {data.apply_chat_template!r}")
+    return problems
+
+
+def sft_config_to_dict(config: SFTConfig) -> dict[str, Any]:
+    from controller.config import config_to_dict
+
+    return {"kind": "sft", **config_to_dict(config)} if dataclasses.is_dataclass(config) else config

@@ -1,0 +1,99 @@
+"""The SFT job behind ``hybridflow sft``: a config in, a fine-tuned run dir (and HF checkpoint) out.
+
+As with ``hybridflow train``: under torchrun every rank runs this and rank 0 drives the loop; with the
+Ray launcher the calling process drives it. ``trainer.export_hf`` writes ``RUN_DIR/hf_actor``, which an
+RL job's ``model_path`` can name directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from controller.config import ConfigError
+from controller.data.sft_rows import SFTData, load_sft_examples
+from controller.models import resolve_model_path
+from controller.sft_config import SFTConfig, check_sft_config, sft_config_to_dict
+from controller.torchrun_backend import under_torchrun
+
+__all__ = ["prepare_sft", "run_sft"]
+
+
+def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> tuple[str, SFTData]:
+    """The model checkpoint and the encoded examples, checked against the config; before any process."""
+    from transformers import AutoTokenizer
+
+    from hybridengine.model_spec import ModelSpec
+
+    run_dir = Path(config.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model_path(config.model_path, run_dir)
+    check_sft_config(config, ModelSpec.from_pretrained(config.actor.model_path or model))
+    tokenizer = AutoTokenizer.from_pretrained(config.actor.model_path or model)
+    try:
+        data = load_sft_examples(config.data, tokenizer, log)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"data: {exc}") from None
+    return model, data
+
+
+def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> Path:
+    from transformers import AutoTokenizer
+
+    from controller.metrics_log import MetricsLogger
+    from controller.resource_pool import ResourcePool
+    from controller.sft_trainer import SFTTrainer
+    from workers.actor import Actor
+
+    trainer_cfg = config.trainer
+    if under_torchrun():
+        check_sft_config(config)
+        world = int(os.environ["WORLD_SIZE"])
+        if world != trainer_cfg.nnodes * trainer_cfg.nproc:
+            raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
+                              f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}")
+        pool = ResourcePool([world], backend="torchrun")  # ranks 1.. serve from here on
+    else:
+        pool = None
+    model, data = prepared or prepare_sft(config, log=(lambda line: None) if under_torchrun() else None)
+    if pool is None:
+        pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray", ray_address=trainer_cfg.ray_address)
+    run_dir = Path(trainer_cfg.run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(sft_config_to_dict(config), sort_keys=False))
+    engine = config.actor.engine
+    model_path = config.actor.model_path or model
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor = Actor.from_pretrained(model_path, engine=engine.__dict__, tensor_parallel=engine.tensor_parallel,
+                                  pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
+                                  optim=config.actor.optim)
+    logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
+                           config=sft_config_to_dict(config), resume=trainer_cfg.resume)
+    trainer = SFTTrainer(actor=actor, train=data.train, val=data.val, batch_size=config.data.batch_size,
+                         pad_token_id=pad, pool=pool, run_dir=run_dir, logger=logger,
+                         save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
+                         seed=config.data.seed, shuffle=config.data.shuffle)
+    try:
+        if trainer_cfg.resume:
+            step = trainer.resume()
+            logger.truncate_after(step + 1)
+            print(f"[hybridflow] resumed at step {step} from {run_dir / 'checkpoints'}", file=sys.stderr)
+        trainer.fit(trainer_cfg.total_steps)
+        logger.close()
+        lines = [f"[hybridflow] done: {trainer.global_step} SFT steps in {run_dir}",
+                 f"[hybridflow]   metrics:        {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})"]
+        if trainer_cfg.export_hf:
+            out = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
+            lines.append(f"[hybridflow]   HF checkpoint:  {out} (an RL job's model_path can name it)")
+        if trainer_cfg.plots:
+            from controller.plots import plot_run
+
+            lines += [f"[hybridflow]   plot:           {path}" for path in plot_run(run_dir)]
+        print("\n".join(lines))
+    finally:
+        trainer.shutdown()
+    return run_dir

@@ -1,0 +1,63 @@
+"""`hybridflow sft` end to end on the built-in tiny model: the loss falls, validation is reported, a
+stopped and resumed run equals the uninterrupted one, the HF export starts an RL job (`model_path`), and
+bad input is refused before any process starts."""
+
+import shutil
+
+from test_train_cli import TINY, hybridflow, model, read_metrics  # noqa: F401  (model: a fixture)
+
+SFT = ["trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=1",
+       "actor.engine.micro_batch_size=4", "data.batch_size=8", "data.train_size=64", "data.val_size=16",
+       "actor.optim.lr_warmup_steps=0", "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.total_steps=4",
+       "trainer.save_every=2", "trainer.val_every=2"]
+
+
+def exact(step):  # everything but wall-clock times and throughput
+    return {k: v for k, v in step.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  # noqa: F811
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}", f"trainer.run_dir={full}", *SFT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert "done: 4 SFT steps" in proc.stdout and "HF checkpoint" in proc.stdout
+    steps = read_metrics(full)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert steps[-1]["sft/loss"] < steps[0]["sft/loss"] - 0.5, [s["sft/loss"] for s in steps]
+    assert [("sft/val_loss" in s) for s in steps] == [False, True, False, True]
+    assert steps[3]["sft/val_loss"] < steps[1]["sft/val_loss"]
+    lrs = [s["sft/lr"] for s in steps]  # the example's cosine schedule from 3e-3 over 200 steps, no warmup
+    assert lrs == sorted(lrs, reverse=True) and 2.99e-3 < lrs[-1] < lrs[0] < 3e-3, lrs
+    assert all(s["sft/grad_norm"] > 0 for s in steps)
+
+    # Stopped after step 2 (the trainer state is the commit point), resumed to 4 in new processes.
+    shutil.copytree(full, stopped)
+    (stopped / "checkpoints" / "trainer" / "latest").write_text("step_00000002.json")
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}",
+                      f"trainer.run_dir={stopped}", *SFT, "trainer.resume=true", "trainer.export_hf=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert "resumed at step 2" in proc.stderr
+    resumed = read_metrics(stopped)
+    assert [exact(s) for s in resumed] == [exact(s) for s in steps]
+
+    # The export is an HF checkpoint an RL job starts from.
+    rl = tmp_path / "rl"
+    proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={rl}",
+                      f"model_path={full / 'hf_actor'}", *TINY, "trainer.launcher=torchrun", "rollout.engine=megatron",
+                      "ppo.ppo_mini_batch_size=4", "critic_ppo.ppo_mini_batch_size=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert [s["step"] for s in read_metrics(rl)] == [1]
+
+
+def test_bad_sft_input_is_refused_before_any_process_starts(tmp_path):
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"trainer.run_dir={tmp_path}",
+                      "data.batch_size=7", "trainer.mode=async")
+    assert proc.returncode == 2
+    assert "data.batch_size gives each data-parallel rank 7 examples" in proc.stderr
+    assert "trainer.mode is a setting of RL training" in proc.stderr
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"question": "1+1="}\n')
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"trainer.run_dir={tmp_path}", "data.task=files",
+                      f"data.train_files=[{bad}]", "data.val_size=0", "trainer.val_every=0", "data.batch_size=8")
+    assert proc.returncode == 2 and "row 0: no 'messages', 'prompt' + 'response' or 'text' column" in proc.stderr, proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
