@@ -296,7 +296,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+def read_config_values(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """A YAML file's mapping (None: empty) with ``key.sub=value`` overrides applied."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -305,7 +306,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must hold a mapping at the top level, got {type(values).__name__}")
-    return config_from_dict(apply_overrides(values, overrides or []))
+    return apply_overrides(values, overrides or [])
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
+    return config_from_dict(read_config_values(path, overrides))
 
 
 # ------------------------------------------------------------------ cross-field checks
@@ -358,6 +363,23 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
     return problems
 
 
+def trainer_problems(trainer: TrainerConfig) -> list[str]:
+    """The trainer section on its own: export precision, launcher, counts, and the launch addresses."""
+    problems = []
+    if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
+        problems.append(f"trainer.export_precision {trainer.export_precision!r} is not one of {sorted(PRECISIONS)} "
+                        "or null (the actor's engine.precision)")
+    if trainer.launcher not in LAUNCHERS:
+        problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
+    for name in ("total_steps", "nproc", "nnodes"):
+        if getattr(trainer, name) < 1:
+            problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
+    for name in ("save_every", "val_every"):
+        if getattr(trainer, name) < 0:
+            problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
+    return problems + _launch_problems(trainer)
+
+
 def _launch_problems(trainer: TrainerConfig) -> list[str]:
     problems = []
     if trainer.ray_address is not None and trainer.launcher != "ray":
@@ -408,18 +430,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += _algorithm_problems(config)
     if alg.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
         problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not one of {OLD_LOG_PROB_SOURCES}")
-    if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
-        problems.append(f"trainer.export_precision {trainer.export_precision!r} is not one of {sorted(PRECISIONS)} "
-                        "or null (the actor's engine.precision)")
-    if trainer.launcher not in LAUNCHERS:
-        problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
-    for name in ("total_steps", "nproc", "nnodes"):
-        if getattr(trainer, name) < 1:
-            problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
-    for name in ("save_every", "val_every"):
-        if getattr(trainer, name) < 0:
-            problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
-    problems += _launch_problems(trainer)
+    problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
     pools = {}
     try:

@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from controller.config import (
-    LAUNCHERS, ConfigError, RoleConfig, TrainerConfig, _build, _launch_problems, apply_overrides, job_pools,
+    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, read_config_values, trainer_problems,
 )
-from workers.megatron.config import PRECISIONS
 
 __all__ = ["SFT_FORMATS", "SFT_TASKS", "SFTConfig", "SFTDataConfig", "check_sft_config", "load_sft_config"]
 
@@ -63,15 +60,7 @@ class SFTConfig:
 
 
 def load_sft_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SFTConfig:
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path} must hold a mapping at the top level, got {type(values).__name__}")
-    values = apply_overrides(values, overrides or [])
+    values = read_config_values(path, overrides)
     values.pop("kind", None)  # a run directory's config.yaml says which job wrote it
     if "trainer" in values and "run_dir" not in (values["trainer"] or {}):
         values["trainer"] = {"run_dir": "runs/sft", **values["trainer"]}
@@ -92,17 +81,7 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
     for key in _RL_ONLY:
         if getattr(trainer, key) != getattr(defaults, key):
             problems.append(f"trainer.{key} is a setting of RL training (hybridflow train); an SFT job has none: drop it")
-    if trainer.launcher not in LAUNCHERS:
-        problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
-    for name in ("total_steps", "nproc", "nnodes"):
-        if getattr(trainer, name) < 1:
-            problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
-    for name in ("save_every", "val_every"):
-        if getattr(trainer, name) < 0:
-            problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
-    if trainer.export_precision is not None and trainer.export_precision not in PRECISIONS:
-        problems.append(f"trainer.export_precision {trainer.export_precision!r} is not one of {sorted(PRECISIONS)} or null")
-    problems += _launch_problems(trainer)
+    problems += trainer_problems(trainer)
     problems += _sft_data_problems(data, trainer)
     world = trainer.nnodes * trainer.nproc
     mp = engine.tensor_parallel * engine.pipeline_parallel

@@ -27,8 +27,8 @@ loop over a few precomputed units with no per-parameter work.
   when large.
 
 Every member sends each byte it owns at most once, and no member sends a
-byte that another member of the group also sends: the bytes received are
-exactly the lower bound.
+byte that another member of the group also sends: each rank receives exactly
+what ``resharder.expected_bytes_received`` counts, the lower bound.
 """
 
 from __future__ import annotations
