@@ -49,6 +49,7 @@ __all__ = [
     "MetricsLogger",
     "format_step_line",
     "read_metrics",
+    "validation_summary",
 ]
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -151,6 +152,21 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path} line {number} is not a step record (an object with an integer 'step'): {line!r}")
         records.append(record)
     return records
+
+
+def validation_summary(records: list[Mapping[str, Any]], key: str = "val/reward/mean") -> str | None:
+    """Where validation started and ended, e.g. ``val/reward/mean 0.391 at step 0 -> 0.625 at step 60``.
+
+    ``records`` are step records (``read_metrics``); the first and the last that hold ``key`` are
+    quoted, or the one when there is only one. None when no record holds it.
+    """
+    points = [(record["step"], number) for record in records if (number := _as_number(record.get(key))) is not None]
+    if not points:
+        return None
+    (first_step, first), (last_step, last) = points[0], points[-1]
+    if len(points) == 1:
+        return f"{key} {first:.3f} at step {first_step}"
+    return f"{key} {first:.3f} at step {first_step} -> {last:.3f} at step {last_step} ({last - first:+.3f})"
 
 
 class MetricsLogger:

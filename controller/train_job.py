@@ -89,7 +89,7 @@ def _check_agent_prompts(rollout, tokenizer, prompts: JobPrompts) -> None:
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:
     """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process)."""
-    from controller.metrics_log import MetricsLogger
+    from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
     from controller.resource_pool import ResourcePool
     from controller.trainer import RLTrainer
     from workers.actor import Actor
@@ -171,6 +171,9 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
             plots = plot_run(run_dir)
         print(f"[hybridflow] done: {trainer.global_step} steps in {run_dir}")
         print(f"[hybridflow]   metrics:        {outputs['metrics']} (TensorBoard: {run_dir / 'tensorboard'})")
+        validation = validation_summary(read_metrics(run_dir)) if "jsonl" in trainer_cfg.logger else None
+        if validation is not None:
+            print(f"[hybridflow]   validation:     {validation} (greedy; reward {config.reward.fn or config.reward.model_path})")
         for path in plots:
             print(f"[hybridflow]   plot:           {path}")
         if "HF checkpoint" in outputs:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.metrics_log import MetricsLogger, format_step_line, read_metrics
+from controller.metrics_log import MetricsLogger, format_step_line, read_metrics, validation_summary
 from controller.plots import plot_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,3 +253,13 @@ def test_step_zero_is_logged_before_the_steps(tmp_path, capsys):
     with MetricsLogger(tmp_path, backends=("console", "jsonl"), total_steps=2, resume=True) as logger:
         assert logger.truncate_after(2) == 2  # the records of step 0 and step 1
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+
+
+def test_validation_summary_quotes_the_first_and_last_validation():
+    records = [{"step": 0, "val/reward/mean": 0.390625}, {"step": 1, "critic/score/mean": 0.2},
+               {"step": 10, "val/reward/mean": 0.5}, {"step": 11, "critic/score/mean": 0.3},
+               {"step": 20, "val/reward/mean": 0.625, "critic/score/mean": 0.4}]
+    assert validation_summary(records) == "val/reward/mean 0.391 at step 0 -> 0.625 at step 20 (+0.234)"
+    assert validation_summary(records[:2]) == "val/reward/mean 0.391 at step 0"
+    assert validation_summary(records, "val/missing") is None
+    assert validation_summary([{"step": 3, "val/reward/mean": "n/a"}]) is None  # not a number: not quoted

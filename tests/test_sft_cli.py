@@ -44,9 +44,15 @@ def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  
     rl = tmp_path / "rl"
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={rl}",
                       f"model_path={full / 'hf_actor'}", *TINY, "trainer.launcher=torchrun", "rollout.engine=megatron",
-                      "ppo.ppo_mini_batch_size=4", "critic_ppo.ppo_mini_batch_size=4")
+                      "ppo.ppo_mini_batch_size=4", "critic_ppo.ppo_mini_batch_size=4", "reward.fn=arithmetic_answer",
+                      "trainer.val_before_train=true")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    assert [s["step"] for s in read_metrics(rl)] == [1]
+    rl_steps = read_metrics(rl)
+    assert [s["step"] for s in rl_steps] == [0, 1]  # step 0: the SFT model's own greedy accuracy
+    first, last = rl_steps[0]["val/reward/mean"], rl_steps[1]["val/reward/mean"]
+    assert all(8 * v == round(8 * v) for v in (first, last))  # exact-answer accuracy on 8 prompts: a multiple of 1/8
+    assert (f"validation:     val/reward/mean {first:.3f} at step 0 -> {last:.3f} at step 1 ({last - first:+.3f})"
+            " (greedy; reward arithmetic_answer)") in proc.stdout
 
 
 def test_bad_sft_input_is_refused_before_any_process_starts(tmp_path):
