@@ -155,7 +155,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def validation_summary(records: list[Mapping[str, Any]], key: str = "val/reward/mean") -> str | None:
-    """Where validation started and ended, e.g. ``val/reward/mean 0.391 at step 0 -> 0.625 at step 60``.
+    """Where validation started and ended, e.g. ``val/reward/mean 0.391 at step 0 -> 0.625 at step 60 (+0.234)``.
 
     ``records`` are step records (``read_metrics``); the first and the last that hold ``key`` are
     quoted, or the one when there is only one. None when no record holds it.
