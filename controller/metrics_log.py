@@ -154,19 +154,24 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def validation_summary(records: list[Mapping[str, Any]], key: str = "val/reward/mean") -> str | None:
+def validation_summary(records: list[Mapping[str, Any]], key: str = "val/reward/mean",
+                       labels: tuple[str, str] | None = None) -> str | None:
     """Where validation started and ended, e.g. ``val/reward/mean 0.391 at step 0 -> 0.625 at step 60 (+0.234)``.
 
     ``records`` are step records (``read_metrics``); the first and the last that hold ``key`` are
-    quoted, or the one when there is only one. None when no record holds it.
+    quoted, or the one when there is only one. ``labels`` name the two points, e.g. ("after SFT",
+    "after RL"): ``0.391 at step 0 (after SFT) -> 0.625 at step 60 (after RL) (+0.234)``. None when no
+    record holds ``key``.
     """
     points = [(record["step"], number) for record in records if (number := _as_number(record.get(key))) is not None]
     if not points:
         return None
+    first_label, last_label = (f" ({label})" for label in labels) if labels else ("", "")
     (first_step, first), (last_step, last) = points[0], points[-1]
     if len(points) == 1:
-        return f"{key} {first:.3f} at step {first_step}"
-    return f"{key} {first:.3f} at step {first_step} -> {last:.3f} at step {last_step} ({last - first:+.3f})"
+        return f"{key} {first:.3f} at step {first_step}{first_label}"
+    return (f"{key} {first:.3f} at step {first_step}{first_label} -> {last:.3f} at step {last_step}{last_label} "
+            f"({last - first:+.3f})")
 
 
 class MetricsLogger:

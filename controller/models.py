@@ -40,7 +40,9 @@ def resolve_model_path(name: str, work_dir: str | Path) -> str:
     known = ["builtin:" + k for k in (*BUILTIN_MODELS, *PACKAGED_MODELS)]
     if not name.startswith("builtin:"):
         if not Path(name).is_dir():
-            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of {known})")
+            export = ("; it names a run's HF export: run that job first (RUN_DIR/hf_actor, e.g. `hybridflow sft "
+                      "--config examples/sft_tiny.yaml` writes runs/sft_tiny/hf_actor)" if Path(name).name == "hf_actor" else "")
+            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of {known}){export}")
         return name
     key = name.removeprefix("builtin:")
     if key in PACKAGED_MODELS:

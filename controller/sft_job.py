@@ -20,7 +20,20 @@ from controller.models import resolve_model_path
 from controller.sft_config import SFTConfig, check_sft_config, sft_config_to_dict
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_sft", "run_sft"]
+__all__ = ["prepare_sft", "run_sft", "sft_run_of"]
+
+
+def sft_run_of(model_path: str | Path) -> Path | None:
+    """The SFT run directory whose HF export ``model_path`` is (``RUN/hf_actor`` beside the
+    ``RUN/config.yaml`` and ``RUN/metrics.jsonl`` that ``hybridflow sft`` writes), else None."""
+    path = Path(model_path)
+    if path.name != "hf_actor" or not (path.parent / "metrics.jsonl").is_file():
+        return None
+    try:
+        written = yaml.safe_load((path.parent / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return path.parent if isinstance(written, dict) and written.get("kind") == "sft" else None
 
 
 def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> tuple[str, SFTData]:
@@ -44,7 +57,7 @@ def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> 
 def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> Path:
     from transformers import AutoTokenizer
 
-    from controller.metrics_log import MetricsLogger
+    from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
     from controller.resource_pool import ResourcePool
     from controller.sft_trainer import SFTTrainer
     from workers.actor import Actor
@@ -76,7 +89,7 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
     trainer = SFTTrainer(actor=actor, train=data.train, val=data.val, batch_size=config.data.batch_size,
                          pad_token_id=pad, pool=pool, run_dir=run_dir, logger=logger,
                          save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
-                         seed=config.data.seed, shuffle=config.data.shuffle)
+                         seed=trainer_cfg.seed, shuffle=config.data.shuffle)
     try:
         if trainer_cfg.resume:
             step = trainer.resume()
@@ -93,6 +106,8 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
             from controller.plots import plot_run
 
             lines += [f"[hybridflow]   plot:           {path}" for path in plot_run(run_dir)]
+        if "jsonl" in trainer_cfg.logger and (loss := validation_summary(read_metrics(run_dir), "sft/val_loss")):
+            lines.append(f"[hybridflow]   validation:     {loss} (token-mean cross-entropy, {len(data.val)} examples)")
         print("\n".join(lines))
     finally:
         trainer.shutdown()

@@ -89,7 +89,7 @@ def _check_agent_prompts(rollout, tokenizer, prompts: JobPrompts) -> None:
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:
     """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process)."""
-    from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
+    from controller.metrics_log import MetricsLogger, read_metrics
     from controller.resource_pool import ResourcePool
     from controller.trainer import RLTrainer
     from workers.actor import Actor
@@ -171,16 +171,30 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
             plots = plot_run(run_dir)
         print(f"[hybridflow] done: {trainer.global_step} steps in {run_dir}")
         print(f"[hybridflow]   metrics:        {outputs['metrics']} (TensorBoard: {run_dir / 'tensorboard'})")
-        validation = validation_summary(read_metrics(run_dir)) if "jsonl" in trainer_cfg.logger else None
-        if validation is not None:
-            print(f"[hybridflow]   validation:     {validation} (greedy; reward {config.reward.fn or config.reward.model_path})")
         for path in plots:
             print(f"[hybridflow]   plot:           {path}")
         if "HF checkpoint" in outputs:
             print(f"[hybridflow]   HF checkpoint:  {outputs['HF checkpoint']}")
+        if "jsonl" in trainer_cfg.logger:
+            _print_validation(config, read_metrics(run_dir))
     finally:
         trainer.shutdown()
     return run_dir
+
+
+def _print_validation(config: RLConfig, records: list[dict]) -> None:
+    """The closing lines on validation: the first and last greedy score and, when the job started
+    from an SFT run's export, that run's validation loss, the first score being the SFT model's."""
+    from controller.metrics_log import read_metrics, validation_summary
+    from controller.sft_job import sft_run_of
+
+    sft_run = sft_run_of(config.actor.model_path or config.model_path)
+    from_sft = sft_run is not None and any(r.get("step") == 0 and "val/reward/mean" in r for r in records)
+    if from_sft and (loss := validation_summary(read_metrics(sft_run), "sft/val_loss")):
+        print(f"[hybridflow]   SFT run:        {sft_run}: {loss}")
+    validation = validation_summary(records, labels=("after SFT", "after RL") if from_sft else None)
+    if validation is not None:
+        print(f"[hybridflow]   validation:     {validation} (greedy; reward {config.reward.fn or config.reward.model_path})")
 
 
 def export_checkpoint(config: RLConfig, out: str | Path) -> Path:

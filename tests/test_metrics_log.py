@@ -263,3 +263,7 @@ def test_validation_summary_quotes_the_first_and_last_validation():
     assert validation_summary(records[:2]) == "val/reward/mean 0.391 at step 0"
     assert validation_summary(records, "val/missing") is None
     assert validation_summary([{"step": 3, "val/reward/mean": "n/a"}]) is None  # not a number: not quoted
+    assert (validation_summary(records, labels=("after SFT", "after RL"))
+            == "val/reward/mean 0.391 at step 0 (after SFT) -> 0.625 at step 20 (after RL) (+0.234)")
+    sft = [{"step": 5, "sft/val_loss": 2.5}, {"step": 6, "sft/loss": 2.0}, {"step": 10, "sft/val_loss": 0.75}]
+    assert validation_summary(sft, "sft/val_loss") == "sft/val_loss 2.500 at step 5 -> 0.750 at step 10 (-1.750)"

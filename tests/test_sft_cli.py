@@ -8,7 +8,7 @@ from test_train_cli import TINY, hybridflow, model, read_metrics  # noqa: F401  
 
 SFT = ["trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=1",
        "actor.engine.micro_batch_size=4", "data.batch_size=8", "data.train_size=64", "data.val_size=16",
-       "actor.optim.lr_warmup_steps=0", "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.total_steps=4",
+       "actor.optim.lr_warmup_steps=0", "actor.optim.lr_decay_steps=200", "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.total_steps=4",
        "trainer.save_every=2", "trainer.val_every=2"]
 
 
@@ -26,7 +26,10 @@ def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  
     assert steps[-1]["sft/loss"] < steps[0]["sft/loss"] - 0.5, [s["sft/loss"] for s in steps]
     assert [("sft/val_loss" in s) for s in steps] == [False, True, False, True]
     assert steps[3]["sft/val_loss"] < steps[1]["sft/val_loss"]
-    lrs = [s["sft/lr"] for s in steps]  # the example's cosine schedule from 3e-3 over 200 steps, no warmup
+    val_loss = (f"sft/val_loss {steps[1]['sft/val_loss']:.3f} at step 2 -> {steps[3]['sft/val_loss']:.3f} at step 4 "
+                f"({steps[3]['sft/val_loss'] - steps[1]['sft/val_loss']:+.3f})")
+    assert f"validation:     {val_loss} (token-mean cross-entropy, 16 examples)" in proc.stdout
+    lrs = [s["sft/lr"] for s in steps]  # the example's cosine from 3e-3, over 200 steps, no warmup
     assert lrs == sorted(lrs, reverse=True) and 2.99e-3 < lrs[-1] < lrs[0] < 3e-3, lrs
     assert all(s["sft/grad_norm"] > 0 for s in steps)
 
@@ -51,8 +54,11 @@ def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  
     assert [s["step"] for s in rl_steps] == [0, 1]  # step 0: the SFT model's own greedy accuracy
     first, last = rl_steps[0]["val/reward/mean"], rl_steps[1]["val/reward/mean"]
     assert all(8 * v == round(8 * v) for v in (first, last))  # exact-answer accuracy on 8 prompts: a multiple of 1/8
-    assert (f"validation:     val/reward/mean {first:.3f} at step 0 -> {last:.3f} at step 1 ({last - first:+.3f})"
-            " (greedy; reward arithmetic_answer)") in proc.stdout
+    # The closing lines: the SFT run's validation loss, then the accuracy after SFT and after RL.
+    assert proc.stdout.rstrip().splitlines()[-2:] == [
+        f"[hybridflow]   SFT run:        {full}: {val_loss}",
+        f"[hybridflow]   validation:     val/reward/mean {first:.3f} at step 0 (after SFT) -> {last:.3f} at step 1 "
+        f"(after RL) ({last - first:+.3f}) (greedy; reward arithmetic_answer)"]
 
 
 def test_bad_sft_input_is_refused_before_any_process_starts(tmp_path):
@@ -67,3 +73,12 @@ def test_bad_sft_input_is_refused_before_any_process_starts(tmp_path):
                       f"data.train_files=[{bad}]", "data.val_size=0", "trainer.val_every=0", "data.batch_size=8")
     assert proc.returncode == 2 and "row 0: no 'messages', 'prompt' + 'response' or 'text' column" in proc.stderr, proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_rl_from_an_sft_export_that_is_not_there_says_which_job_writes_it(tmp_path):
+    missing = tmp_path / "sft" / "hf_actor"
+    proc = hybridflow("train", "--config", "examples/ppo_from_sft.yaml", f"trainer.run_dir={tmp_path / 'rl'}",
+                      f"model_path={missing}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"model_path {missing} is not a directory" in proc.stderr and "run that job first" in proc.stderr, proc.stderr
+    assert not (tmp_path / "rl" / "metrics.jsonl").exists()

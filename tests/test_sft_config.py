@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller.config import ConfigError
+from controller.config import ConfigError, check_config, load_config
 from controller.data.sft_batches import SFTLoader, collate_sft
 from controller.data.sft_examples import SFTExample
 from controller.sft_config import SFTConfig, check_sft_config, load_sft_config
@@ -80,3 +80,21 @@ def test_the_loader_resumes_exactly_and_reshuffles_every_epoch():
     assert torch.equal(collate_sft(examples[:2], 0).batch["input_ids"], SFTLoader(examples, 2, 0, shuffle=False).next_batch().batch["input_ids"])
     with pytest.raises(ValueError, match="batch_size 11 must be between 1 and the 10 examples"):
         SFTLoader(examples, 11, 0)
+
+
+def test_the_demo_starts_ppo_from_the_sft_export_on_the_same_task():
+    """`make demo` is examples/sft_tiny.yaml, then examples/ppo_from_sft.yaml on its export."""
+    root = EXAMPLE.parent.parent
+    recipe = root.joinpath("Makefile").read_text().split("\ndemo: setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[1:4] for line in recipe] == [["sft", "--config", "examples/sft_tiny.yaml"],
+                                                       ["train", "--config", "examples/ppo_from_sft.yaml"]]
+    sft, rl = load_sft_config(EXAMPLE, []), load_config(root / "examples" / "ppo_from_sft.yaml", [])
+    check_sft_config(sft)
+    check_config(rl)
+    assert rl.model_path == f"{sft.trainer.run_dir}/hf_actor"
+    task = ("task", "max_operand", "operators", "seed", "val_size")
+    assert [getattr(rl.data, k) for k in task] == [getattr(sft.data, k) for k in task] == ["arithmetic", 5, "+-*", 0, 64]
+    # Exact answers only, greedy validation of the SFT model before the first step; PPO at TP2 x PP2 into vLLM.
+    assert (rl.reward.fn, rl.trainer.val_before_train, rl.algorithm.name, rl.rollout.engine) == (
+        "arithmetic_answer", True, "ppo", "vllm")
+    assert [(r.engine.tensor_parallel, r.engine.pipeline_parallel) for r in (sft.actor, rl.actor, rl.critic)] == [(2, 2)] * 3

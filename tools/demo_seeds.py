@@ -1,0 +1,128 @@
+"""`make demo`'s pipeline (SFT warm start, then PPO rewarded for exact answers) for several seeds.
+
+    python tools/demo_seeds.py                                  # seeds 0 1 2: the README's figures
+    python tools/demo_seeds.py --seeds 3 --json seed3.json --plot seed3.png
+
+Each seed runs the two commands of `make demo` in new processes, with ``trainer.seed`` set in both
+(the SFT data order; the RL data order and the rollout's sampling streams):
+
+    hybridflow sft   --config examples/sft_tiny.yaml    trainer.seed=S trainer.run_dir=OUT/seed_S/sft
+    hybridflow train --config examples/ppo_from_sft.yaml trainer.seed=S trainer.run_dir=OUT/seed_S/rl \\
+                     model_path=OUT/seed_S/sft/hf_actor
+
+The task (problems, held-out prompts) and the built-in model's initial weights are the same for every
+seed. Printed per seed: the SFT validation loss at its last step, the greedy exact-answer accuracy on
+the 64 held-out prompts after SFT (the RL job's validation before its first step) and after RL, the
+gain, and each job's wall-clock seconds; then whether every seed gained at least ``--min-gain``.
+``--json`` writes the curves (SFT loss and validation loss, RL accuracy and sampled reward) and
+``--plot`` draws them, one line per seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HYBRIDFLOW = [sys.executable, "-m", "controller.cli"]
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _curve(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
+
+
+def _run(command: list[str], log: Path) -> float:
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command[2:])} failed (exit {proc.returncode}); its output: {log}")
+    return time.perf_counter() - start
+
+
+def run_seed(seed: int, out: Path, overrides: list[str]) -> dict[str, Any]:
+    sft_dir, rl_dir = out / f"seed_{seed}" / "sft", out / f"seed_{seed}" / "rl"
+    sft_dir.parent.mkdir(parents=True, exist_ok=True)
+    common = [f"trainer.seed={seed}", "trainer.plots=false"]
+    sft_s = _run([*HYBRIDFLOW, "sft", "--config", "examples/sft_tiny.yaml", *common, f"trainer.run_dir={sft_dir}"],
+                 sft_dir.parent / "sft.log")
+    rl_s = _run([*HYBRIDFLOW, "train", "--config", "examples/ppo_from_sft.yaml", *common, f"trainer.run_dir={rl_dir}",
+                 f"model_path={sft_dir / 'hf_actor'}", *overrides], sft_dir.parent / "rl.log")
+    sft, rl = _metrics(sft_dir), _metrics(rl_dir)
+    accuracy = _curve(rl, "val/reward/mean")
+    if not accuracy or accuracy[0][0] != 0:
+        raise SystemExit(f"{rl_dir}: no validation before the first step (trainer.val_before_train)")
+    return {"seed": seed, "sft_seconds": round(sft_s, 1), "rl_seconds": round(rl_s, 1),
+            "sft_loss": _curve(sft, "sft/loss"), "sft_val_loss": _curve(sft, "sft/val_loss"),
+            "accuracy": accuracy, "sampled_reward": _curve(rl, "critic/score/mean"),
+            "accuracy_after_sft": accuracy[0][1], "accuracy_after_rl": accuracy[-1][1],
+            "gain": accuracy[-1][1] - accuracy[0][1]}
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    lines = ["seed | SFT val loss | accuracy after SFT | after RL | gain   | SFT s | RL s",
+             "---- | ------------ | ------------------ | -------- | ------ | ----- | ----"]
+    for r in runs:
+        lines.append(f"{r['seed']:>4} | {r['sft_val_loss'][-1][1]:>12.3f} | {r['accuracy_after_sft']:>18.3f} | "
+                     f"{r['accuracy_after_rl']:>8.3f} | {r['gain']:+.3f} | {r['sft_seconds']:>5.0f} | {r['rl_seconds']:>4.0f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r in runs:
+        line, = left.plot(*zip(*r["sft_loss"]), alpha=0.35, lw=1)
+        left.plot(*zip(*r["sft_val_loss"]), color=line.get_color(), marker="o", ms=3, label=f"seed {r['seed']} (val)")
+        right.plot(*zip(*r["accuracy"]), color=line.get_color(), marker="o", ms=3, label=f"seed {r['seed']}")
+    left.set(title="SFT: token-mean loss (faint: train)", xlabel="SFT step", ylabel="cross-entropy")
+    right.set(title="PPO: greedy exact-answer accuracy, 64 held-out", xlabel="RL step (0: the SFT model)",
+              ylabel="accuracy", ylim=(0, 1))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo_seeds", help="run directories go here")
+    parser.add_argument("--min-gain", type=float, default=0.2, help="the accuracy gain every seed must reach")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the RL job")
+    args = parser.parse_args(argv)
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(seed, args.out, args.overrides))
+        print(f"seed {seed}: accuracy {runs[-1]['accuracy_after_sft']:.3f} after SFT -> "
+              f"{runs[-1]['accuracy_after_rl']:.3f} after RL", flush=True)
+    print(format_table(runs))
+    passed = all(r["gain"] >= args.min_gain for r in runs)
+    print(f"every seed gained >= {args.min_gain}: {'yes' if passed else 'no'}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"min_gain": args.min_gain, "overrides": args.overrides, "runs": runs}, indent=1))
+    if args.plot:
+        plot(runs, args.plot)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
