@@ -74,9 +74,10 @@ cuda-check:
 test: setup cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# The main job, about 4 minutes (4m20s on 2 cores, .venv made): a short SFT warm start of the built-in tiny model on arithmetic, then PPO
-# from its export rewarded for exact answers only (actor and critic at TP2 x PP2 on 4 processes, generation
-# in vLLM). The last lines give the greedy accuracy on 64 held-out prompts after SFT and after RL.
+# The main job, about 4 minutes (4m20s on 2 cores once .venv is made): a short SFT warm start of the
+# built-in tiny model on arithmetic, then PPO from its export rewarded for exact answers only (actor and
+# critic at TP2 x PP2 on 4 processes, generation in vLLM). The last lines give the greedy accuracy on 64
+# held-out prompts after SFT and after RL.
 demo: setup
 	$(VENV)/bin/hybridflow sft --config examples/sft_tiny.yaml
 	$(VENV)/bin/hybridflow train --config examples/ppo_from_sft.yaml

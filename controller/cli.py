@@ -102,47 +102,44 @@ def _ray_cluster(config):
 
 
 def _train(args, argv: list[str]) -> int:
-    from controller.config import ConfigError, load_config
+    from controller.config import load_config
     from controller.train_job import prepare_job, run_training
 
-    prepared = None
-    try:
-        config = load_config(args.config, args.overrides)
-        configure_console(config.trainer.verbose)  # before the libraries that log at import
-        if not under_torchrun():
-            if config.trainer.launcher == "torchrun" and config.trainer.nnodes > 1 and not config.trainer.rdzv_endpoint:
-                raise ConfigError(f"trainer.nnodes={config.trainer.nnodes} with trainer.launcher=torchrun: set "
-                                  "trainer.rdzv_endpoint=host:port (a port on the first node that every node can "
-                                  "reach) and run the same command on every node (tools/slurm/ renders it)")
-            # Every check that needs no worker process (the model, the data, the reward functions, the
-            # placement against the Ray cluster), before any starts.
-            prepared = prepare_job(config, cluster=_ray_cluster(config))
-    except (ConfigError, FileNotFoundError, ValueError, ConnectionError) as exc:
-        print(f"hybridflow train: {exc}", file=sys.stderr)
-        return 2
-    if config.trainer.launcher == "torchrun" and not under_torchrun():
-        return _torchrun(config.trainer, argv)
-    run_training(config, prepared)
-    return 0
+    # Before any worker starts: the model, the data, the reward functions, the placement against the Ray cluster.
+    return _run_job("train", load_config, lambda config: prepare_job(config, cluster=_ray_cluster(config)),
+                    run_training, args, argv)
 
 
 def _sft(args, argv: list[str]) -> int:
-    from controller.config import ConfigError
     from controller.sft_config import load_sft_config
     from controller.sft_job import prepare_sft, run_sft
 
+    return _run_job("sft", load_sft_config, prepare_sft, run_sft, args, argv)  # the model, the examples, every check
+
+
+def _run_job(command: str, load, prepare, run, args, argv: list[str]) -> int:
+    """Load and check a job's config, then run it: here (Ray, or this process is a torchrun rank) or
+    under a torchrun this command starts. Every check that needs no worker process runs before any
+    starts; a problem exits 2 naming it."""
+    from controller.config import ConfigError
+
     prepared = None
     try:
-        config = load_sft_config(args.config, args.overrides)
-        configure_console(config.trainer.verbose)
+        config = load(args.config, args.overrides)
+        configure_console(config.trainer.verbose)  # before the libraries that log at import
         if not under_torchrun():
-            prepared = prepare_sft(config)  # the model, the examples, every config check: before any process
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"hybridflow sft: {exc}", file=sys.stderr)
+            trainer = config.trainer
+            if trainer.launcher == "torchrun" and trainer.nnodes > 1 and not trainer.rdzv_endpoint:
+                raise ConfigError(f"trainer.nnodes={trainer.nnodes} with trainer.launcher=torchrun: set "
+                                  "trainer.rdzv_endpoint=host:port (a port on the first node that every node can "
+                                  "reach) and run the same command on every node (tools/slurm/ renders it)")
+            prepared = prepare(config)
+    except (ConfigError, FileNotFoundError, ValueError, ConnectionError) as exc:
+        print(f"hybridflow {command}: {exc}", file=sys.stderr)
         return 2
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer, argv)
-    run_sft(config, prepared)
+    run(config, prepared)
     return 0
 
 

@@ -67,6 +67,9 @@ def test_bad_sft_input_is_refused_before_any_process_starts(tmp_path):
     assert proc.returncode == 2
     assert "data.batch_size gives each data-parallel rank 7 examples" in proc.stderr
     assert "trainer.mode is a setting of RL training" in proc.stderr
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"trainer.run_dir={tmp_path}", "trainer.nnodes=2")
+    assert proc.returncode == 2
+    assert "trainer.nnodes=2 with trainer.launcher=torchrun: set trainer.rdzv_endpoint=host:port" in proc.stderr
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"question": "1+1="}\n')
     proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"trainer.run_dir={tmp_path}", "data.task=files",
