@@ -31,7 +31,7 @@ from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 __all__ = [
     "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
     "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict",
-    "job_pools", "load_config",
+    "job_pools", "load_config", "model_split_problem",
 ]
 
 # The built-in algorithms (their presets: controller.algorithms.presets); a user's are registered by name
@@ -406,6 +406,17 @@ def _is_host_port(value: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
+def model_split_problem(key: str, spec: Any, engine: EngineConfig) -> str | None:
+    """Why the model (its ``ModelSpec``) cannot be split as ``engine`` says, its vocabulary padded for
+    the TP size; None when it can. ``key`` names the role in the message."""
+    try:
+        padded = spec.with_padded_vocab(engine.make_vocab_size_divisible_by, engine.tensor_parallel)
+        padded.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
+    except ValueError as exc:
+        return f"{key}: {exc}"
+    return None
+
+
 def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] | None = None,
                  reward_spec=None) -> None:
     """Raise ConfigError listing every problem.
@@ -476,12 +487,8 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if role == "actor":
             actor_layout = layout
         spec = role_specs.get(key)
-        if spec is not None:
-            try:
-                padded = spec.with_padded_vocab(eng.make_vocab_size_divisible_by, eng.tensor_parallel)
-                padded.check_layout(eng.tensor_parallel, eng.pipeline_parallel)
-            except ValueError as exc:
-                problems.append(f"{key}: {exc}")
+        if spec is not None and (problem := model_split_problem(key, spec, eng)):
+            problems.append(problem)
         if mini is None:
             continue
         if sequences % mini:

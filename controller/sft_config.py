@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.config import (
-    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, read_config_values, trainer_problems,
+    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, model_split_problem, read_config_values,
+    trainer_problems,
 )
 
 __all__ = ["SFT_FORMATS", "SFT_TASKS", "SFTConfig", "SFTDataConfig", "check_sft_config", "load_sft_config"]
@@ -99,11 +100,8 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
         problems.append(f"actor.engine.max_tokens_per_micro_batch {engine.max_tokens_per_micro_batch} is below "
                         f"data.max_length {data.max_length}, the longest example")
     if model_spec is not None:
-        try:
-            padded = model_spec.with_padded_vocab(engine.make_vocab_size_divisible_by, engine.tensor_parallel)
-            padded.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
-        except ValueError as exc:
-            problems.append(f"actor: {exc}")
+        if problem := model_split_problem("actor", model_spec, engine):
+            problems.append(problem)
         if data.max_length > model_spec.max_position_embeddings:
             problems.append(f"data.max_length {data.max_length} exceeds the model's max_position_embeddings "
                             f"{model_spec.max_position_embeddings}")

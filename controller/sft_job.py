@@ -7,7 +7,6 @@ RL job's ``model_path`` can name directly.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -60,16 +59,13 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
     from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
     from controller.resource_pool import ResourcePool
     from controller.sft_trainer import SFTTrainer
+    from controller.train_job import torchrun_pool
     from workers.actor import Actor
 
     trainer_cfg = config.trainer
     if under_torchrun():
-        check_sft_config(config)
-        world = int(os.environ["WORLD_SIZE"])
-        if world != trainer_cfg.nnodes * trainer_cfg.nproc:
-            raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
-                              f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}")
-        pool = ResourcePool([world], backend="torchrun")  # ranks 1.. serve from here on
+        check_sft_config(config)  # every rank, before any group forms
+        pool = torchrun_pool(trainer_cfg)
     else:
         pool = None
     model, data = prepared or prepare_sft(config, log=(lambda line: None) if under_torchrun() else None)

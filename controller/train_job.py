@@ -14,13 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import ConfigError, RLConfig, check_config, config_to_dict, job_pools
+from controller.config import ConfigError, RLConfig, TrainerConfig, check_config, config_to_dict, job_pools
 from controller.data.prepare import JobPrompts, load_job_prompts
 from controller.models import resolve_model_path, value_model_from_policy
 from controller.placement import ClusterNode
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_job", "run_training"]
+__all__ = ["prepare_job", "run_training", "torchrun_pool"]
 
 
 def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
@@ -100,12 +100,7 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     trainer_cfg = config.trainer
     if under_torchrun():
         check_config(config)  # every rank, before any group forms
-        world = int(os.environ["WORLD_SIZE"])
-        if world != trainer_cfg.nnodes * trainer_cfg.nproc:
-            raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
-                              f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}; launch with --nnodes "
-                              f"{trainer_cfg.nnodes} --nproc-per-node {trainer_cfg.nproc} or change the config")
-        pool = ResourcePool([world], backend="torchrun")  # ranks 1.. serve from here on
+        pool = torchrun_pool(trainer_cfg)
     else:
         pool = None
     # Under torchrun the launching process has already checked and reported the data: rank 0 stays quiet.
@@ -180,6 +175,19 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     finally:
         trainer.shutdown()
     return run_dir
+
+
+def torchrun_pool(trainer_cfg: TrainerConfig):
+    """Under torchrun: the job's pool of every rank (ranks 1.. serve from here on), once torchrun is
+    seen to have started the processes the config asks for."""
+    from controller.resource_pool import ResourcePool
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != trainer_cfg.nnodes * trainer_cfg.nproc:
+        raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
+                          f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}; launch with --nnodes "
+                          f"{trainer_cfg.nnodes} --nproc-per-node {trainer_cfg.nproc} or change the config")
+    return ResourcePool([world], backend="torchrun")
 
 
 def _print_validation(config: RLConfig, records: list[dict]) -> None:
