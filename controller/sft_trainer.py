@@ -13,7 +13,6 @@ trains on exactly the batches the uninterrupted one would have.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -21,7 +20,7 @@ from typing import Sequence
 from controller.data.sft_batches import SFTLoader
 from controller.data.sft_examples import SFTExample
 from controller.resource_pool import ResourcePool
-from controller.trainer_checkpoint import _atomic_write
+from controller.trainer_checkpoint import commit_trainer_state, latest_trainer_state
 from controller.worker_group import WorkerGroup
 from workers.role_spec import RoleSpec
 
@@ -93,20 +92,14 @@ class SFTTrainer:
         self.build()
         step = self.global_step
         self.actor.save_checkpoint(str(self._root / "actor"), step)
-        trainer_dir = self._root / "trainer"
-        trainer_dir.mkdir(parents=True, exist_ok=True)
-        name = f"step_{step:08d}.json"
-        _atomic_write(trainer_dir / name, json.dumps({"step": step, "loader": self.loader.state_dict()}))
-        _atomic_write(trainer_dir / "latest", name)
-        return trainer_dir / name
+        return commit_trainer_state(self._root, {"step": step, "loader": self.loader.state_dict()})
 
     def resume(self) -> int:
         """Continue from the newest complete checkpoint under run_dir; returns its step (0: none)."""
         self.build()
-        pointer = self._root / "trainer" / "latest"
-        if not pointer.is_file():
+        state = latest_trainer_state(self._root)
+        if state is None:
             return 0
-        state = json.loads((pointer.parent / pointer.read_text().strip()).read_text())
         self.global_step = int(state["step"])
         self.actor.load_checkpoint(str(self._root / "actor" / f"step_{self.global_step:08d}"))
         self.loader.load_state_dict(state["loader"])

@@ -23,7 +23,7 @@ from controller.config import ConfigError
 if TYPE_CHECKING:
     from controller.trainer import RLTrainer
 
-__all__ = ["TrainerCheckpoint"]
+__all__ = ["TrainerCheckpoint", "commit_trainer_state", "latest_trainer_state"]
 
 TRAINED_ROLES = ("actor", "critic")
 
@@ -50,25 +50,41 @@ class TrainerCheckpoint:
         schedule = trainer.schedule.state_dict(trainer_dir / f"step_{step:08d}.schedule.pt")
         state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
                  **trainer.algorithm.state_dict()}
-        _atomic_write(trainer_dir / f"step_{step:08d}.json", json.dumps(state))
-        _atomic_write(trainer_dir / "latest", f"step_{step:08d}.json")
-        return trainer_dir / f"step_{step:08d}.json"
+        return commit_trainer_state(self.root, state)
 
     def resume(self, trainer: RLTrainer) -> int:
         """Restore the newest complete checkpoint into ``trainer`` (built); returns its step (0: none)."""
-        pointer = self.root / "trainer" / "latest"
-        if not pointer.is_file():
+        state = latest_trainer_state(self.root)
+        if state is None:
             return 0
-        state = json.loads((pointer.parent / pointer.read_text().strip()).read_text())
         step = int(state["step"])
         for role in TRAINED_ROLES:
             if role in trainer.groups:
                 trainer.groups[role].load_checkpoint(str(self.root / role / f"step_{step:08d}"))
         trainer.loader.load_state_dict(state["loader"])
-        trainer.schedule.load_state_dict(state.get("schedule", {}), pointer.parent)
+        trainer.schedule.load_state_dict(state.get("schedule", {}), self.root / "trainer")
         trainer.algorithm.load_state_dict(state)
         trainer.global_step = step
         return step
+
+
+def commit_trainer_state(root: Path, state: dict) -> Path:
+    """``root/trainer/step_N.json`` (N: ``state["step"]``), then ``root/trainer/latest`` naming it: the
+    commit point of a checkpoint whose other parts are already written. Returns the state's path."""
+    trainer_dir = root / "trainer"
+    trainer_dir.mkdir(parents=True, exist_ok=True)
+    name = f"step_{int(state['step']):08d}.json"
+    _atomic_write(trainer_dir / name, json.dumps(state))
+    _atomic_write(trainer_dir / "latest", name)
+    return trainer_dir / name
+
+
+def latest_trainer_state(root: Path) -> dict | None:
+    """The trainer state ``root/trainer/latest`` names: the newest complete checkpoint's; None if none."""
+    pointer = root / "trainer" / "latest"
+    if not pointer.is_file():
+        return None
+    return json.loads((pointer.parent / pointer.read_text().strip()).read_text())
 
 
 def _atomic_write(path: Path, text: str) -> None:
