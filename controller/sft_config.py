@@ -10,7 +10,6 @@ is SFT's own: examples instead of prompts.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,4 +149,4 @@ def _sft_data_problems(data: SFTDataConfig, trainer: TrainerConfig) -> list[str]
 def sft_config_to_dict(config: SFTConfig) -> dict[str, Any]:
     from controller.config import config_to_dict
 
-    return {"kind": "sft", **config_to_dict(config)} if dataclasses.is_dataclass(config) else config
+    return {"kind": "sft", **config_to_dict(config)}

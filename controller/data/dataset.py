@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Prompt", "PromptDataset", "RowKeys", "rows_to_dataset"]
+__all__ = ["Prompt", "PromptDataset", "RowKeys", "lookup_key", "rows_to_dataset"]
 
 # A prompt is text, or a chat: a list of {"role": ..., "content": ...} messages.
 Prompt = str | list[dict[str, Any]]
@@ -85,7 +85,7 @@ class RowKeys:
     extra_info: str = "extra_info"
 
 
-def _lookup(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+def lookup_key(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     """(found, value) for a key such as ``reward_model.ground_truth``."""
     node: Any = row
     for part in dotted.split("."):
@@ -97,9 +97,9 @@ def _lookup(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
 
 def _answer(row: dict[str, Any], key: str | None) -> Any:
     if key is not None:
-        value = _lookup(row, key)[1]
+        value = lookup_key(row, key)[1]
     else:
-        found, value = _lookup(row, "reward_model.ground_truth")
+        found, value = lookup_key(row, "reward_model.ground_truth")
         if not found:
             value = row.get("ground_truth")
     # Numbers become text (reward functions compare text); lists (several valid answers) stay lists.
@@ -107,7 +107,7 @@ def _answer(row: dict[str, Any], key: str | None) -> Any:
 
 
 def _prompt(row: dict[str, Any], key: str, where: str) -> Prompt:
-    found, value = _lookup(row, key)
+    found, value = lookup_key(row, key)
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
@@ -127,11 +127,11 @@ def rows_to_dataset(rows: Iterable[dict[str, Any]], keys: RowKeys = RowKeys(), s
         where = f"{source} row {number}"
         prompts.append(_prompt(row, keys.prompt, where))
         answers.append(_answer(row, keys.answer))
-        data_source = _lookup(row, keys.data_source)[1]
+        data_source = lookup_key(row, keys.data_source)[1]
         if data_source is not None and not isinstance(data_source, str):
             raise ValueError(f"{where}: {keys.data_source!r} must be a string, got {data_source!r}")
         data_sources.append(data_source)
-        extra = _lookup(row, keys.extra_info)[1]
+        extra = lookup_key(row, keys.extra_info)[1]
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(f"{where}: {keys.extra_info!r} must be a mapping, got {type(extra).__name__} {extra!r}")
         extra_infos.append(dict(extra or {}))

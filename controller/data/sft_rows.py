@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from controller.data.chat_template import PromptFormat, uses_chat_template
-from controller.data.dataset import _lookup
+from controller.data.dataset import lookup_key
 from controller.data.files import read_rows
 from controller.data.sft_examples import SFTExample, encode_messages, encode_pair, encode_text
 
@@ -35,7 +35,7 @@ def _encoder(data, tokenizer) -> Callable[[dict[str, Any], str], SFTExample]:
     chat = uses_chat_template(fmt, tokenizer)
 
     def encode(row: dict[str, Any], where: str) -> SFTExample:
-        found = {key: _lookup(row, getattr(data, f"{key}_key"))
+        found = {key: lookup_key(row, getattr(data, f"{key}_key"))
                  for key in ("messages", "prompt", "response", "text")}
         kind = data.format
         if kind == "auto":
