@@ -43,8 +43,8 @@ class SFTDataConfig:
     max_length: int = 64  # prompt + response tokens at most; longer examples are refused (or dropped)
     drop_overlong: bool = False
     batch_size: int = 16  # examples per optimizer step, over all data-parallel ranks
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # the order of the examples, from trainer.seed (as RL's prompts)
+    seed: int = 0  # arithmetic task: the problems drawn (the held-out ones from seed + 1)
     train_size: int = 2048  # arithmetic task
     val_size: int = 64
     max_operand: int = 9

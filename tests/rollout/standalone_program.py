@@ -2,7 +2,8 @@
 
 Stops: the EOS id is set to a token that greedy decoding produces, and a
 stop string is the text of another. The shard loader refuses a shard that
-lacks a fused group. Greedy partial rollouts (``generate_chunk``) continue where they stopped. Writes
+lacks a fused group. Greedy partial rollouts (``generate_chunk``) continue where they stopped, and a
+stop string that spans two of their calls ends the response. Writes
 OUT/standalone.pt.
 """
 
@@ -52,6 +53,30 @@ def greedy_in_chunks(rollout, prompt: list[int], greedy: list[int]) -> list:
     return outputs
 
 
+def stop_across_chunks(rollout, prompt: list[int], greedy: list[int], decode) -> dict | None:
+    """A stop string that is two greedy tokens' text, the first ending one 4-token call and the second
+    starting the next; the chunked calls' outputs and the one-call generation with the same stop."""
+    from workers.data_proto import DataProto
+
+    boundary = next((j for j in (4, 8) if decode(greedy[j - 1:j + 1]) not in decode(greedy[:j])), None)
+    if boundary is None:
+        return None
+    stop = decode(greedy[boundary - 1:boundary + 1])
+    partial = DataProto({"prompts": torch.tensor([prompt]), "prompt_mask": torch.ones(1, len(prompt), dtype=torch.long),
+                         "responses": torch.zeros(1, 10, dtype=torch.long),
+                         "response_mask": torch.zeros(1, 10, dtype=torch.long), "rollout_log_probs": torch.zeros(1, 10)},
+                        meta_info={"sampling": {"greedy": True, "ignore_eos": True, "max_new_tokens": 4, "seed": None,
+                                                "stop": [stop]}})
+    chunks = []
+    while not chunks or not chunks[-1].batch["finished"].all():
+        chunks.append(rollout.generate_chunk(partial))
+        partial = DataProto({**partial.batch, **{k: chunks[-1].batch[k] for k in ("responses", "response_mask",
+                                                                                 "rollout_log_probs")}},
+                            meta_info=partial.meta_info)
+    whole = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, stop=[stop]))
+    return {"stop": stop, "boundary": boundary, "chunks": chunks, "whole": whole}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -72,6 +97,7 @@ def main():
     result["stopped"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, stop=[stop]))
     result["short"] = rollout.generate_sequences(prompt_batch(PROMPTS[:1], greedy=True, ignore_eos=True, max_new_tokens=4))
     result["chunks"] = greedy_in_chunks(rollout, PROMPTS[0], greedy)
+    result["stop_across"] = stop_across_chunks(rollout, PROMPTS[0], greedy, AutoTokenizer.from_pretrained(args.model).decode)
     result["missing_qkv"] = rollout.load_without_v()
     torch.save(result, os.path.join(args.out, "standalone.pt"))
 

@@ -11,6 +11,7 @@ from workers.rollout.batch import (
     build_requests,
     build_rollout_batch,
     check_special_tokens,
+    stop_in_continuation,
 )
 
 
@@ -142,3 +143,32 @@ def test_old_log_probs_for_the_ratio_come_from_recompute_or_rollout():
         use_old_log_probs(batch, "actor")
     with pytest.raises(KeyError, match="needs 'rollout_log_probs'"):
         use_old_log_probs(DataProto({"old_log_probs": torch.zeros(2, 3)}), "rollout")
+
+
+def test_a_stop_string_begun_in_an_earlier_call_ends_the_response_through_its_last_token():
+    def ids(text):
+        return [ord(c) for c in text]
+
+    def decode(tokens):
+        return "".join(chr(t) for t in tokens)
+
+    # Against the reference: the response is the shortest prefix of the whole text holding a stop string.
+    def reference(before, new, stops):
+        whole = before + new
+        k = next((k for k in range(len(before) + 1, len(whole) + 1) if any(s in decode(whole[:k]) for s in stops)), None)
+        return None if k is None else k - len(before)
+
+    cases = [("ab\n", "\ncd", ("\n\n",)),            # the stop's first character came in the earlier call
+             ("x<|e", "nd|>yy", ("<|end|>",)),         # 4 characters before the boundary, 3 after
+             ("abc", "dX<|end|>", ("<|end|>", "cd")),  # the earlier of two: "cd" spans, <|end|> lies in new
+             ("abc", "def", ("zz",)), ("", "a\n\n", ("\n\n",)), ("ab", "", ("b",))]
+    for before, new, stops in cases:
+        got = stop_in_continuation(ids(before), ids(new), stops, decode)
+        assert got == (reference(ids(before), ids(new), stops) if before and new else None), (before, new, stops, got)
+    assert stop_in_continuation(ids("ab\n"), ids("\ncd"), (), decode) is None
+    assert stop_in_continuation(ids("ab\n"), ids("\ncd"), ("\n\n",), decode) == 1
+    assert stop_in_continuation(ids("x<|e"), ids("nd|>yy"), ("<|end|>",), decode) == 4
+    # Only the tail that can hold a stop string is decoded, however long the response so far.
+    seen = []
+    stop_in_continuation(ids("q" * 500 + "a"), ids("b"), ("ab",), lambda t: seen.append(len(t)) or decode(t))
+    assert max(seen) <= len("ab") + 8 + 1

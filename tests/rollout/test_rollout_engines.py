@@ -115,5 +115,13 @@ def test_standalone_vllm_rollout_stops_and_refuses_partial_shards(tmp_path):
     assert torch.allclose(second.batch["rollout_log_probs"][1, 4:], whole[4:], atol=1e-5)
     assert torch.allclose(second.batch["rollout_log_probs"][0, :8], whole[:8], atol=1e-5)
     assert second.batch["rollout_log_probs"][1, :4].abs().sum() == 0  # given as zeros: come back as given
+    # A stop string whose first token ends one call and whose second starts the next ends the response there,
+    # as it does in one call.
+    across = result["stop_across"]
+    assert across is not None, f"no pair of greedy tokens {greedy} first appears across a 4-token boundary"
+    keep = across["boundary"] + 1
+    assert responses(across["whole"]) == [greedy[:keep]]
+    assert [responses(c)[0] for c in across["chunks"]] == [greedy[:4 * i] for i in range(1, (keep - 1) // 4 + 1)] + [greedy[:keep]]
+    assert across["chunks"][-1].non_tensor_batch["finish_reason"].tolist() == ["stop"]
     (refusal,) = result["missing_qkv"]
     assert "ShardLoadError" in refusal and "missing ['model.layers.0.self_attn.qkv_proj.weight'" in refusal

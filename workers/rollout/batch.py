@@ -9,6 +9,7 @@ on. Rows are ordered prompt-major: prompt i's n samples are rows i*n..i*n+n-1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "build_rollout_batch",
     "check_special_tokens",
     "concat_rollout_batches",
+    "stop_in_continuation",
 ]
 
 TRUNCATION_MODES = ("error", "left")
@@ -44,6 +46,29 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]  # of each sampled token under the processed (tempered) distribution
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+
+
+def stop_in_continuation(before: list[int], new: list[int], stops: tuple[str, ...] | list[str],
+                         decode: Callable[[list[int]], str]) -> int | None:
+    """How many of ``new`` tokens a response keeps when a stop string ends among them, having begun in
+    ``before`` (the response's tokens from earlier calls), else None.
+
+    An engine checks stop strings against the text it generated in the call, so one that spans two
+    calls of a partial rollout is not seen there. Kept: through the token whose text completes the
+    stop string, as the engines keep it within one call. Only the tail of ``before`` that can hold the
+    start of a stop string is decoded (its characters, with a margin for tokens that decode to none).
+    """
+    if not stops or not before or not new:
+        return None
+    longest = max(len(stop) for stop in stops)
+    tail = before[-(longest + 8):]
+    start = len(decode(tail))  # text of the tail's tokens alone, before the new ones
+    for k in range(1, min(len(new), longest + 8) + 1):
+        text = decode(tail + new[:k])
+        # A stop string found here must end past the tail's own text: one inside it would have stopped earlier.
+        if any(text.find(stop, max(0, start - len(stop) + 1)) >= 0 for stop in stops):
+            return k
+    return None
 
 
 def check_special_tokens(pad_token_id: int | None, eos_token_id: int | None, source: str) -> None:

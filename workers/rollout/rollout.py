@@ -43,6 +43,7 @@ from workers.rollout.batch import (
     build_requests,
     build_rollout_batch,
     check_special_tokens,
+    stop_in_continuation,
 )
 from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
@@ -201,6 +202,10 @@ class Rollout(BaseWorker):
             return completions
 
         completions, metrics = self._on_current_weights(generate)
+        for i, completion in enumerate(completions):  # a stop string begun in an earlier call ends the response
+            before = responses[i, :lengths[i]].tolist()
+            if (keep := stop_in_continuation(before, completion.token_ids, sampling.stop, self._decode)) is not None:
+                completions[i] = Completion(completion.token_ids[:keep], completion.log_probs[:keep], "stop")
         finished = torch.zeros(len(partial), dtype=torch.bool)
         for i, completion in enumerate(completions):
             begin, count = lengths[i], len(completion.token_ids)
