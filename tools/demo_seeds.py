@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 HYBRIDFLOW = [sys.executable, "-m", "controller.cli"]
 
-
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+from controller.metrics_log import read_metrics  # noqa: E402  (the runs' metrics.jsonl)
 
 
 def _curve(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -57,7 +56,7 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> dict[str, Any]:
                  sft_dir.parent / "sft.log")
     rl_s = _run([*HYBRIDFLOW, "train", "--config", "examples/ppo_from_sft.yaml", *common, f"trainer.run_dir={rl_dir}",
                  f"model_path={sft_dir / 'hf_actor'}", *overrides], sft_dir.parent / "rl.log")
-    sft, rl = _metrics(sft_dir), _metrics(rl_dir)
+    sft, rl = read_metrics(sft_dir), read_metrics(rl_dir)
     accuracy = _curve(rl, "val/reward/mean")
     if not accuracy or accuracy[0][0] != 0:
         raise SystemExit(f"{rl_dir}: no validation before the first step (trainer.val_before_train)")
