@@ -180,6 +180,8 @@ class TrainerConfig:
     # async: tokens per sample per rollout call, where weight updates may interrupt; null: whole responses
     partial_rollout_tokens: int | None = None
     max_in_flight: int | None = None  # async: prompt groups in generation at once; null: what max_staleness allows
+    # each step's samples (text, score, per-token mask, rewards, returns, advantages) as {dir}/{step}.jsonl
+    rollout_data_dir: str | None = None
 
 
 @dataclass(frozen=True)

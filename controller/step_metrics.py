@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from workers.data_proto import DataProto
-from workers.policy_losses import masked_mean
+from workers.policy_losses import masked_mean, zero_padding
 
 __all__ = ["batch_metrics", "reduce_update_metrics"]
 
@@ -25,7 +25,7 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
     prompt_length = b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1).float()
     metrics = {
         **_stats("critic/score", b["scores"]),
-        **_stats("critic/rewards", b["token_level_rewards"].sum(-1)),
+        **_stats("critic/rewards", zero_padding(b["token_level_rewards"], mask).sum(-1)),
         **_stats("response_length", response_length),
         **_stats("prompt_length", prompt_length),
         "response_length/clip_ratio": float((response_length >= b["responses"].shape[1]).float().mean()),

@@ -144,7 +144,7 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         val_before_train=trainer_cfg.val_before_train,
         seed=trainer_cfg.seed, shuffle=config.data.shuffle, mode=trainer_cfg.mode,
         max_staleness=trainer_cfg.max_staleness, partial_rollout_tokens=trainer_cfg.partial_rollout_tokens,
-        max_in_flight=trainer_cfg.max_in_flight,
+        max_in_flight=trainer_cfg.max_in_flight, rollout_data_dir=trainer_cfg.rollout_data_dir,
     )
     for role, shape in job_pools(trainer_cfg).items():
         if role != "default":

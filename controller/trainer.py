@@ -35,6 +35,7 @@ from controller.data import PromptDataset, PromptLoader
 from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
+from controller.rollout_dump import RolloutDump
 from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.schedules import build_schedule, generation_seed, with_sampling
 from controller.step_metrics import batch_metrics, reduce_update_metrics
@@ -91,13 +92,15 @@ class RLTrainer:
         max_staleness: int = 1,
         partial_rollout_tokens: int | None = None,
         max_in_flight: int | None = None,
+        rollout_data_dir: str | Path | None = None,
     ) -> None:
         """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync";
         "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains); or "async"
         (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None: whole
         responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
         allows). Samples more than ``max_staleness`` updates stale are not trained on; see
-        ``controller.schedules``."""
+        ``controller.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
+        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rollout_dump``)."""
         safe_rlhf = cost_fn is not None or cost_model is not None
         if not isinstance(algorithm, RLAlgorithm):
             config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
@@ -127,6 +130,7 @@ class RLTrainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpoints = TrainerCheckpoint(self.run_dir)
         self.logger = logger
+        self.rollout_dump = RolloutDump(rollout_data_dir, actor.model_path) if rollout_data_dir is not None else None
         self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
         rollout_config = RolloutConfig.from_value(rollout.kwargs.get("config"))
         self.rollout_sampling = sampling = rollout_config.sampling
@@ -376,6 +380,8 @@ class RLTrainer:
         if self.val_every and (self.global_step + 1) % self.val_every == 0:
             metrics.update(self.validate())
         self.global_step += 1
+        if self.rollout_dump is not None:
+            self.rollout_dump.write(self.global_step, batch)
         if self.logger is not None:
             self.logger.log(self.global_step, metrics)
         if self.save_every and self.global_step % self.save_every == 0:

@@ -225,3 +225,42 @@ def test_gae_over_a_multi_turn_mask_skips_the_tool_tokens():
         close(adv[row, keep][None], c_adv.tolist())
         close(ret[row, keep][None], c_ret.tolist())
         assert (adv[row, ~keep] == 0).all() and (ret[row, ~keep] == 0).all()
+
+
+def multi_turn_rows():
+    """Two multi-turn responses: model turns (mask 1), observation tokens between them (mask 0, holding
+    garbage a tool could leave there), right padding; the outcome score on each row's last model token."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0, 1, 0], [1, 0, 0, 1, 1, 0, 1, 1, 0, 0]])
+    rewards = torch.tensor([[0.1, 0.0, 7.0, 7.0, -0.2, 0.0, 7.0, 7.0, 1.0, 7.0],
+                            [0.0, 5.0, 5.0, 0.3, 0.0, 5.0, 0.0, -2.0, 5.0, 5.0]])
+    return rewards, mask
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "remax"])
+def test_returns_carry_the_final_reward_back_across_the_turns(name):
+    """REINFORCE++ and ReMax: every model token's return is the sum of the (discounted) rewards after it, as
+    on the compacted row (the model tokens alone); an earlier turn sees the final score."""
+    rewards, mask = multi_turn_rows()
+    gamma = 0.5 if name == "reinforce_plus_plus" else 1.0
+    baseline = torch.tensor([0.25, -1.0])
+    inputs = AdvantageInputs(rewards, mask, baseline_rewards=baseline)
+    adv, ret = compute_advantages(name, inputs, AdvantageConfig(gamma=gamma))
+    # By hand. Row 0 compacted [0.1, 0, -0.2, 0, 1]; row 1 compacted [0, 0.3, 0, 0, -2].
+    if name == "reinforce_plus_plus":
+        hand = [[0.1125, 0.025, 0, 0, 0.05, 0.5, 0, 0, 1.0, 0], [0.025, 0, 0, 0.05, -0.5, 0, -1.0, -2.0, 0, 0]]
+    else:
+        hand = [[0.9, 0.8, 0, 0, 0.8, 1.0, 0, 0, 1.0, 0], [-1.7, 0, 0, -1.7, -2.0, 0, -2.0, -2.0, 0, 0]]
+    close(ret, hand)
+    # The compacted rows, computed one row at a time as single-turn responses.
+    for row in range(2):
+        keep = mask[row].bool()
+        n = int(keep.sum())
+        one = AdvantageInputs(rewards[row, keep][None], torch.ones(1, n, dtype=torch.long), baseline_rewards=baseline[row:row + 1])
+        _, c_ret = compute_advantages(name, one, AdvantageConfig(gamma=gamma))
+        close(ret[row, keep][None], c_ret.tolist())
+    if name == "remax":
+        close(adv, ((ret - baseline[:, None]) * mask).tolist())
+    else:
+        valid = [r for row, m in zip(ret.tolist(), mask.tolist()) for r, k in zip(row, m) if k]
+        w = iter(whiten_list(valid))
+        close(adv, [[next(w) if k else 0.0 for k in m] for m in mask.tolist()])

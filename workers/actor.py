@@ -30,8 +30,9 @@ from workers.policy_losses import (
     PolicyLossSpec,
     agg_loss,
     compute_policy_loss,
-    kl_penalty,
+    kl_loss,
     masked_mean,
+    zero_padding,
 )
 from workers.register import register
 from workers.rollout.agreement import FROM_UPDATE, old_log_probs_from_update
@@ -256,8 +257,9 @@ class Actor(_LogProbRole):
         ppo, agg_mode = self.ppo, terms.policy_loss.agg_mode
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
-        old_log_prob = log_prob.detach() if from_update else mb["old_log_probs"]
-        rollout_log_prob = mb["rollout_log_probs"] if "rollout_log_probs" in mb else None
+        # The batch's padded positions may hold anything (NaN from a rollout engine): never read them.
+        old_log_prob = log_prob.detach() if from_update else zero_padding(mb["old_log_probs"], mask)
+        rollout_log_prob = zero_padding(mb["rollout_log_probs"], mask) if "rollout_log_probs" in mb else None
         weights = indicators = None
         if terms.rollout_correction.on and rollout_log_prob is not None:
             weights, indicators = correction_weights(old_log_prob, rollout_log_prob, mask, terms.rollout_correction)
@@ -279,11 +281,11 @@ class Actor(_LogProbRole):
         if ppo.entropy_coeff:
             loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, agg_mode, normalizer)
         if kl_fn is not None:  # the user's KL term, weight included
-            kl = agg_loss(kl_fn(log_prob, mb["ref_log_prob"]), mask, agg_mode, normalizer)
+            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, kl_fn, agg_mode, normalizer)
             loss = loss + kl
             stats["kl_loss"] = kl.detach()
         elif ppo.use_kl_loss:
-            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], ppo.kl_loss_type), mask, agg_mode, normalizer)
+            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, ppo.kl_loss_type, agg_mode, normalizer)
             loss = loss + ppo.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
         return loss, stats

@@ -12,6 +12,11 @@ The policy objectives (``POLICY_LOSSES``, chosen by ``PolicyLossSpec.kind``):
 - ``cispo``: REINFORCE on log-probs weighted by clipped, stop-gradient importance ratios.
 Each takes an optional per-token ``weights`` tensor (rollout correction), detached, that scales the
 per-token loss before aggregation.
+
+Padded positions (mask 0) may hold anything, NaN and inf included: every function here selects the
+valid positions with ``torch.where`` before any arithmetic (``x * mask`` would turn NaN into NaN), so a
+loss, its gradient and every statistic equal those of the same batch with zeros in the padding. A row
+with no valid token does not count as a sequence in the ``seq-mean-*`` modes.
 """
 
 from __future__ import annotations
@@ -31,18 +36,35 @@ __all__ = [
     "cispo_loss",
     "compute_policy_loss",
     "gspo_loss",
+    "kl_loss",
     "kl_penalty",
     "masked_mean",
     "policy_loss",
+    "valid_sequences",
     "value_loss",
+    "zero_padding",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
 
 
+def zero_padding(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` with 0 wherever ``mask`` is 0; whatever a padded position held (NaN, inf) is not read,
+    and no gradient flows to it."""
+    return torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def valid_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """The number of rows of a [B, T] mask with at least one valid token: the sequences a
+    ``seq-mean-*`` mean counts (a fully masked row has no tokens to average)."""
+    return (mask != 0).any(-1).sum()
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is non-zero (weighted by it); 0 with none."""
     mask = mask.to(values.dtype)
+    values = zero_padding(values, mask)
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1)
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
@@ -70,12 +92,15 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: Loss
     sequences. seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum
     divided by one constant, ``normalizer.norm_length`` (the maximum response
     length; without it, the width of ``loss``), then the mean over sequences:
-    no sequence's tokens weigh more for being short. Without a normalizer the
+    no sequence's tokens weigh more for being short. The sequences counted are
+    those with a valid token (``valid_sequences``). Without a normalizer the
     batch is the whole mini-batch.
     """
     mask = mask.to(loss.dtype)
+    loss = zero_padding(loss, mask)
     if normalizer is None:
-        normalizer = LossNormalizer(tokens=float(mask.sum().clamp(min=1)), sequences=float(loss.shape[0]))
+        normalizer = LossNormalizer(tokens=float(mask.sum().clamp(min=1)),
+                                    sequences=float(valid_sequences(mask).clamp(min=1)))
     if mode == "token-mean":
         return (loss * mask).sum() / normalizer.tokens
     if mode == "seq-mean-token-mean":
@@ -115,6 +140,21 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)} or a callable") from None
 
 
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str | Callable = "k3",
+    agg_mode: str = "token-mean",
+    normalizer: LossNormalizer | None = None,
+) -> torch.Tensor:
+    """This batch's share of the KL(pi || ref) loss term: ``kl_penalty`` per token, aggregated like the
+    policy loss. Both log-probs are read on valid positions only, so neither the term nor its gradient
+    sees what the padding holds."""
+    log_prob, ref_log_prob = zero_padding(log_prob, mask), zero_padding(ref_log_prob, mask)
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, estimator), mask, agg_mode, normalizer)
+
+
 def _clipped_surrogate(ratio, log_ratio, advantages, mask, clip_ratio_low, clip_ratio_high):
     """max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)) per token, the clip fraction and the PPO KL."""
     unclipped = -advantages * ratio
@@ -126,8 +166,8 @@ def _clipped_surrogate(ratio, log_ratio, advantages, mask, clip_ratio_low, clip_
     return torch.maximum(unclipped, clipped), stats
 
 
-def _weighted(loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    return loss if weights is None else loss * weights.detach()
+def _weighted(loss: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    return loss if weights is None else loss * zero_padding(weights.detach(), mask)
 
 
 def policy_loss(
@@ -149,6 +189,7 @@ def policy_loss(
     so a huge ratio cannot blow up one update. ``clip_ratio_c=None`` turns it off.
     Returns the loss share and detached statistics (masked means over this batch).
     """
+    old_log_prob, log_prob, advantages = (zero_padding(t, mask) for t in (old_log_prob, log_prob, advantages))
     log_ratio = log_prob - old_log_prob
     surrogate, stats = _clipped_surrogate(log_ratio.clamp(-20, 20).exp(), log_ratio, advantages, mask,
                                           clip_ratio_low, clip_ratio_high)
@@ -159,7 +200,7 @@ def policy_loss(
         dual = torch.minimum(surrogate, bound)
         stats["pg_clipfrac_lower"] = masked_mean(((surrogate > bound) & (advantages < 0)).float(), mask).detach()
         surrogate = torch.where(advantages < 0, dual, surrogate)
-    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+    return agg_loss(_weighted(surrogate, weights, mask), mask, agg_mode, normalizer), stats
 
 
 def gspo_loss(
@@ -182,6 +223,7 @@ def gspo_loss(
     equal to s_i in value, so each token's gradient follows its own advantage; with one advantage
     per sequence both variants have the same gradient.
     """
+    old_log_prob, log_prob, advantages = (zero_padding(t, mask) for t in (old_log_prob, log_prob, advantages))
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # [B, 1]
     if token_level:
@@ -190,7 +232,7 @@ def gspo_loss(
         log_s = seq_log_ratio.expand_as(log_prob)
     surrogate, stats = _clipped_surrogate(log_s.clamp(max=10.0).exp(), log_ratio, advantages, mask,
                                           clip_ratio_low, clip_ratio_high)
-    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+    return agg_loss(_weighted(surrogate, weights, mask), mask, agg_mode, normalizer), stats
 
 
 def cispo_loss(
@@ -210,6 +252,7 @@ def cispo_loss(
     REINFORCE term and every token keeps its gradient (PPO's clip zeroes the gradient of clipped
     tokens). The defaults: no lower bound (low 1 gives 0) and an upper bound of 5.
     """
+    old_log_prob, log_prob, advantages = (zero_padding(t, mask) for t in (old_log_prob, log_prob, advantages))
     log_ratio = log_prob - old_log_prob
     ratio = log_ratio.detach().clamp(-20, 20).exp()
     clipped_ratio = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -218,7 +261,7 @@ def cispo_loss(
         "pg_clipfrac": masked_mean((clipped_ratio != ratio).float(), mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, mask).detach(),
     }
-    return agg_loss(_weighted(surrogate, weights), mask, agg_mode, normalizer), stats
+    return agg_loss(_weighted(surrogate, weights, mask), mask, agg_mode, normalizer), stats
 
 
 @dataclass(frozen=True)
@@ -270,6 +313,7 @@ def value_loss(
     normalizer: LossNormalizer | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)."""
+    values, old_values, returns = (zero_padding(t, mask) for t in (values, old_values, returns))
     clipped_values = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
     unclipped_loss = (values - returns).square()
     clipped_loss = (clipped_values - returns).square()

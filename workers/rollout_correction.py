@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.policy_losses import LossNormalizer, masked_mean
+from workers.policy_losses import LossNormalizer, masked_mean, zero_padding
 
 __all__ = ["CORRECTION_LEVELS", "CORRECTION_MODES", "RolloutCorrection", "correction_metrics", "correction_weights"]
 
@@ -65,7 +65,7 @@ def correction_weights(
     The indicators: ``truncated`` (tis: the weight was capped) and ``masked`` (mis: the weight is 0).
     """
     mask = mask.to(old_log_prob.dtype)
-    log_ratio = (old_log_prob.detach().float() - rollout_log_prob.float()) * mask
+    log_ratio = zero_padding(old_log_prob.detach().float() - rollout_log_prob.float(), mask) * mask
     zeros = torch.zeros_like(log_ratio, dtype=torch.bool)
     if config.mode == "tis":
         if config.level == "sequence":
@@ -99,18 +99,19 @@ def correction_metrics(
     perplexity over its rollout perplexity.
     """
     mask = mask.to(torch.float32)
-    log_ratio = (old_log_prob.detach().float() - rollout_log_prob.float()) * mask
+    log_ratio = zero_padding(old_log_prob.detach().float() - rollout_log_prob.float(), mask) * mask
     ratio = log_ratio.clamp(-20, 20).exp()
 
     def token_share(values: torch.Tensor) -> torch.Tensor:
-        return (values * mask).sum() / normalizer.tokens
+        return (zero_padding(values, mask) * mask).sum() / normalizer.tokens
 
     stats = {
         "kl_k1": token_share(-log_ratio),
         "kl_k3": token_share(ratio - 1 - log_ratio),
         "chi2": token_share(ratio.square() - 1),
         # perplexity exp(-mean log p) per sequence: train over rollout = exp(-mean_t log r)
-        "ppl_ratio": (-masked_mean(log_ratio, mask, dim=-1)).exp().sum() / normalizer.sequences,
+        # a row with no valid token is no sequence (it is not counted in normalizer.sequences either)
+        "ppl_ratio": (-masked_mean(log_ratio, mask, dim=-1)).exp()[(mask != 0).any(-1)].sum() / normalizer.sequences,
     }
     if weights is not None:
         stats["weight_mean"] = token_share(weights.float())

@@ -5,6 +5,31 @@ real tokens (1) and the right padding (0). Every estimator has one signature,
 ``estimator(inputs, config) -> (advantages, returns)``, both [B, T] and zero
 on padded positions, so the trainer picks one by name and users add their own
 with ``@register_advantage_estimator("name")`` without touching this file.
+
+A mask-0 position inside a response (the observation tokens between the turns
+of a multi-turn rollout) is skipped, not a boundary: GAE and the returns of
+ReMax and REINFORCE++ carry across it, so each position gets what it would get
+in the compacted row of the model's tokens alone. Masked positions may hold
+anything (NaN included); no output reads them.
+
+Where these estimators differ from verl's ``core_algos`` (0.9.1), on purpose:
+
+- Whitening epsilon (REINFORCE++, REINFORCE++-baseline, whitened GAE): 1e-6
+  here, 1e-8 in verl, added to the variance. The two agree to 0.5% once the
+  variance is 1e-4 and to 5e-5 at 1e-2. When a batch's returns are nearly
+  constant (a variance of 1e-9, rounding noise), 1e-8 scales that noise up
+  to advantages of about 0.3 and 1e-6 to about 0.03: ours keeps the update of
+  a batch with no signal small.
+  Set ``AdvantageConfig(epsilon=1e-8)`` to reproduce verl.
+- A prompt group of one sample: GRPO gives it advantage 0 here; verl gives
+  the raw score (its mean 0 and std 1 for a group of one). Without other
+  samples there is no baseline, and a raw score would enter the loss on a
+  different scale from the normalised advantages beside it, so ours leaves
+  it out of the gradient. RLOO refuses it here (the leave-one-out baseline
+  does not exist), while verl returns the raw score; a job with
+  ``rollout.sampling.n < 2`` is refused before launch, so a group of one can
+  only come from code that builds its own batch, and it should hear of it.
+  REINFORCE++-baseline centres a group of one on itself (0), as verl does.
 """
 
 from __future__ import annotations
@@ -17,7 +42,7 @@ from typing import Any
 import torch
 
 from hybridengine.ops.advantage_scan import discounted_returns, gae_scan
-from workers.policy_losses import masked_mean
+from workers.policy_losses import masked_mean, zero_padding
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -41,6 +66,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     dividing by n (so one valid entry has variance 0, not NaN).
     """
     mask = mask.to(values.dtype)
+    values = zero_padding(values, mask)
     mean = masked_mean(values, mask)
     n = mask.sum()
     squared = ((values - mean) * mask).square().sum()
@@ -55,6 +81,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-
     Mean and (unbiased) variance are taken over the valid entries of the whole
     batch. ``shift_mean=False`` only rescales (adds the mean back).
     """
+    values = zero_padding(values, mask)
     mean = masked_mean(values, mask)
     var = masked_var(values, mask, unbiased=True)
     whitened = (values - mean) * torch.rsqrt(var + epsilon)
@@ -174,7 +201,8 @@ def _require(inputs: AdvantageInputs, field: str, estimator: str, what: str) -> 
 
 def _sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
     """Outcome reward per sequence: sum of the token-level rewards over valid tokens, [B]."""
-    return (inputs.token_level_rewards * inputs.response_mask.to(inputs.token_level_rewards.dtype)).sum(-1)
+    mask = inputs.response_mask.to(inputs.token_level_rewards.dtype)
+    return (zero_padding(inputs.token_level_rewards, mask) * mask).sum(-1)
 
 
 def group_rows(group_index: Sequence[Hashable] | Any) -> dict[Hashable, list[int]]:
@@ -263,7 +291,8 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor
 
 
 def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = m_t * (r_t + gamma * G_{t+1}), G_T = 0: a masked position holds 0 and cuts the sum."""
+    """G_t = r_t + gamma * G_{t'} with t' the next valid position (0 after the last): the sum of the
+    future rewards, carried across masked positions (which hold 0)."""
     return discounted_returns(rewards, mask, gamma).to(rewards.dtype)
 
 
@@ -271,7 +300,8 @@ def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
 def remax(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): REINFORCE with the greedy rollout's score as baseline.
 
-        G_t = sum_{k >= t} r_k   (undiscounted reward-to-go over valid tokens; gamma is not used)
+        G_t = sum_{k >= t} r_k   (undiscounted reward-to-go over the valid tokens after t, across
+                                  any masked gap; gamma is not used)
         A_t = G_t - b            (b = baseline_rewards, the greedy response's sequence score)
     returns are G_t. Padded positions get 0.
     """
@@ -287,7 +317,8 @@ def remax(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tenso
 def reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go, whitened over the batch.
 
-        G_t = r_t + gamma * G_{t+1}   over valid tokens (a padded position resets the sum)
+        G_t = r_t + gamma * G_{t'}    t' the next valid token: masked positions are skipped, so an
+                                      earlier turn of a multi-turn response sees the final reward
         A   = whiten(G) over all valid tokens of the batch: (G - mean) / sqrt(var + epsilon),
               var unbiased.
     returns are G_t. Padded positions get 0.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.policy_losses import kl_penalty, masked_mean
+from workers.policy_losses import kl_penalty, masked_mean, zero_padding
 
 __all__ = [
     "KL_CONTROLLER_KINDS",
@@ -81,8 +81,9 @@ def apply_kl_penalty(
     if isinstance(kind, str):
         kind = KL_KIND_ALIASES.get(kind, kind)
     mask = response_mask.to(token_level_scores.dtype)
+    log_probs, ref_log_probs = zero_padding(log_probs, mask), zero_padding(ref_log_probs, mask)
     kl = kl_penalty(log_probs, ref_log_probs, kind).to(token_level_scores.dtype) * mask
-    rewards = (token_level_scores - beta * kl) * mask
+    rewards = (zero_padding(token_level_scores, mask) - beta * kl) * mask
     per_sequence = masked_mean(kl, mask, dim=-1)
     metrics = {
         "actor/reward_kl_penalty": float(per_sequence.mean()),

@@ -1,6 +1,8 @@
 // CPU advantage scans over [batch, length]: GAE and the discounted
 // reward-to-go. Each row is one backward scan; rows run in parallel. The
 // arithmetic is the same, step for step, as the torch loops they replace.
+// A position with mask 0 is skipped: it gets 0, the later state passes
+// through it, and its inputs (NaN included) are never read.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -35,6 +37,11 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards_in, const at::T
       float next_value = 0.0f, next_adv = 0.0f;
       for (int64_t t = length - 1; t >= 0; --t) {
         const float mt = m[o + t];
+        if (mt == 0.0f) {
+          adv[o + t] = 0.0f;
+          ret[o + t] = 0.0f;
+          continue;
+        }
         const float delta = r[o + t] + gamma * next_value - v[o + t];
         const float a = delta + gamma * lam * next_adv;
         adv[o + t] = a * mt;
@@ -58,10 +65,16 @@ at::Tensor discounted_returns(const at::Tensor& rewards_in, const at::Tensor& ma
   at::parallel_for(0, batch, std::max<int64_t>(1, 4096 / std::max<int64_t>(length, 1)), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t o = b * length;
-      float running = 0.0f;
+      float running = 0.0f;  // G at the next valid position
       for (int64_t t = length - 1; t >= 0; --t) {
-        running = (r[o + t] + gamma * running) * m[o + t];
-        ret[o + t] = running;
+        const float mt = m[o + t];
+        if (mt == 0.0f) {
+          ret[o + t] = 0.0f;
+          continue;
+        }
+        const float g = r[o + t] + gamma * running;
+        ret[o + t] = g * mt;
+        running = mt * g + (1.0f - mt) * running;
       }
     }
   });

@@ -1,9 +1,10 @@
 // CUDA kernels of the advantage scans (GAE and discounted reward-to-go) over
 // contiguous [batch, length] fp32 arrays: one thread per row, scanning the row
-// backwards.
+// backwards. A position with mask 0 is skipped: it gets 0, the later state
+// passes through it, and its inputs (NaN included) are never read.
 //
 // The arithmetic is that of kernels.h, one rounding per operation and in the
-// same order as the torch loops in controller/algorithms/advantages.py: every
+// same order as the torch loops in hybridengine/ops/advantage_scan.py: every
 // step uses the __f*_rn intrinsics, which nvcc never contracts into fused
 // multiply-adds, so the results match the CPU kernel and a torch loop bit for
 // bit (given the same fp32 gamma and gamma * lam).
@@ -33,7 +34,13 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t base = row * length;
     float next_value = 0.0f, next_adv = 0.0f;
     for (int64_t t = length - 1; t >= 0; --t) {
-      const float r = rewards[base + t], v = values[base + t], m = mask[base + t];
+      const float m = mask[base + t];
+      if (m == 0.0f) {
+        advantages[base + t] = 0.0f;
+        returns[base + t] = 0.0f;
+        continue;
+      }
+      const float r = rewards[base + t], v = values[base + t];
       // delta = r_t + gamma * next_value - v_t;  a_t = delta + gamma * lam * next_adv
       const float delta = __fsub_rn(__fadd_rn(r, __fmul_rn(gamma, next_value)), v);
       const float a = __fadd_rn(delta, __fmul_rn(gamma_lam, next_adv));
@@ -54,10 +61,16 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < batch; row += stride) {
     const int64_t base = row * length;
-    float running = 0.0f;  // G_{t+1}
+    float running = 0.0f;  // G at the next valid position
     for (int64_t t = length - 1; t >= 0; --t) {
-      running = __fmul_rn(__fadd_rn(rewards[base + t], __fmul_rn(gamma, running)), mask[base + t]);
-      returns[base + t] = running;
+      const float m = mask[base + t];
+      if (m == 0.0f) {
+        returns[base + t] = 0.0f;
+        continue;
+      }
+      const float g = __fadd_rn(rewards[base + t], __fmul_rn(gamma, running));
+      returns[base + t] = __fmul_rn(g, m);
+      running = __fadd_rn(__fmul_rn(m, g), __fmul_rn(__fsub_rn(1.0f, m), running));
     }
   }
 }

@@ -56,7 +56,8 @@ def test_gae_by_hand():
     adv, ret = gae_scan(rewards, values, mask, gamma, lam)
     torch.testing.assert_close(adv, torch.tensor([[a0, 0.0, a2]]))
     torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, 0.0, a2 + 1.0]]))
-    torch.testing.assert_close(discounted_returns(rewards, mask, gamma), torch.tensor([[1.0, 0.0, 2.0]]))
+    # The return carries across the gap too (issue #30: it used to restart there, giving 1.0 at t=0).
+    torch.testing.assert_close(discounted_returns(rewards, mask, gamma), torch.tensor([[1.0 + gamma * 2.0, 0.0, 2.0]]))
 
 
 def test_inputs_of_other_dtypes_and_an_empty_batch():
@@ -81,3 +82,70 @@ def test_shape_mismatch_is_refused():
         gae_scan(rewards, values[:, :3], mask, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="mask has shape"):
         torch.ops.hybridflow.gae(rewards, values, mask[:4], 1.0, 1.0)
+
+
+def turns(seed: int, batch: int = 6, length: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-turn rows: model turns (mask 1) with observation gaps (mask 0) between them, right padding after,
+    rewards everywhere (the gaps' rewards must not be read)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(batch, length)
+    for row in range(batch):
+        t = 0
+        while t < length - 4:
+            turn = int(torch.randint(1, 5, (), generator=g))
+            mask[row, t: t + turn] = 1.0
+            t += turn + int(torch.randint(1, 5, (), generator=g))
+    return torch.randn(batch, length, generator=g), mask
+
+
+def compacted(fn, *tensors, mask):
+    """``fn`` run on each row's valid positions alone, scattered back (0 elsewhere)."""
+    outs = None
+    for row in range(mask.shape[0]):
+        keep = mask[row] != 0
+        res = fn(*(t[row, keep][None] for t in tensors), torch.ones(1, int(keep.sum())))
+        res = res if isinstance(res, tuple) else (res,)
+        if outs is None:
+            outs = [torch.zeros_like(mask) for _ in res]
+        for out, r in zip(outs, res):
+            out[row, keep] = r[0]
+    return outs
+
+
+@pytest.mark.parametrize("device", ["reference", *DEVICES], ids=str)
+def test_scans_carry_across_observation_gaps_as_on_the_compacted_row(device):
+    rewards, mask = turns(seed=5)
+    values = torch.randn_like(rewards)
+    if device == "reference":
+        scan_returns = discounted_returns_reference
+        scan_gae = gae_scan_reference
+    else:
+        def scan_returns(r, m, gamma):
+            return torch.ops.hybridflow.discounted_returns(r.to(device), m.to(device), gamma).cpu()
+
+        def scan_gae(r, v, m, gamma, lam):
+            return tuple(x.cpu() for x in torch.ops.hybridflow.gae(r.to(device), v.to(device), m.to(device), gamma, lam))
+
+    (expected,) = compacted(lambda r, m: discounted_returns_reference(r, m, 0.9), rewards, mask=mask)
+    torch.testing.assert_close(scan_returns(rewards, mask, 0.9), expected, atol=1e-6, rtol=1e-6)
+    exp_adv, exp_ret = compacted(lambda r, v, m: gae_scan_reference(r, v, m, 0.9, 0.8), rewards, values, mask=mask)
+    adv, ret = scan_gae(rewards, values, mask, 0.9, 0.8)
+    torch.testing.assert_close(adv, exp_adv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret, exp_ret, atol=1e-6, rtol=1e-6)
+    # Whatever the gaps and the padding hold, NaN and inf included, is never read.
+    poisoned = torch.where(mask == 0, torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(8)[: mask.shape[1]],
+                           rewards)
+    torch.testing.assert_close(scan_returns(poisoned, mask, 0.9), expected, atol=1e-6, rtol=1e-6)
+    adv_p, ret_p = scan_gae(poisoned, torch.where(mask == 0, float("nan"), values), mask, 0.9, 0.8)
+    torch.testing.assert_close(adv_p, exp_adv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret_p, exp_ret, atol=1e-6, rtol=1e-6)
+
+
+def test_returns_across_turns_by_hand():
+    # Three turns and right padding; the outcome score sits on the last model token (t = 8).
+    rewards = torch.tensor([[0.1, 0.0, 7.0, 7.0, -0.2, 0.0, 7.0, 7.0, 1.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    # compacted row [0.1, 0, -0.2, 0, 1] with gamma 0.5: 1, 0.5, 0.05, 0.025, 0.1125
+    expected = torch.tensor([[0.1125, 0.025, 0.0, 0.0, 0.05, 0.5, 0.0, 0.0, 1.0, 0.0]])
+    torch.testing.assert_close(discounted_returns(rewards, mask, 0.5), expected)
+    torch.testing.assert_close(discounted_returns_reference(rewards, mask, 0.5), expected)

@@ -45,11 +45,16 @@ def test_multi_turn_rollout_log_probs_agree_with_the_actor_on_the_exact_ids(tmp_
 
 
 def test_the_calculator_agent_example_trains_through_the_cli(tmp_path):
+    """The calculator example, with REINFORCE++ and a simulated user who asks again after a reply without a tool
+    call (so the random model's conversations have several turns) and scores every reply."""
     import json
 
     from test_train_cli import hybridflow
 
     proc = hybridflow("train", "--config", "examples/calculator_agent.yaml", "model_path=builtin:tiny-chat",
+                      "algorithm.name=reinforce_plus_plus",
+                      "rollout.agent.environment=tests.agent_environments:RetryingCalculator",
+                      f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
                       f"trainer.run_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=0",
                       "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
                       "trainer.plots=false", "data.batch_size=4", "data.train_size=32", "data.val_size=4",
@@ -73,3 +78,16 @@ def test_the_calculator_agent_example_trains_through_the_cli(tmp_path):
         shares = sum(step[f"agent/finish_reason/{r}"] for r in ("stop", "max_turns", "length", "environment_error"))
         assert abs(shares - 1.0) < 1e-6
         assert step["rollout/logprob_diff_max"] < 0.1  # bf16 engines agree on the exact multi-turn ids
+    # The final reward reaches the earlier turns across the observation tokens (issue #30: their return was 0).
+    rows = [json.loads(line) for step in (1, 2) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 * 2
+    multi_turn = [r for r in rows if "10" in "".join(str(int(m)) for m in r["response_mask"]).strip("0")]
+    assert multi_turn, [r["response_mask"] for r in rows]
+    for row in multi_turn:
+        model = [i for i, m in enumerate(row["response_mask"]) if m]
+        first_turn_end = next(i for i in model if row["response_mask"][i + 1] == 0)
+        assert row["score"] != 0
+        # gamma 1, the whole score on the last model token: every model token's return is the score.
+        assert all(abs(row["returns"][i] - row["score"]) < 1e-5 for i in model), row
+        assert row["advantages"][model[0]] == row["advantages"][first_turn_end] == row["advantages"][model[-1]]
+    assert any(row["advantages"][0] != 0 for row in multi_turn)

@@ -10,9 +10,9 @@ from workers.data_proto import DataProto
 from workers.megatron.engine import MegatronEngine, StepFn
 from workers.megatron.micro_batches import PaddingStats
 from workers.megatron.preflight import mini_batch_plan
-from workers.policy_losses import LossNormalizer
+from workers.policy_losses import LossNormalizer, valid_sequences
 
-__all__ = ["run_ppo_epochs", "token_share"]
+__all__ = ["normalizer_counts", "run_ppo_epochs", "token_share"]
 
 
 def run_ppo_epochs(
@@ -36,7 +36,7 @@ def run_ppo_epochs(
     per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
     for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
-        tokens, sequences = engine.dp_sum([float(mini.batch["response_mask"].sum()), float(len(mini))])
+        tokens, sequences = engine.dp_sum(normalizer_counts(mini.batch["response_mask"]))
         engine.zero_grad()
         # DDP averages gradients over DP ranks; the shares already add up to the mini-batch mean, so undo it
         # (the engine undoes the schedule's division by the number of micro-batches).
@@ -53,6 +53,13 @@ def run_ppo_epochs(
         for key, value in step_metrics.items():
             metrics.setdefault(f"{prefix}/{key}", []).append(value)
     return metrics
+
+
+def normalizer_counts(response_mask: torch.Tensor) -> list[float]:
+    """This rank's part of a mini-batch's ``LossNormalizer``: its response tokens and its sequences, to be
+    summed over DP ranks. A row with no valid token is no sequence (the ``seq-mean-*`` modes average over
+    sequences that have tokens), whichever micro-batch or rank holds it."""
+    return [float(response_mask.sum()), float(valid_sequences(response_mask))]
 
 
 def token_share(mask: torch.Tensor, normalizer: LossNormalizer) -> torch.Tensor:
