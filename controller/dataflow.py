@@ -26,6 +26,13 @@ method's future is waited on before its output moves on.
     results = flow.run(input_data={"prompts": batch})
     results["advantages"]  # every input and every node's output, by type
 
+A node whose function carries ``@register_placement`` (``controller.node_declarations``) runs in a
+worker group of its own, one process per declared device, its input split and its outputs gathered
+as its parallelism and protocol say (``controller.placed_node``); the others run in the driver. The
+devices are checked against the machine when the DataFlow is built. ``run`` starts the placed nodes'
+processes on first use and keeps them for the next ``run``; ``shutdown()`` (or a ``with`` block)
+stops them. ``ray_address`` puts them on a Ray cluster, unchanged.
+
 Results are returned by type, so each type has one producer: two nodes may
 not output the same type, a node may not take its own output type, and
 ``input_data`` may not supply a type that a node produces. An input type that
@@ -41,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controller.node_declarations import node_declaration
+from controller.placed_node import PlacedNode, check_machine_devices
 from controller.worker_group import GroupFuture
 
 __all__ = ["DataFlow", "DataFlowError", "DataFlowNodeError", "Node"]
@@ -136,7 +145,8 @@ class DataFlow:
     that feeds it, and ties keep the order ``nodes`` were given in.
     """
 
-    def __init__(self, nodes: Sequence[Node], edges: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, nodes: Sequence[Node], edges: Sequence[tuple[str, str]], *, ray_address: str | None = None,
+                 backend: str = "ray") -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.edges: tuple[tuple[str, str], ...] = tuple(self._check_edge_shape(edge) for edge in edges)
         self._by_name = self._index_nodes(self.nodes)
@@ -145,6 +155,7 @@ class DataFlow:
         self._producer = self._check_producers()
         self._check_wired()
         self.order: tuple[str, ...] = self._topological_order()
+        self.placed: dict[str, PlacedNode] = self._placed_nodes(backend, ray_address)
 
     # ------------------------------------------------------------ checks
     @staticmethod
@@ -257,6 +268,37 @@ class DataFlow:
         cycle = cycle[start:] + cycle[:start]
         return " -> ".join(cycle + [cycle[0]])
 
+    def _placed_nodes(self, backend: str, ray_address: str | None) -> dict[str, PlacedNode]:
+        placed = {}
+        for node in self.nodes:
+            declaration = node_declaration(node.func)
+            if declaration is None:
+                continue
+            if declaration.name != node.name:
+                raise DataFlowError(f"node {node.name!r}: its function is declared for node {declaration.name!r} "
+                                    f"(@register_placement / register_parallelism); use one name")
+            if declaration.devices is not None:
+                placed[node.name] = PlacedNode(declaration, node.func, backend, ray_address)
+            elif declaration.strategy != "DP" or declaration.split or declaration.gather:
+                raise DataFlowError(f"node {node.name!r} declares its parallelism but no devices; add "
+                                    f"@register_placement({node.name!r}, devices=[...])")
+        try:
+            check_machine_devices([p.declaration for p in placed.values()])
+        except ValueError as exc:
+            raise DataFlowError(str(exc)) from None
+        return placed
+
+    def shutdown(self) -> None:
+        """Stop the placed nodes' processes (a later ``run`` starts them again)."""
+        for node in self.placed.values():
+            node.shutdown()
+
+    def __enter__(self) -> "DataFlow":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     # --------------------------------------------------------------- run
     def run(self, input_data: Mapping[str, Any]) -> dict[str, Any]:
         """Run every node once, in ``order``; return the inputs and every node's output, by type.
@@ -271,8 +313,9 @@ class DataFlow:
         for name in self.order:
             node = self._by_name[name]
             args = [results[kind] for kind in node.input_types]
+            func = self.placed.get(name, node.func)
             try:
-                output = node.func(*args)
+                output = func(*args)
                 if isinstance(output, GroupFuture):  # a non-blocking group method
                     output = output.result()
             except Exception as exc:  # reported as this node's failure

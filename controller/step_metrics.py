@@ -9,7 +9,10 @@ import torch
 from workers.data_proto import DataProto
 from workers.policy_losses import masked_mean, zero_padding
 
-__all__ = ["batch_metrics", "reduce_update_metrics"]
+__all__ = ["batch_metrics", "kl_metrics", "phase_lines", "reduce_update_metrics"]
+
+# |kl_div| below this is rounding noise: the ratio loss / kl_div would be too (the unit probe is exact)
+_KL_DIV_FLOOR = 1e-6
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -37,6 +40,51 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
     if "entropys" in b:
         metrics["actor/entropy_rollout"] = float(masked_mean(b["entropys"], b["response_mask"]))
     return metrics
+
+
+def kl_metrics(update: dict[str, float], user_fn: bool, ppo, reward_beta: float | None) -> dict[str, float]:
+    """``kl_div`` and ``beta``, the names the design documents print, from the actor's update metrics.
+
+    ``kl_div``: the token mean of log pi - log ref over the update (``actor/kl_div``). ``beta``: the
+    coefficient in effect. A user's ``kl_loss_fn``: its loss divided by ``kl_div``, or where ``kl_div``
+    is 0 (the first update, when the actor still equals the reference) its loss at a KL of 1 (for a
+    term linear in the KL the two are the same number). Otherwise ``ppo.kl_loss_coef`` under
+    ``ppo.use_kl_loss``, or the KL controller's coefficient under ``algorithm.kl_in_reward``.
+    Nothing when the step has no reference log-probs.
+    """
+    if "actor/kl_div" not in update:
+        return {}
+    kl_div = update["actor/kl_div"]
+    if user_fn:
+        loss = update["actor/kl_loss"]
+        beta = loss / kl_div if abs(kl_div) >= _KL_DIV_FLOOR else update["actor/kl_unit_loss"]
+    elif ppo.use_kl_loss:
+        beta = ppo.kl_loss_coef
+    elif reward_beta is not None:
+        beta = reward_beta
+    else:
+        return {"kl_div": kl_div}
+    return {"kl_div": kl_div, "beta": float(beta)}
+
+
+def phase_lines(metrics: dict[str, float], sequences: int) -> list[str]:
+    """One line per phase of a finished step (``RLTrainer(verbose=True)``): rollout, reward, values, update."""
+    def get(key: str, fmt: str = ".3f") -> str:
+        return format(metrics[key], fmt) if key in metrics else "-"
+
+    lines = [f"rollout: generated {sequences} sequences (response length mean {get('response_length/mean', '.1f')}, "
+             f"max {get('response_length/max', '.0f')}) in {get('timing_s/rollout', '.2f')} s",
+             f"reward: scored {sequences} sequences in {get('timing_s/reward', '.2f')} s "
+             f"(score mean {get('critic/score/mean')})"]
+    if "timing_s/values" in metrics:
+        lines.append(f"critic: values for {sequences} sequences in {get('timing_s/values', '.2f')} s")
+    update = f"update: pg_loss={get('actor/pg_loss')}"
+    if "critic/vf_loss" in metrics:
+        update += f", vf_loss={get('critic/vf_loss')}"
+    if "kl_div" in metrics:
+        update += f", kl_div={get('kl_div')}" + (f", beta={get('beta')}" if "beta" in metrics else "")
+    lines.append(update + f" in {get('timing_s/update_actor', '.2f')} s")
+    return lines
 
 
 def reduce_update_metrics(replies: Any) -> dict[str, float]:

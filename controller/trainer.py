@@ -22,7 +22,9 @@ setting) unless ``register_placement`` puts it elsewhere.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,23 +32,29 @@ from typing import Any
 import torch
 
 from controller.algorithms import RLAlgorithm, SafeRLHF, StepState, build_algorithm
+from controller.auto_layout import apply_device_map
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader
 from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
+from controller.role_defaults import critic_from_causal_lm, default_rollout, with_learning_rate
 from controller.rollout_dump import RolloutDump
 from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.schedules import build_schedule, generation_seed, with_sampling
-from controller.step_metrics import batch_metrics, reduce_update_metrics
+from controller.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
 from controller.trainer_checkpoint import TrainerCheckpoint
 from controller.worker_group import WorkerGroup
+from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
 from workers.megatron.config import as_config
 from workers.role_spec import RoleSpec
 from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
+from workers.data_schema import ROLLOUT_FIELDS, DataSchema
+from workers.keywords import keyword_checked
 from workers.rollout.config import RolloutConfig
+from workers.user_kl import UserKLTerm, check_kl_loss_fn
 
 __all__ = ["RLTrainer"]
 
@@ -59,13 +67,16 @@ ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "
 
 
 class RLTrainer:
+    @keyword_checked
     def __init__(
         self,
         *,
         actor: RoleSpec,
-        rollout: RoleSpec,
         train_data: PromptDataset,
         batch_size: int,
+        rollout: RoleSpec | None = None,
+        lr: float | None = None,
+        rollout_proto: DataSchema | None = None,
         critic: RoleSpec | None = None,
         ref_policy: RoleSpec | None = None,
         reward_model: RoleSpec | None = None,
@@ -93,6 +104,7 @@ class RLTrainer:
         partial_rollout_tokens: int | None = None,
         max_in_flight: int | None = None,
         rollout_data_dir: str | Path | None = None,
+        verbose: bool = False,
     ) -> None:
         """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync";
         "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains); or "async"
@@ -100,7 +112,31 @@ class RLTrainer:
         responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
         allows). Samples more than ``max_staleness`` updates stale are not trained on; see
         ``controller.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
-        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rollout_dump``)."""
+        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rollout_dump``).
+
+        ``rollout`` None: generation from the actor's model, in vLLM where it is installed (megatron
+        otherwise), laid out by ``device_map="auto"``'s rule. ``lr``: the actor's (and critic's) learning
+        rate, where their own ``optim`` does not set one. ``rollout_proto``: a schema
+        (``DataProto(field="name", ...)``) of the fields the rollout must produce, checked now and on the
+        first batch. ``verbose``: one console line per phase of each step."""
+        roles = {"actor": actor, "critic": critic, "ref_policy": ref_policy, "reward_model": reward_model,
+                 "reward_worker": reward_worker, "cost_model": cost_model}
+        for name, spec in {**roles, "rollout": rollout}.items():
+            if spec is not None and not isinstance(spec, RoleSpec):
+                raise TypeError(f"RLTrainer({name}=...) takes a declared role, e.g. {name}=Actor.from_pretrained(path); "
+                                f"got {type(spec).__name__}")
+        if rollout is None:
+            rollout = default_rollout(actor)
+        if lr is not None:
+            actor, critic = with_learning_rate(actor, lr, "actor"), with_learning_rate(critic, lr, "critic")
+        if rollout_proto is not None:
+            if not isinstance(rollout_proto, DataSchema):
+                raise TypeError(f"rollout_proto takes a schema, DataProto(field='name', ...); got {rollout_proto!r}")
+            rollout_proto.check(getattr(rollout.worker_cls, "produces", ROLLOUT_FIELDS))
+        self.rollout_proto = rollout_proto
+        self.verbose = verbose
+        self._scratch: tempfile.TemporaryDirectory | None = None
+        self._proto_seen = False
         safe_rlhf = cost_fn is not None or cost_model is not None
         if not isinstance(algorithm, RLAlgorithm):
             config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
@@ -124,7 +160,7 @@ class RLTrainer:
             "default": PoolShape("default", 1, processes) if processes is not None else None}
         self.backend = backend
         self.ray_address = ray_address
-        self.kl_loss_fn = kl_loss_fn
+        self.kl_loss_fn = check_kl_loss_fn(kl_loss_fn) if kl_loss_fn is not None else None
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -253,6 +289,12 @@ class RLTrainer:
                 continue
             nodes = shape.process_on_nodes if shape is not None else [int(os.environ.get("WORLD_SIZE", "1"))]
             self.pools[name] = ResourcePool(nodes, backend=self.backend, ray_address=self.ray_address)
+        # device_map="auto" roles get their layouts for these pools; a critic on a causal LM its value head
+        pool_world = {name: pool.world_size for name, pool in self.pools.items()}
+        self.specs = apply_device_map(self.specs, self.placement, pool_world, device_memory_bytes(),
+                                      devices_per_node=accelerator_count() or None)
+        if "critic" in self.specs:
+            self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir())
         for role in ROLE_ORDER:
             if role in self.specs:
                 spec, pool = self.specs[role], self.pools[self.placement[role]]
@@ -264,6 +306,15 @@ class RLTrainer:
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
+
+    def _work_dir(self) -> Path:
+        """Where the trainer writes what it derives (a critic's value-head model): the run directory, else
+        a temporary directory of this trainer's."""
+        if self.run_dir is not None:
+            return self.run_dir
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="hybridflow-")
+        return Path(self._scratch.name)
 
     # --------------------------------------------------------------------- step
     def step(self, step: int | None = None) -> dict[str, float]:
@@ -296,6 +347,9 @@ class RLTrainer:
         """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
         transfer = self.rollout_link.sync() if self.rollout_link is not None else {}
         out = self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
+        if self.rollout_proto is not None and not self._proto_seen:  # the declared fields, on a real batch
+            self.rollout_proto.check([*out.batch, *out.non_tensor_batch])
+            self._proto_seen = True
         metrics = {**out.meta_info.pop("metrics", {}), **transfer}
         if keep_metrics and state is not None:
             self.record_rollout_metrics(state, metrics)
@@ -356,10 +410,10 @@ class RLTrainer:
             with state.timed("update_critic"):
                 state.metrics.update(reduce_update_metrics(g["critic"].update_critic(batch)))
         with state.timed("update_actor"):
-            if self.kl_loss_fn is not None:
-                batch.meta_info.update({"kl_loss_fn": self.kl_loss_fn, "step": self.global_step})
+            if self.kl_loss_fn is not None:  # the user's term, called with this step
+                batch.meta_info["loss_terms"] = replace(batch.meta_info["loss_terms"],
+                                                        user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
             metrics = reduce_update_metrics(g["actor"].update_actor(batch))
-            batch.meta_info.pop("kl_loss_fn", None)
         if self.rollout_link is not None:
             self.rollout_link.mark_stale()
         for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:
@@ -367,6 +421,8 @@ class RLTrainer:
         if self.old_log_probs_from_update:  # the agreement the skipped pass would have measured
             for stat in ("max", "mean"):
                 metrics[f"rollout/logprob_diff_{stat}"] = metrics.pop(f"actor/rollout_logprob_diff_{stat}")
+        metrics.update(kl_metrics(metrics, user_fn=self.kl_loss_fn is not None, ppo=self.ppo,
+                                  reward_beta=self.algorithm.kl_ctrl.value if self.algorithm.config.kl_in_reward else None))
         state.metrics.update(metrics)
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
@@ -384,6 +440,9 @@ class RLTrainer:
             self.rollout_dump.write(self.global_step, batch)
         if self.logger is not None:
             self.logger.log(self.global_step, metrics)
+        if self.verbose:
+            for line in phase_lines(metrics, len(batch)):
+                print(f"[hybridflow] {line}", flush=True)
         if self.save_every and self.global_step % self.save_every == 0:
             self.save_checkpoint()
         return metrics
@@ -443,4 +502,7 @@ class RLTrainer:
             self.rollout_link = None
         for pool in self.pools.values():
             pool.shutdown()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 

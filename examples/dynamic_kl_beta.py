@@ -2,9 +2,12 @@
 
     python examples/dynamic_kl_beta.py             # Ray, 1 worker process, GRPO with a k3 KL loss
 
-``kl_loss_fn(actor_log_probs, ref_log_probs, step)`` returns the per-token KL
-term, weight included; the trainer hands it to the actor's update (and keeps
-a reference policy for it). The loop reports the beta it used.
+``kl_loss_fn(actor_outputs, ref_outputs, step)`` returns the KL term, weight
+included: a scalar (a token mean, as ``torch.mean(actor_outputs.logprobs -
+ref_outputs.logprobs)`` is) or, as here, one value per token, which the update
+aggregates like the policy loss (workers/user_kl.py). The trainer hands it to
+the actor's update (and keeps a reference policy for it). The loop reports the
+beta it used.
 """
 
 import tempfile
@@ -16,8 +19,9 @@ def beta(step: int) -> float:
     return 0.2 * 0.5**step
 
 
-def kl_loss_fn(log_probs, ref_log_probs, step):
-    return beta(step) * kl_penalty(log_probs, ref_log_probs, "k3")
+def kl_loss_fn(actor_outputs, ref_outputs, step):
+    # k3 per token ([B, T]; the padding is 0 in both and never read)
+    return beta(step) * kl_penalty(actor_outputs.token_logprobs, ref_outputs.token_logprobs, "k3")
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from controller.data import (
     load_prompt_files,
 )
 from controller.dataflow import DataFlow, Node
+from controller.node_declarations import register_parallelism, register_placement, register_protocol
 from controller.models import resolve_model_path, value_model_from_policy
 from controller.resource_pool import ResourcePool
 from controller.trainer import RLTrainer
@@ -40,6 +41,7 @@ from workers.policy_losses import kl_penalty
 from workers.reward import REWARD_FUNCTIONS, RewardModel, RuleReward, resolve_reward_fn, score_by_data_source
 from workers.reward.rule_reward import last_token_scores
 from workers.role_spec import RoleSpec
+from workers.node_worker import node_context
 from workers.rollout import Rollout
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "RLTrainer", "Actor", "Critic", "ReferencePolicy", "RewardModel", "Rollout", "RuleReward",
     # workers, dispatch and groups
     "BaseWorker", "DataProto", "Dispatch", "register", "RoleSpec", "ResourcePool", "WorkerGroup", "DataFlow", "Node",
+    # placed DataFlow nodes
+    "register_placement", "register_parallelism", "register_protocol", "node_context",
     # data
     "PromptDataset", "PromptLoader", "arithmetic_prompts", "gsm8k_rows", "load_prompt_files",
     # rewards and algorithms

