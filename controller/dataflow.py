@@ -31,7 +31,8 @@ worker group of its own, one process per declared device, its input split and it
 as its parallelism and protocol say (``controller.placed_node``); the others run in the driver. The
 devices are checked against the machine when the DataFlow is built. ``run`` starts the placed nodes'
 processes on first use and keeps them for the next ``run``; ``shutdown()`` (or a ``with`` block)
-stops them. ``ray_address`` puts them on a Ray cluster, unchanged.
+stops them. ``ray_address`` (or the ``RAY_ADDRESS`` environment variable, as ``ray start`` prints it)
+puts them on a Ray cluster: the same code, unchanged.
 
 Results are returned by type, so each type has one producer: two nodes may
 not output the same type, a node may not take its own output type, and
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +157,7 @@ class DataFlow:
         self._producer = self._check_producers()
         self._check_wired()
         self.order: tuple[str, ...] = self._topological_order()
+        ray_address = ray_address if ray_address is not None else os.environ.get("RAY_ADDRESS")
         self.placed: dict[str, PlacedNode] = self._placed_nodes(backend, ray_address)
 
     # ------------------------------------------------------------ checks

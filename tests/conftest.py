@@ -11,7 +11,8 @@ if str(ROOT) not in sys.path:  # tests of tools/ import them as the package `too
     sys.path.insert(0, str(ROOT))
 # Tests run on the CPU path even where a GPU is visible, and never reach out.
 os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # (Ray 2.60 ignores RAY_DISABLE_USAGE_STATS)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id resolves from a cache a test fills, or fails at once  # (Ray 2.60 ignores RAY_DISABLE_USAGE_STATS)
 
 
 @pytest.fixture(scope="session")

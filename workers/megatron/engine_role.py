@@ -10,6 +10,8 @@ from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MegatronEngine
+from workers.keywords import check_constructor
+from workers.pretrained import resolve_pretrained
 from workers.register import register
 from workers.role_spec import RoleSpec
 
@@ -22,15 +24,22 @@ class EngineRole(BaseWorker):
 
     @classmethod
     def from_pretrained(
-        cls, model_path: str, tensor_parallel: int = 1, pipeline_parallel: int = 1, micro_batch_size: int = 1, **kwargs: Any
+        cls, model_path: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+        micro_batch_size: int = 1, device_map: str | None = None, **kwargs: Any
     ) -> RoleSpec:
-        """Declare this role on an HF checkpoint; a controller builds it later (``RLTrainer``).
+        """Declare this role on an HF checkpoint (a directory or a hub id); a controller builds it later.
 
-        Other keyword arguments go to the role's constructor (``optim=``, ``ppo=``, ...).
+        Other keyword arguments go to the role's constructor (``optim=``, ``ppo=``, ...); an unknown one,
+        or a bad value in a config section, is refused here. ``device_map="auto"``: the controller picks
+        TP x PP for the job's devices (``controller.auto_layout``) unless ``tensor_parallel`` /
+        ``pipeline_parallel`` are given; without it they default to 1.
         """
-        engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel,
-                  "pipeline_parallel": pipeline_parallel, "micro_batch_size": micro_batch_size}
-        return RoleSpec(cls, {"model_path": model_path, "engine": engine, **kwargs})
+        engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel or 1,
+                  "pipeline_parallel": pipeline_parallel or 1, "micro_batch_size": micro_batch_size}
+        check_constructor(cls, {"model_path": model_path, "engine": engine, **kwargs}, f"{cls.__name__}.from_pretrained")
+        model_path = resolve_pretrained(model_path, missing_ok=True)  # a hub id: its cached snapshot, found now
+        return RoleSpec(cls, {"model_path": model_path, "engine": engine, **kwargs}, device_map=device_map,
+                        explicit_parallelism=tensor_parallel is not None or pipeline_parallel is not None)
 
     def _build_engine(
         self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False

@@ -34,6 +34,8 @@ from hybridengine.reshard_plan import GenerationLayout, GenerationMesh, plan_res
 from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
+from workers.keywords import check_constructor
+from workers.pretrained import resolve_pretrained
 from workers.register import register
 from workers.role_spec import RoleSpec
 from workers.rollout.batch import (
@@ -362,8 +364,16 @@ class Rollout(BaseWorker):
         self.generator.close()
 
     @classmethod
-    def from_pretrained(cls, model_path: str, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                        engine: str = "vllm", actor_role: str | None = "actor", **config: Any) -> RoleSpec:
-        """Declare a rollout on ``model_path``; a controller builds it later. ``config``: RolloutConfig fields."""
-        return RoleSpec(cls, {"model_path": model_path, "actor_role": actor_role, "config": {
-            "engine": engine, "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, **config}})
+    def from_pretrained(cls, model_path: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+                        engine: str = "vllm", actor_role: str | None = "actor", device_map: str | None = None,
+                        **config: Any) -> RoleSpec:
+        """Declare a rollout on ``model_path``; a controller builds it later. ``config``: RolloutConfig fields,
+        checked here. ``device_map="auto"``: the controller picks the generation TP unless it is given."""
+        config = {"engine": engine, "tensor_parallel": tensor_parallel or 1, "pipeline_parallel": pipeline_parallel or 1,
+                  **config}
+        check_constructor(cls, {"model_path": model_path, "actor_role": actor_role, "config": config},
+                          "Rollout.from_pretrained")
+        model_path = resolve_pretrained(model_path, missing_ok=True)  # a hub id: its cached snapshot, found now
+        return RoleSpec(cls, {"model_path": model_path, "actor_role": actor_role, "config": config},
+                        device_map=device_map,
+                        explicit_parallelism=tensor_parallel is not None or pipeline_parallel is not None)
