@@ -117,7 +117,9 @@ DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the o
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "arithmetic"  # a built-in generator (arithmetic, word_problems), or "files" (train_files / val_files)
+    # a built-in generator (arithmetic, word_problems), or "files" (train_files / val_files); None: "files"
+    # when train files are given, else "arithmetic"
+    task: str | None = None
     # One path or a list (concatenated): .parquet, .jsonl, .json, or a datasets save_to_disk directory.
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()
@@ -141,6 +143,10 @@ class DataConfig:
     max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
     steps: int = 2  # word_problems task: operations per problem
     operators: str = "+-*"  # arithmetic task
+
+    def __post_init__(self) -> None:
+        if self.task is None:  # the default follows what the user gave
+            object.__setattr__(self, "task", "files" if self.train_paths else "arithmetic")
 
     @property
     def train_paths(self) -> tuple[str, ...]:

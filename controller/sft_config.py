@@ -27,7 +27,7 @@ SFT_FORMATS = ("auto", "pair", "messages", "text")
 
 @dataclass(frozen=True)
 class SFTDataConfig:
-    task: str = "arithmetic"  # built-in prompt/answer pairs ("7+5=" -> "12"), or "files"
+    task: str | None = None  # built-in prompt/answer pairs ("7+5=" -> "12"), or "files"; None: files if given
     train_files: tuple[str, ...] = ()  # .parquet, .jsonl, .json or a datasets save_to_disk directory
     val_files: tuple[str, ...] = ()
     # pair: prompt_key + response_key; messages: a chat, the loss on assistant turns; text: text_key;
@@ -49,6 +49,10 @@ class SFTDataConfig:
     val_size: int = 64
     max_operand: int = 9
     operators: str = "+-*"
+
+    def __post_init__(self) -> None:
+        if self.task is None:  # the default follows what the user gave
+            object.__setattr__(self, "task", "files" if self.train_files else "arithmetic")
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,19 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
     adds the check that the job's pools fit it.
     """
     from hybridengine.model_spec import ModelSpec
+    from workers.reward.hf_reward_model import check_reward_checkpoint
+    from workers.reward.reward_model import megatron_spec_or_none
 
     run_dir = Path(config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_path(config.model_path, run_dir)
-    reward_spec = ModelSpec.from_pretrained(config.reward.model_path) if config.reward.model_path else None
+    reward_spec = None
+    if config.reward.model_path:  # any one-label HF classifier; one megatron holds runs there (its split checked)
+        try:
+            check_reward_checkpoint(config.reward.model_path)
+        except ValueError as exc:
+            raise ConfigError(f"reward.model_path: {exc}") from None
+        reward_spec = megatron_spec_or_none(config.reward.model_path)
     check_config(config, ModelSpec.from_pretrained(model), cluster, reward_spec)
     return model, _datasets(config, config.actor.model_path or model, log)
 

@@ -121,9 +121,12 @@ class RLTrainer:
         first batch. ``verbose``: one console line per phase of each step."""
         roles = {"actor": actor, "critic": critic, "ref_policy": ref_policy, "reward_model": reward_model,
                  "reward_worker": reward_worker, "cost_model": cost_model}
+        examples = {"actor": "Actor", "critic": "Critic", "ref_policy": "ReferencePolicy", "reward_model": "RewardModel",
+                    "cost_model": "RewardModel", "rollout": "Rollout"}
         for name, spec in {**roles, "rollout": rollout}.items():
             if spec is not None and not isinstance(spec, RoleSpec):
-                raise TypeError(f"RLTrainer({name}=...) takes a declared role, e.g. {name}=Actor.from_pretrained(path); "
+                example = f"{examples[name]}.from_pretrained(path)" if name in examples else "RoleSpec(MyWorker, {...})"
+                raise TypeError(f"RLTrainer({name}=...) takes a declared role, e.g. {name}={example}; "
                                 f"got {type(spec).__name__}")
         if rollout is None:
             rollout = default_rollout(actor)

@@ -192,3 +192,72 @@ def test_keywords_are_refused_where_written():
     with pytest.raises(TypeError, match=r"f: unknown keyword 'betta' \(did you mean 'beta'\?\)"):
         f(2, betta=3.0)
     assert not math.isnan(0.0)
+
+
+def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_path):
+    """One test per front door: the roles' from_pretrained, RLTrainer, the config tree, the DataFlow decorators."""
+    from controller.config import ConfigError, load_config
+    from controller.models import resolve_model_path
+    from controller.node_declarations import register_placement
+    from controller.trainer import RLTrainer
+    from hybridflow import Actor, Critic, ReferencePolicy, RewardModel, Rollout, arithmetic_prompts
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    with pytest.raises(TypeError, match=r"Actor.from_pretrained: unknown keyword 'lr'; valid keywords: \['engine', "
+                                        r"'model_path', 'optim', 'ppo'\]"):
+        Actor.from_pretrained(model, device_map="auto", lr=1e-3)
+    with pytest.raises(TypeError, match=r"Critic.from_pretrained\(critic=...\): unknown keyword 'ppo_epoch' \(did you "
+                                        r"mean 'ppo_epochs'\?\)"):
+        Critic.from_pretrained(model, critic={"ppo_epoch": 2})
+    with pytest.raises(TypeError, match=r"ReferencePolicy.from_pretrained\(engine=...\): unknown keyword 'precison' "
+                                        r"\(did you mean 'precision'\?\)"):
+        ReferencePolicy.from_pretrained(model, engine={"precison": "fp32"})
+    with pytest.raises(TypeError, match=r"Rollout.from_pretrained\(config=...\): unknown keyword 'max_new_token'"):
+        Rollout.from_pretrained(model, max_new_token=8)
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['dtype'\]"):
+        RewardModel.from_pretrained(model, dtype="bf16")
+    with pytest.raises(ValueError, match="device_map 'balanced' is not supported"):
+        Actor.from_pretrained(model, device_map="balanced")
+    with pytest.raises(TypeError, match=r"RLTrainer: unknown keyword 'learning_rate'; valid keywords: \['actor'"):
+        RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
+                  reward_fn="arithmetic_shaped", learning_rate=1e-3)
+    with pytest.raises(TypeError, match=r"RLTrainer\(critic=...\) takes a declared role, e.g. "
+                                        r"critic=Critic.from_pretrained\(path\); got str"):
+        RLTrainer(actor=Actor.from_pretrained(model), critic=model, train_data=arithmetic_prompts(8, seed=0),
+                  batch_size=4, reward_fn="arithmetic_shaped")
+    config = tmp_path / "job.yaml"
+    config.write_text("trainer: {total_step: 3}\n")
+    with pytest.raises(ConfigError, match=r"trainer: unknown key\(s\) \['total_step'\]; valid keys: \["):
+        load_config(str(config))
+    with pytest.raises(ValueError, match=r"register_placement\('actor'\): devices must be a non-empty list"):
+        register_placement("actor", devices="cuda:0")
+
+
+def test_data_files_given_means_the_files_are_the_data(tmp_path):
+    from controller.config import ConfigError, DataConfig, check_config, load_config
+    from controller.sft_config import SFTDataConfig
+
+    assert DataConfig(train_files=("rows.parquet",)).task == "files"
+    assert DataConfig().task == "arithmetic" and SFTDataConfig().task == "arithmetic"
+    assert SFTDataConfig(train_files=("rows.jsonl",)).task == "files"
+    # Said explicitly, the built-in task with files is still a contradiction, named before launch.
+    with pytest.raises(ConfigError, match="data.train_files / val_files are set but data.task is 'arithmetic'"):
+        check_config(load_config("examples/ppo_tiny.yaml", ["data.train_files=[x.parquet]"]))
+
+
+def test_a_job_config_takes_any_hf_reward_classifier(tmp_path):
+    """reward.model_path may name a DeBERTa classifier (the transformers worker scores it); a causal LM there is
+    refused before launch, naming the path."""
+    from controller.config import ConfigError, load_config
+    from controller.models import resolve_model_path
+    from controller.train_job import prepare_job
+
+    rm = resolve_model_path("builtin:tiny-deberta-reward", tmp_path)
+    policy = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    overrides = [f"trainer.run_dir={tmp_path / 'run'}", f"model_path={policy}", "reward.fn=null",
+                 "data.train_size=32", "data.val_size=0"]
+    model, prompts = prepare_job(load_config("examples/ppo_tiny.yaml", [*overrides, f"reward.model_path={rm}"]))
+    assert model == policy and len(prompts.train) == 32
+    with pytest.raises(ConfigError, match=r"reward.model_path: a reward model must be a \*ForSequenceClassification "
+                                          r"checkpoint \(one-label score head\); .* is a LlamaForCausalLM"):
+        prepare_job(load_config("examples/ppo_tiny.yaml", [*overrides, f"reward.model_path={policy}"]))
