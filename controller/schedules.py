@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from controller.algorithms.step_context import StepContext
 from controller.sample_stream import SampleStream, mixed_version_samples
 from workers.data_proto import DataProto
 
@@ -82,11 +83,16 @@ def drop_stale(batch: DataProto, now: int, max_staleness: int) -> tuple[DataProt
     return batch[keep], metrics
 
 
+
+def next_prompts(trainer: RLTrainer, state: StepState) -> DataProto:
+    """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
+    return trainer.algorithm.before_generation(StepContext.of(trainer), state, trainer.loader.next_batch())
+
 class SyncSchedule:
     """Generate the step's batch now, on the actor's current weights."""
 
     def rollout(self, trainer: RLTrainer, state: StepState) -> DataProto:
-        state.prompts = trainer.algorithm.before_generation(trainer, state, trainer.loader.next_batch())
+        state.prompts = next_prompts(trainer, state)
         return trainer.generate_and_score(state.prompts, state)
 
     def state_dict(self, path: Path) -> dict[str, Any]:
@@ -107,7 +113,7 @@ class OneStepOff:
         self.ready: tuple[DataProto, DataProto, int] | None = None
 
     def _launch(self, trainer: RLTrainer, state: StepState, step: int) -> None:
-        prompts = trainer.algorithm.before_generation(trainer, state, trainer.loader.next_batch())
+        prompts = next_prompts(trainer, state)
         # The weights the actor has now; the transfer counts towards the step it happens in.
         trainer.record_rollout_metrics(state, trainer.rollout_link.sync())
         sampling = {"seed": generation_seed(trainer.seed, step)}
@@ -213,7 +219,7 @@ class AsyncStream:
         """Draw the prompts that may start, and send the next chunk; False when nothing is left to generate."""
         stream, version = self.stream, trainer.global_step
         while stream.wants_prompts(version):
-            stream.add_prompts(trainer.algorithm.before_generation(trainer, state, trainer.loader.next_batch()))
+            stream.add_prompts(next_prompts(trainer, state))
         chunk = stream.next_chunk(version)
         if chunk is None:
             return False

@@ -24,14 +24,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from controller.algorithms import RLAlgorithm, SafeRLHF, StepState, build_algorithm
+from controller.algorithms import RLAlgorithm, SafeRLHF, StepContext, StepState, build_algorithm
 from controller.auto_layout import apply_device_map
 from controller.config import AlgorithmConfig, ConfigError
 from controller.data import PromptDataset, PromptLoader
@@ -48,11 +48,11 @@ from controller.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
+from workers.data_schema import ROLLOUT_FIELDS, DataSchema
+from workers.keywords import keyword_checked
 from workers.megatron.config import as_config
 from workers.role_spec import RoleSpec
 from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
-from workers.data_schema import ROLLOUT_FIELDS, DataSchema
-from workers.keywords import keyword_checked
 from workers.rollout.config import RolloutConfig
 from workers.user_kl import UserKLTerm, check_kl_loss_fn
 
@@ -329,13 +329,14 @@ class RLTrainer:
             self.global_step = step
         alg, state = self.algorithm, StepState(self.global_step)
         batch = self.schedule.rollout(self, state)  # sync: generated now; else while earlier steps trained
-        batch = alg.after_scoring(self, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
+        ctx = StepContext.of(self)  # what the algorithm's hooks see of this trainer
+        batch = alg.after_scoring(ctx, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
         batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
         with state.timed("adv"):
-            batch = alg.advantages(self, state, batch)
-        batch.meta_info.update(alg.loss_terms(self, state, batch))  # the policy objective, rollout correction
+            batch = alg.advantages(ctx, state, batch)
+        batch.meta_info.update(alg.loss_terms(ctx, state, batch))  # the policy objective, rollout correction
         self.update(batch, state)  # the critic, then the actor
-        alg.after_update(self, state, batch)
+        alg.after_update(ctx, state, batch)
         return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
     # ------------------------------------------------------------- phases

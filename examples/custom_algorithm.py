@@ -17,8 +17,8 @@ class ClippedGRPO(RLAlgorithm):
 
     preset = "grpo"
 
-    def advantages(self, trainer, state, batch):
-        batch = super().advantages(trainer, state, batch)
+    def advantages(self, ctx, state, batch):
+        batch = super().advantages(ctx, state, batch)
         advantages, mask = batch.batch["advantages"], batch.batch["response_mask"].bool()
         state.metrics["clipped_grpo/clipped_frac"] = float((advantages.abs() > 1.0)[mask].float().mean())
         batch.batch["advantages"] = advantages.clamp(-1.0, 1.0)

@@ -12,6 +12,7 @@ from controller.algorithms import (
     AdvantageConfig,
     AdvantageInputs,
     RLAlgorithm,
+    StepContext,
     StepState,
     group_rows,
     register_advantage_estimator,
@@ -56,7 +57,7 @@ __all__ = [
     # rewards and algorithms
     "REWARD_FUNCTIONS", "resolve_reward_fn", "score_by_data_source", "last_token_scores",
     "register_advantage_estimator", "AdvantageConfig", "AdvantageInputs", "group_rows", "kl_penalty",
-    "RLAlgorithm", "StepState", "register_algorithm",
+    "RLAlgorithm", "StepContext", "StepState", "register_algorithm",
     # models and configs
     "resolve_model_path", "value_model_from_policy", "RLConfig", "load_config",
 ]

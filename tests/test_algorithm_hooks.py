@@ -58,10 +58,11 @@ def rollout_batch(prompt_ids: list[int], scores: list[float], lengths: list[int]
 
 
 class ScriptedTrainer:
-    """generate_and_score answers round k with rounds[k]; the loader hands out prompt batches in order."""
+    """A hook's step context (controller.algorithms.StepContext) in miniature: generate_and_score answers round k
+    with rounds[k]; the loader hands out prompt batches in order."""
 
     def __init__(self, rounds, ppo=None):
-        self.rounds, self.calls = rounds, []
+        self.rounds, self.calls, self.mode = rounds, [], "sync"
         self.max_response_length, self.pad_token_id = MAX_NEW, 0
         self.ppo = ppo or PPOActorConfig()
         self.loader = self

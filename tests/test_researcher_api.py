@@ -301,3 +301,20 @@ def test_the_rollout_schema_is_checked_before_launch(tmp_path):
         RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
                   reward_fn="arithmetic_shaped", rollout_proto=DataProto(logprobs="logprobs",
                                                                          rewards="token_level_rewards"))
+
+
+def test_an_algorithms_hooks_see_a_step_context_not_the_trainer():
+    """The hooks get the step's settings and the calls they may make; the trainer's pools, specs and checkpoints
+    are out of reach."""
+    from types import SimpleNamespace
+
+    from controller.algorithms import StepContext
+
+    trainer = SimpleNamespace(global_step=3, mode="sync", ppo=PPOActorConfig(), max_response_length=8, pad_token_id=0,
+                              loader="loader", groups={"actor": "group"}, generate=len, generate_and_score=len,
+                              score=len, pools={"default": "pool"}, specs={})
+    ctx = StepContext.of(trainer)
+    assert (ctx.step, ctx.mode, ctx.max_response_length, ctx.groups["actor"]) == (3, "sync", 8, "group")
+    assert not hasattr(ctx, "pools") and not hasattr(ctx, "specs") and not hasattr(ctx, "save_checkpoint")
+    with pytest.raises(TypeError):
+        ctx.groups["critic"] = "another"  # read-only

@@ -41,6 +41,7 @@ from controller.algorithms.dapo import DAPO, informative_groups, overlong_penalt
 from controller.algorithms.presets import PRESETS, AlgorithmPreset
 from controller.algorithms.remax import ReMax
 from controller.algorithms.safe_rlhf import LagrangeMultiplier, SafeRLHF, combine_advantages
+from controller.algorithms.step_context import StepContext
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -51,6 +52,7 @@ __all__ = [
     "RLAlgorithm",
     "ReMax",
     "SafeRLHF",
+    "StepContext",
     "StepState",
     "algorithm_preset",
     "build_algorithm",

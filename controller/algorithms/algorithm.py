@@ -3,17 +3,19 @@
 ``RLTrainer.step`` runs the same phases for every algorithm (generate, score, log-probs, advantages,
 update, metrics) and calls the algorithm object at five points:
 
-    before_generation(trainer, state, prompts) -> prompts   the prompt batch about to be generated from
-    after_scoring(trainer, state, batch) -> batch          scored responses (ReMax's greedy baseline,
-                                                            DAPO's dynamic sampling and overlong shaping)
-    advantages(trainer, state, batch) -> batch             sets token_level_rewards, advantages, returns
-    loss_terms(trainer, state, batch) -> dict              meta_info for the actor's update: the policy
-                                                            objective and the rollout correction
-    after_update(trainer, state, batch) -> None            e.g. the adaptive KL coefficient
+    before_generation(ctx, state, prompts) -> prompts   the prompt batch about to be generated from
+    after_scoring(ctx, state, batch) -> batch           scored responses (ReMax's greedy baseline,
+                                                        DAPO's dynamic sampling and overlong shaping)
+    advantages(ctx, state, batch) -> batch              sets token_level_rewards, advantages, returns
+    loss_terms(ctx, state, batch) -> dict               meta_info for the actor's update: the policy
+                                                        objective and the rollout correction
+    after_update(ctx, state, batch) -> None             e.g. the adaptive KL coefficient
 
-A hook may generate and score more (``trainer.generate_and_score``), read the roles
-(``trainer.groups``), and report metrics into ``state.metrics``. State that must survive a restart
-goes in ``state_dict`` / ``load_state_dict``: the trainer's checkpoint keeps it.
+``ctx`` is the step's ``StepContext`` (``controller.algorithms.step_context``), not the trainer: a
+hook may generate and score more (``ctx.generate_and_score``), draw prompts (``ctx.loader``), call
+the roles (``ctx.groups``), read the step's settings, and report metrics into ``state.metrics``.
+State that must survive a restart goes in ``state_dict`` / ``load_state_dict``: the trainer's
+checkpoint keeps it.
 
 A user's algorithm is a subclass registered by name::
 
@@ -21,8 +23,8 @@ A user's algorithm is a subclass registered by name::
     class ClippedGRPO(RLAlgorithm):
         preset = "grpo"                      # the built-in defaults it starts from
 
-        def advantages(self, trainer, state, batch):
-            batch = super().advantages(trainer, state, batch)
+        def advantages(self, ctx, state, batch):
+            batch = super().advantages(ctx, state, batch)
             batch.batch["advantages"].clamp_(-2.0, 2.0)
             return batch
 
@@ -46,8 +48,8 @@ from workers.data_proto import DataProto
 from workers.rollout_correction import RolloutCorrection
 
 if TYPE_CHECKING:
+    from controller.algorithms.step_context import StepContext
     from controller.config import AlgorithmConfig
-    from controller.trainer import RLTrainer
 
 __all__ = [
     "ALGORITHMS",
@@ -107,13 +109,13 @@ class RLAlgorithm:
                                norm_adv_by_std=self.defaults.norm_adv_by_std if norm is None else norm)
 
     # ---------------------------------------------------------------- hooks
-    def before_generation(self, trainer: RLTrainer, state: StepState, prompts: DataProto) -> DataProto:
+    def before_generation(self, ctx: StepContext, state: StepState, prompts: DataProto) -> DataProto:
         return prompts
 
-    def after_scoring(self, trainer: RLTrainer, state: StepState, batch: DataProto) -> DataProto:
+    def after_scoring(self, ctx: StepContext, state: StepState, batch: DataProto) -> DataProto:
         return batch
 
-    def advantages(self, trainer: RLTrainer, state: StepState, batch: DataProto) -> DataProto:
+    def advantages(self, ctx: StepContext, state: StepState, batch: DataProto) -> DataProto:
         rewards = batch.batch["token_level_scores"]
         if self.config.kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
@@ -126,14 +128,14 @@ class RLAlgorithm:
         batch.batch.update({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
         return batch
 
-    def loss_terms(self, trainer: RLTrainer, state: StepState, batch: DataProto) -> dict[str, Any]:
-        # Off the on-policy path (trainer.mode one_step_off) the samples come from older weights.
+    def loss_terms(self, ctx: StepContext, state: StepState, batch: DataProto) -> dict[str, Any]:
+        # Off the on-policy path (ctx.mode one_step_off) the samples come from older weights.
         correction = resolve_rollout_correction(self.config.rollout_correction, same_precision=True,
-                                                off_policy=getattr(trainer, "mode", "sync") != "sync")
-        return {"loss_terms": PolicyUpdateTerms(trainer.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
-                                                norm_length=trainer.max_response_length)}
+                                                off_policy=ctx.mode != "sync")
+        return {"loss_terms": PolicyUpdateTerms(ctx.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
+                                                norm_length=ctx.max_response_length)}
 
-    def after_update(self, trainer: RLTrainer, state: StepState, batch: DataProto) -> None:
+    def after_update(self, ctx: StepContext, state: StepState, batch: DataProto) -> None:
         if self.config.kl_in_reward:
             self.kl_ctrl.update(state.metrics.get("actor/reward_kl_penalty", 0.0), n_steps=len(state.prompts))
 

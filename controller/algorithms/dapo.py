@@ -68,29 +68,29 @@ class DAPO(RLAlgorithm):
         value = self.config.overlong_buffer_len
         return int(max_length * self.defaults.overlong_buffer_fraction) if value is None else value
 
-    def after_scoring(self, trainer, state: StepState, batch: DataProto) -> DataProto:
-        batch = self.shape_overlong(trainer, self._tag_round(batch, 0))
+    def after_scoring(self, ctx, state: StepState, batch: DataProto) -> DataProto:
+        batch = self.shape_overlong(ctx, self._tag_round(batch, 0))
         if not self.dynamic_sampling:
-            return self._report_overlong(trainer, state, batch)
+            return self._report_overlong(ctx, state, batch)
         wanted = len(state.prompts)
         rounds, parts = 1, [batch]
         kept, dropped = informative_groups(batch.non_tensor_batch["uid"], batch.batch["scores"])
         while len(kept) < wanted and rounds < self.config.max_gen_batches:
-            more = trainer.generate_and_score(trainer.loader.next_batch(), state, round_index=rounds)
-            more = self.shape_overlong(trainer, self._tag_round(more, rounds))
+            more = ctx.generate_and_score(ctx.loader.next_batch(), state, round_index=rounds)
+            more = self.shape_overlong(ctx, self._tag_round(more, rounds))
             more_kept, more_dropped = informative_groups(more.non_tensor_batch["uid"], more.batch["scores"])
             kept, dropped, rounds = kept + more_kept, dropped + more_dropped, rounds + 1
             parts.append(more)
         chosen = (kept + dropped)[:wanted]
         state.metrics.update({"dapo/filtered_groups": float(len(dropped)), "dapo/gen_batches": float(rounds),
                               "dapo/filled_groups": float(max(0, wanted - len(kept)))})
-        every = concat_rollout_batches(parts, trainer.pad_token_id) if len(parts) > 1 else batch
+        every = concat_rollout_batches(parts, ctx.pad_token_id) if len(parts) > 1 else batch
         rows = group_rows(every.non_tensor_batch["uid"])
-        return self._report_overlong(trainer, state, every[[row for gid in chosen for row in rows[gid]]])
+        return self._report_overlong(ctx, state, every[[row for gid in chosen for row in rows[gid]]])
 
-    def shape_overlong(self, trainer, batch: DataProto) -> DataProto:
+    def shape_overlong(self, ctx, batch: DataProto) -> DataProto:
         """The overlong penalty added to each response's score, on its last token."""
-        max_length = trainer.max_response_length
+        max_length = ctx.max_response_length
         buffer_len = self.buffer_len(max_length)
         if buffer_len == 0:
             return batch
@@ -105,8 +105,8 @@ class DAPO(RLAlgorithm):
         batch.batch["scores"] = batch.batch["scores"] + penalty.to(batch.batch["scores"].dtype)
         return batch
 
-    def _report_overlong(self, trainer, state: StepState, batch: DataProto) -> DataProto:
-        max_length = trainer.max_response_length
+    def _report_overlong(self, ctx, state: StepState, batch: DataProto) -> DataProto:
+        max_length = ctx.max_response_length
         buffer_len = self.buffer_len(max_length)
         if buffer_len:
             lengths = batch.batch["response_mask"].sum(-1)

@@ -10,12 +10,12 @@ __all__ = ["ReMax"]
 
 @register_algorithm("remax", preset="remax")
 class ReMax(RLAlgorithm):
-    def after_scoring(self, trainer, state: StepState, batch: DataProto) -> DataProto:
+    def after_scoring(self, ctx, state: StepState, batch: DataProto) -> DataProto:
         """One greedy response per prompt, scored; its score (and cost) repeated over the prompt's samples."""
         with state.timed("gen_baseline"):
-            greedy = trainer.generate(state.prompts, state, sampling={"greedy": True, "n": 1, "seed": None},
+            greedy = ctx.generate(state.prompts, state, sampling={"greedy": True, "n": 1, "seed": None},
                                       keep_metrics=False)
-            scores = trainer.score(greedy).batch
+            scores = ctx.score(greedy).batch
         n = len(batch) // len(state.prompts)
         batch.batch["baseline_scores"] = scores["scores"].repeat_interleave(n)
         if "cost_scores" in scores:

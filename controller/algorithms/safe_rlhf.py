@@ -112,14 +112,14 @@ class SafeRLHF(RLAlgorithm):
     def estimator(self) -> str:
         return self.inner.estimator
 
-    def before_generation(self, trainer, state: StepState, prompts: DataProto) -> DataProto:
-        return self.inner.before_generation(trainer, state, prompts)
+    def before_generation(self, ctx, state: StepState, prompts: DataProto) -> DataProto:
+        return self.inner.before_generation(ctx, state, prompts)
 
-    def after_scoring(self, trainer, state: StepState, batch: DataProto) -> DataProto:
-        return self.inner.after_scoring(trainer, state, batch)
+    def after_scoring(self, ctx, state: StepState, batch: DataProto) -> DataProto:
+        return self.inner.after_scoring(ctx, state, batch)
 
-    def advantages(self, trainer, state: StepState, batch: DataProto) -> DataProto:
-        batch = self.inner.advantages(trainer, state, batch)
+    def advantages(self, ctx, state: StepState, batch: DataProto) -> DataProto:
+        batch = self.inner.advantages(ctx, state, batch)
         cost_inputs = AdvantageInputs(batch.batch["cost_token_level_scores"], batch.batch["response_mask"],
                                       group_index=batch.non_tensor_batch.get("uid"),
                                       baseline_rewards=batch.batch.get("baseline_cost_scores"))
@@ -129,11 +129,11 @@ class SafeRLHF(RLAlgorithm):
                               "safe_rlhf/cost/mean": float(batch.batch["cost_scores"].mean())})
         return batch
 
-    def loss_terms(self, trainer, state: StepState, batch: DataProto) -> dict[str, Any]:
-        return self.inner.loss_terms(trainer, state, batch)
+    def loss_terms(self, ctx, state: StepState, batch: DataProto) -> dict[str, Any]:
+        return self.inner.loss_terms(ctx, state, batch)
 
-    def after_update(self, trainer, state: StepState, batch: DataProto) -> None:
-        self.inner.after_update(trainer, state, batch)
+    def after_update(self, ctx, state: StepState, batch: DataProto) -> None:
+        self.inner.after_update(ctx, state, batch)
         self.lagrange.update(state.metrics["safe_rlhf/cost/mean"])
 
     def state_dict(self) -> dict[str, Any]:
