@@ -1,8 +1,12 @@
-"""Errors a worker-group call can raise on the controller."""
+"""Errors the controller raises: a configuration that cannot run, and what a worker-group call can raise."""
 
 from __future__ import annotations
 
-__all__ = ["WorkerGroupError", "RemoteWorkerError", "WorkerDiedError", "CallTimeoutError", "HostLostError"]
+__all__ = ["ConfigError", "WorkerGroupError", "RemoteWorkerError", "WorkerDiedError", "CallTimeoutError", "HostLostError"]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run; the message lists every problem found."""
 
 
 class WorkerGroupError(RuntimeError):

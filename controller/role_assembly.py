@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from controller.config import ConfigError
+from controller.errors import ConfigError
 from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
 

@@ -15,7 +15,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
-from controller.config import ConfigError
+from controller.errors import ConfigError
 from controller.models import value_model_from_policy
 from hybridengine.model_spec import ModelSpec
 from workers.reward.hf_reward_model import HFRewardModel

@@ -19,20 +19,7 @@ from controller.models import resolve_model_path
 from controller.sft_config import SFTConfig, check_sft_config, sft_config_to_dict
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_sft", "run_sft", "sft_run_of"]
-
-
-def sft_run_of(model_path: str | Path) -> Path | None:
-    """The SFT run directory whose HF export ``model_path`` is (``RUN/hf_actor`` beside the
-    ``RUN/config.yaml`` and ``RUN/metrics.jsonl`` that ``hybridflow sft`` writes), else None."""
-    path = Path(model_path)
-    if path.name != "hf_actor" or not (path.parent / "metrics.jsonl").is_file():
-        return None
-    try:
-        written = yaml.safe_load((path.parent / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return path.parent if isinstance(written, dict) and written.get("kind") == "sft" else None
+__all__ = ["prepare_sft", "run_sft"]
 
 
 def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> tuple[str, SFTData]:
@@ -59,7 +46,7 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
     from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
     from controller.resource_pool import ResourcePool
     from controller.sft_trainer import SFTTrainer
-    from controller.train_job import torchrun_pool
+    from controller.job_pool import torchrun_pool
     from workers.actor import Actor
 
     trainer_cfg = config.trainer

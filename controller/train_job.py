@@ -14,13 +14,14 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import ConfigError, RLConfig, TrainerConfig, check_config, config_to_dict, job_pools
+from controller.config import ConfigError, RLConfig, check_config, config_to_dict, job_pools
 from controller.data.prepare import JobPrompts, load_job_prompts
+from controller.job_pool import torchrun_pool
 from controller.models import resolve_model_path, value_model_from_policy
 from controller.placement import ClusterNode
 from controller.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_job", "run_training", "torchrun_pool"]
+__all__ = ["prepare_job", "run_training"]
 
 
 def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
@@ -185,24 +186,11 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     return run_dir
 
 
-def torchrun_pool(trainer_cfg: TrainerConfig):
-    """Under torchrun: the job's pool of every rank (ranks 1.. serve from here on), once torchrun is
-    seen to have started the processes the config asks for."""
-    from controller.resource_pool import ResourcePool
-
-    world = int(os.environ["WORLD_SIZE"])
-    if world != trainer_cfg.nnodes * trainer_cfg.nproc:
-        raise ConfigError(f"torchrun started WORLD_SIZE={world} processes, but trainer.nnodes x nproc = "
-                          f"{trainer_cfg.nnodes} x {trainer_cfg.nproc}; launch with --nnodes "
-                          f"{trainer_cfg.nnodes} --nproc-per-node {trainer_cfg.nproc} or change the config")
-    return ResourcePool([world], backend="torchrun")
-
-
 def _print_validation(config: RLConfig, records: list[dict]) -> None:
     """The closing lines on validation: the first and last greedy score and, when the job started
     from an SFT run's export, that run's validation loss, the first score being the SFT model's."""
     from controller.metrics_log import read_metrics, validation_summary
-    from controller.sft_job import sft_run_of
+    from controller.run_dirs import sft_run_of
 
     sft_run = sft_run_of(config.actor.model_path or config.model_path)
     from_sft = sft_run is not None and any(r.get("step") == 0 and "val/reward/mean" in r for r in records)

@@ -33,7 +33,8 @@ import torch
 
 from controller.algorithms import RLAlgorithm, SafeRLHF, StepContext, StepState, build_algorithm
 from controller.auto_layout import apply_device_map
-from controller.config import AlgorithmConfig, ConfigError
+from controller.algorithms.config import AlgorithmConfig
+from controller.errors import ConfigError
 from controller.data import PromptDataset, PromptLoader
 from controller.placement import PlacementError, PoolShape, pool_shape
 from controller.resource_pool import ResourcePool

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from controller.config import ConfigError
+from controller.errors import ConfigError
 
 if TYPE_CHECKING:
     from controller.trainer import RLTrainer

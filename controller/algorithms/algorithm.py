@@ -49,7 +49,7 @@ from workers.rollout_correction import RolloutCorrection
 
 if TYPE_CHECKING:
     from controller.algorithms.step_context import StepContext
-    from controller.config import AlgorithmConfig
+    from controller.algorithms.config import AlgorithmConfig
 
 __all__ = [
     "ALGORITHMS",

@@ -77,7 +77,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.rollout.agent.tool import MALFORMED, ToolCall, ToolOutcome
+from workers.rollout.agent.tool_outcome import MALFORMED, ToolCall, ToolOutcome
 
 __all__ = ["HERMES_END", "HERMES_START", "ParsedReply", "TOOL_FORMATS", "parse_tool_calls"]
 

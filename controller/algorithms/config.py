@@ -1,0 +1,60 @@
+"""``algorithm:``, the algorithms' own section of the job's config: which algorithm, its estimator's
+knobs, the KL in the reward, the old log-probs' source, Safe-RLHF, the rollout correction and DAPO's
+settings. ``controller.config`` gathers it into the job's tree; the checks that need the registries
+(``controller.config.check_config``) run there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AlgorithmConfig", "RolloutCorrectionConfig"]
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance weights between the rollout engine's log-probs and the trainer's (workers.rollout_correction)."""
+
+    mode: str = "auto"  # auto (off when rollout and training share weights and precision), off, tis or mis
+    level: str = "token"  # token or sequence
+    cap: float = 2.0  # tis: the weights' cap
+    low: float = 0.5  # mis: the ratio's bounds
+    high: float = 2.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    # A registered algorithm (ALGORITHMS, or one registered with register_algorithm), or module:Class
+    name: str = "ppo"
+    advantage_estimator: str | None = None  # overrides the algorithm's estimator (a registered name)
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool | None = None  # GRPO-family: divide by the group std; None: the algorithm's (dr_grpo: no)
+    kl_in_reward: bool = False  # KL penalty in the reward (PPO-RLHF style); the loss form is actor.ppo.use_kl_loss
+    kl_penalty: str = "k1"
+    kl_ctrl: dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "value": 0.001})
+    # The PPO ratio's old log-probs: "auto" (the update's own forward when provably on-policy, else
+    # "recompute"), "recompute" (a separate forward of the actor) or "rollout" (the engine's)
+    old_log_prob_source: str = "auto"
+    use_reference: bool | None = None  # None: when a KL term needs it
+    safe_rlhf_cost_fn: str | None = None  # a reward function scoring cost; turns on Safe-RLHF
+    safe_rlhf_cost_limit: float = 0.0
+    safe_rlhf_lambda_init: float = 1.0
+    safe_rlhf_lambda_lr: float = 0.1
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # DAPO (algorithm.name: dapo)
+    dynamic_sampling: bool | None = None  # drop prompt groups whose rewards are all equal; None: dapo's (on)
+    max_gen_batches: int = 10  # generation rounds per step at most, the first included
+    overlong_buffer_len: int | None = None  # tokens before max_new_tokens where the penalty grows; None: 20%
+    overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
+
+    @property
+    def estimator(self) -> str:
+        from controller.algorithms.algorithm import algorithm_preset
+
+        return self.advantage_estimator or algorithm_preset(self.name).estimator
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator == "gae"
