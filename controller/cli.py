@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from controller.torchrun_backend import under_torchrun
+from controller.runtime.torchrun_backend import under_torchrun
 from workers.console import configure_console
 
 
@@ -92,7 +92,7 @@ def _ray_cluster(config):
     """The Ray cluster's nodes for the placement check (joining ``trainer.ray_address``), None under torchrun."""
     if config.trainer.launcher != "ray":
         return None
-    from controller.ray_backend import cluster_for
+    from controller.runtime.ray_backend import cluster_for
 
     try:
         return cluster_for(config.trainer.ray_address)
@@ -103,7 +103,7 @@ def _ray_cluster(config):
 
 def _train(args, argv: list[str]) -> int:
     from controller.config import load_config
-    from controller.train_job import prepare_job, run_training
+    from controller.jobs.train_job import prepare_job, run_training
 
     # Before any worker starts: the model, the data, the reward functions, the placement against the Ray cluster.
     return _run_job("train", load_config, lambda config: prepare_job(config, cluster=_ray_cluster(config)),
@@ -111,8 +111,8 @@ def _train(args, argv: list[str]) -> int:
 
 
 def _sft(args, argv: list[str]) -> int:
-    from controller.sft_config import load_sft_config
-    from controller.sft_job import prepare_sft, run_sft
+    from controller.sft.config import load_sft_config
+    from controller.sft.job import prepare_sft, run_sft
 
     return _run_job("sft", load_sft_config, prepare_sft, run_sft, args, argv)  # the model, the examples, every check
 
@@ -147,8 +147,8 @@ def _export(args, argv: list[str]) -> int:
     import yaml
 
     from controller.config import load_config
-    from controller.sft_config import load_sft_config
-    from controller.train_job import export_checkpoint
+    from controller.sft.config import load_sft_config
+    from controller.jobs.train_job import export_checkpoint
 
     saved = Path(args.run_dir) / "config.yaml"
     kind = (yaml.safe_load(saved.read_text()) or {}).get("kind") if saved.is_file() else None
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sft":
         return _sft(args, argv)
     if args.command == "plot":
-        from controller.plots import plot_run
+        from controller.metrics.plots import plot_run
 
         for path in plot_run(args.run_dir, args.out):
             print(path)

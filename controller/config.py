@@ -23,7 +23,7 @@ import yaml
 from controller.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
 from controller.algorithms.presets import PRESETS
 from controller.errors import ConfigError
-from controller.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
+from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
 from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
@@ -130,7 +130,7 @@ class TrainerConfig:
     verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
     # sync: generate each step's batch, then train on it; one_step_off: the rollout (on a pool of its own,
     # trainer.placement.rollout) generates step k+1 while step k trains; async: it generates a stream of
-    # samples, interrupted by each weight update at a chunk boundary (controller.schedules)
+    # samples, interrupted by each weight update at a chunk boundary (controller.rl.schedules)
     mode: str = "sync"
     max_staleness: int = 1  # samples more updates stale than this are not trained on (counted)
     # async: tokens per sample per rollout call, where weight updates may interrupt; null: whole responses
@@ -286,7 +286,7 @@ def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
 
 
 def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
-    from controller.schedules import TRAINER_MODES
+    from controller.rl.schedules import TRAINER_MODES
 
     if trainer.mode not in TRAINER_MODES:
         return [f"trainer.mode {trainer.mode!r} is not one of {TRAINER_MODES}"]

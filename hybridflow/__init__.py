@@ -26,12 +26,12 @@ from controller.data import (
     gsm8k_rows,
     load_prompt_files,
 )
-from controller.dataflow import DataFlow, Node
-from controller.node_declarations import register_parallelism, register_placement, register_protocol
-from controller.models import resolve_model_path, value_model_from_policy
-from controller.resource_pool import ResourcePool
-from controller.trainer import RLTrainer
-from controller.worker_group import WorkerGroup
+from controller.dataflow.graph import DataFlow, Node
+from controller.dataflow.declarations import register_parallelism, register_placement, register_protocol
+from controller.models.builtin import resolve_model_path, value_model_from_policy
+from controller.runtime.resource_pool import ResourcePool
+from controller.rl.trainer import RLTrainer
+from controller.runtime.worker_group import WorkerGroup
 from workers.actor import Actor, ReferencePolicy
 from workers.base_worker import BaseWorker
 from workers.critic import Critic

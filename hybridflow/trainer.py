@@ -1,6 +1,6 @@
-"""``from hybridflow.trainer import RLTrainer``: the RL loop (``controller.trainer``), where the design
+"""``from hybridflow.trainer import RLTrainer``: the RL loop (``controller.rl.trainer``), where the design
 documents import it from."""
 
-from controller.trainer import RLTrainer
+from controller.rl.trainer import RLTrainer
 
 __all__ = ["RLTrainer"]

@@ -18,10 +18,10 @@ CHAT_TEMPLATE = (
 
 
 def save_chat_tokenizer(path: str | Path, vocab_size: int = 256, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """The built-in character tokenizer (controller.char_tokenizer) with ``chat_template`` set, saved in ``path``."""
+    """The built-in character tokenizer (controller.models.char_tokenizer) with ``chat_template`` set, saved in ``path``."""
     from transformers import AutoTokenizer
 
-    from controller.char_tokenizer import save_char_tokenizer
+    from controller.models.char_tokenizer import save_char_tokenizer
 
     save_char_tokenizer(path, vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -32,7 +32,7 @@ def save_chat_tokenizer(path: str | Path, vocab_size: int = 256, chat_template: 
 
 def make_chat_model(path: str | Path, chat_template: str | None = CHAT_TEMPLATE) -> str:
     """The built-in tiny model (``builtin:tiny-arithmetic``, max 128 positions) with a chat tokenizer, in ``path``."""
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     model = resolve_model_path("builtin:tiny-arithmetic", path)
     save_chat_tokenizer(model, 256, chat_template)

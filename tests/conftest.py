@@ -20,7 +20,7 @@ def ray_cluster():
     """One private local Ray cluster for the whole session (starting one costs seconds)."""
     import ray
 
-    from controller.ray_backend import ensure_ray
+    from controller.runtime.ray_backend import ensure_ray
 
     ensure_ray()
     yield

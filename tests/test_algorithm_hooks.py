@@ -270,7 +270,7 @@ def test_config_checks_name_the_algorithm_settings():
 # -------------------------------------------------------------- the trainer's choice
 def test_the_trainer_takes_a_name_a_config_or_an_object_and_wraps_it_for_a_cost():
     from controller.data import arithmetic_prompts
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
     from workers.actor import Actor
     from workers.rollout import Rollout
 

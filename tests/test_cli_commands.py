@@ -3,7 +3,7 @@
 from conftest import ROOT
 
 from controller.cli import main
-from controller.metrics_log import MetricsLogger
+from controller.metrics.log import MetricsLogger
 
 
 def test_plot_command_writes_the_reward_curve(tmp_path, capsys):

@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def test_example_configs_load_and_pass_every_check():
     import yaml
 
-    from controller.sft_config import check_sft_config, load_sft_config
+    from controller.sft.config import check_sft_config, load_sft_config
 
     for path in sorted(EXAMPLES.glob("*.yaml")):
         if path.name.startswith("smollm2"):
@@ -134,7 +134,7 @@ def test_a_rollout_pool_of_its_own_is_checked_against_the_cross_pool_plan():
 
 def test_trainer_placement_and_parallelism_by_declaration():
     from controller.data import arithmetic_prompts
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
     from workers.actor import Actor
     from workers.critic import Critic
     from workers.rollout import Rollout

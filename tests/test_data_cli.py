@@ -36,7 +36,7 @@ def launches(monkeypatch):
     """Every launch `hybridflow train` would make, recorded instead of started."""
     calls = []
     monkeypatch.setattr(cli, "_torchrun", lambda nproc, argv: calls.append((nproc, argv)) or 0)
-    monkeypatch.setattr("controller.train_job.run_training", lambda *args: pytest.fail("run_training was called"))
+    monkeypatch.setattr("controller.jobs.train_job.run_training", lambda *args: pytest.fail("run_training was called"))
     return calls
 
 

@@ -7,8 +7,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from controller.dataflow import DataFlow, DataFlowError, DataFlowNodeError, Node
-from controller.worker_group import GroupFuture, GroupMethod
+from controller.dataflow.graph import DataFlow, DataFlowError, DataFlowNodeError, Node
+from controller.runtime.worker_group import GroupFuture, GroupMethod
 from workers.host import Reply
 from workers.register import MethodSpec
 

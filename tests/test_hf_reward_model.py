@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from controller import ResourcePool, WorkerGroup
-from controller.models import resolve_model_path, value_model_from_policy
+from controller.models.builtin import resolve_model_path, value_model_from_policy
 from tiny_reward_models import CHAT_TEMPLATE, CountingHFRewardModel, make_deberta_rm
 from workers import DataProto
 from workers.megatron.engine_role import EngineRole

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from controller.algorithms import AdvantageConfig, AdvantageInputs, apply_kl_penalty, compute_advantages, masked_whiten
-from controller.step_metrics import batch_metrics
+from controller.rl.step_metrics import batch_metrics
 from workers.data_proto import DataProto
 from workers.megatron.ppo_update import normalizer_counts
 from workers.policy_losses import (

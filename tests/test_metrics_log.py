@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.metrics_log import MetricsLogger, format_step_line, read_metrics, validation_summary
-from controller.plots import plot_run
+from controller.metrics.log import MetricsLogger, format_step_line, read_metrics, validation_summary
+from controller.metrics.plots import plot_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -147,7 +147,7 @@ def test_a_multi_node_torchrun_job_without_a_rendezvous_or_with_the_wrong_world_
     # A torchrun world of 2 for a config of 2 nodes x 2: the job stops before any group forms.
     script = tmp_path / "train.py"
     script.write_text("from controller.config import load_config\n"
-                      "from controller.train_job import run_training\n"
+                      "from controller.jobs.train_job import run_training\n"
                       "try:\n"
                       f"    run_training(load_config({str(ROOT / 'examples/ppo_tiny.yaml')!r}, "
                       f"['trainer.nnodes=2', 'trainer.nproc=2', 'trainer.run_dir={tmp_path}']))\n"

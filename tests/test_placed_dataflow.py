@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from controller.dataflow import DataFlow, DataFlowError, Node
-from controller.node_declarations import node_declaration, register_parallelism, register_placement, register_protocol
-from controller.placed_node import check_machine_devices, gather_values, split_value
+from controller.dataflow.graph import DataFlow, DataFlowError, Node
+from controller.dataflow.declarations import node_declaration, register_parallelism, register_placement, register_protocol
+from controller.dataflow.placed_node import check_machine_devices, gather_values, split_value
 from workers.data_proto import DataProto
 
 
@@ -58,7 +58,7 @@ def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
     """Each placed node runs in its declared number of processes, none of them the driver; the TP node's
     ranks share one process group and get the same input, and transformers' TP plan shards the model over them;
     the output equals HF's generate on the whole model in the driver."""
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)

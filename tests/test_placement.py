@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from controller.config import ConfigError, check_config, job_pools, load_config
-from controller.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
+from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
 
 
 def nodes(*cpus, gpus=0):
@@ -79,7 +79,7 @@ def test_check_config_refuses_a_placement_the_cluster_cannot_hold_naming_what_it
 
 def test_trainer_placement_across_nodes_by_declaration():
     from controller.data import arithmetic_prompts
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
     from workers.actor import Actor
     from workers.critic import Critic
     from workers.rollout import Rollout

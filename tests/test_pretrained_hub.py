@@ -23,7 +23,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     return Path(resolve_model_path("builtin:tiny-arithmetic", tmp_path_factory.mktemp("model")))
 
@@ -73,7 +73,7 @@ def same(a, b) -> bool:
 
 
 def test_a_cached_hub_id_resolves_to_its_snapshot_and_roles_hold_that_directory(hub_cache, tiny_model):
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
     from workers.actor import Actor, ReferencePolicy
     from workers.critic import Critic
     from workers.rollout import Rollout
@@ -196,7 +196,7 @@ def test_local_directories_and_builtins_pass_through_and_missing_paths_are_named
 
 
 def test_resolve_model_path_keeps_builtins_directories_and_its_messages(hub_cache, tiny_model, tmp_path):
-    from controller.models import BUILTIN_MODELS, BUILTIN_REWARD_MODELS, PACKAGED_MODELS, resolve_model_path
+    from controller.models.builtin import BUILTIN_MODELS, BUILTIN_REWARD_MODELS, PACKAGED_MODELS, resolve_model_path
 
     assert resolve_model_path(str(tiny_model), tmp_path) == str(tiny_model)
     made = resolve_model_path("builtin:tiny-arithmetic", tmp_path / "work")

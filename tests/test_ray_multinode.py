@@ -23,7 +23,7 @@ import group_scenarios
 from conftest import ROOT, free_port
 from controller import ResourcePool, WorkerGroup
 from controller.config import ConfigError, check_config, load_config
-from controller.ray_backend import cluster_for, ensure_ray
+from controller.runtime.ray_backend import cluster_for, ensure_ray
 from loopback_cluster import LoopbackCluster
 
 NODES = ["127.0.0.11", "127.0.0.12", "127.0.0.13"]
@@ -128,7 +128,7 @@ def test_without_an_address_a_driver_starts_its_own_cluster_whatever_runs_here(c
     # the README's own worker example still gets a private cluster and runs.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": cluster.address}
     env.pop("HYBRIDFLOW_NODE_IP")
-    probe = ("from controller.ray_backend import ensure_ray, cluster_nodes\n"
+    probe = ("from controller.runtime.ray_backend import ensure_ray, cluster_nodes\n"
              "ensure_ray()\n"
              "print('NODES', [n['address'] for n in cluster_nodes()])\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
@@ -165,7 +165,7 @@ def read_steps(run_dir) -> list[dict]:
 
 
 def test_the_demo_job_on_two_nodes_trains_alike_on_ray_and_on_two_torchrun_launchers(cluster, tmp_path):
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path / "model")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

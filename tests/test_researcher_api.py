@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from controller.auto_layout import AutoLayout, apply_device_map, auto_generation_tp, auto_layout, parameter_count
-from controller.step_metrics import kl_metrics, phase_lines
+from controller.rl.auto_layout import AutoLayout, apply_device_map, auto_generation_tp, auto_layout, parameter_count
+from controller.rl.step_metrics import kl_metrics, phase_lines
 from hybridengine.model_spec import ModelSpec
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
@@ -146,7 +146,7 @@ def test_device_map_auto_rule():
 
 
 def test_device_map_auto_lays_out_colocated_roles_alike_and_explicit_wins(tmp_path):
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
     actor = RoleSpec(object, {"model_path": model, "engine": {}}, device_map="auto")
@@ -197,9 +197,9 @@ def test_keywords_are_refused_where_written():
 def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_path):
     """One test per front door: the roles' from_pretrained, RLTrainer, the config tree, the DataFlow decorators."""
     from controller.config import ConfigError, load_config
-    from controller.models import resolve_model_path
-    from controller.node_declarations import register_placement
-    from controller.trainer import RLTrainer
+    from controller.models.builtin import resolve_model_path
+    from controller.dataflow.declarations import register_placement
+    from controller.rl.trainer import RLTrainer
     from hybridflow import Actor, Critic, ReferencePolicy, RewardModel, Rollout, arithmetic_prompts
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
@@ -235,7 +235,7 @@ def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_pat
 
 def test_data_files_given_means_the_files_are_the_data(tmp_path):
     from controller.config import ConfigError, DataConfig, check_config, load_config
-    from controller.sft_config import SFTDataConfig
+    from controller.sft.config import SFTDataConfig
 
     assert DataConfig(train_files=("rows.parquet",)).task == "files"
     assert DataConfig().task == "arithmetic" and SFTDataConfig().task == "arithmetic"
@@ -249,8 +249,8 @@ def test_a_job_config_takes_any_hf_reward_classifier(tmp_path):
     """reward.model_path may name a DeBERTa classifier (the transformers worker scores it); a causal LM there is
     refused before launch, naming the path."""
     from controller.config import ConfigError, load_config
-    from controller.models import resolve_model_path
-    from controller.train_job import prepare_job
+    from controller.models.builtin import resolve_model_path
+    from controller.jobs.train_job import prepare_job
 
     rm = resolve_model_path("builtin:tiny-deberta-reward", tmp_path)
     policy = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
@@ -268,8 +268,8 @@ def test_a_critic_on_a_causal_lm_gets_its_body_and_a_new_value_head(tmp_path):
     N(0, initializer_range^2), as verl's megatron critic starts; a sequence-classification checkpoint is kept."""
     from safetensors.torch import load_file
 
-    from controller.models import resolve_model_path, value_model_from_policy
-    from controller.role_defaults import critic_from_causal_lm
+    from controller.models.builtin import resolve_model_path, value_model_from_policy
+    from controller.rl.role_defaults import critic_from_causal_lm
     from hybridflow import Critic
 
     policy = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
@@ -290,8 +290,8 @@ def test_a_critic_on_a_causal_lm_gets_its_body_and_a_new_value_head(tmp_path):
 
 
 def test_the_rollout_schema_is_checked_before_launch(tmp_path):
-    from controller.models import resolve_model_path
-    from controller.trainer import RLTrainer
+    from controller.models.builtin import resolve_model_path
+    from controller.rl.trainer import RLTrainer
     from hybridflow import Actor, arithmetic_prompts
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)

@@ -51,7 +51,7 @@ def test_each_data_source_reaches_its_scorer():
 def test_rule_reward_worker_routes_by_the_batch_data_source(tmp_path):
     from test_rule_reward import make_batch
 
-    from controller.char_tokenizer import save_char_tokenizer
+    from controller.models.char_tokenizer import save_char_tokenizer
     from workers.reward import RuleReward
 
     tokenizer = str(save_char_tokenizer(tmp_path / "tok", 256))

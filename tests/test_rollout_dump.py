@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from controller.rollout_dump import RolloutDump
+from controller.rl.rollout_dump import RolloutDump
 from workers.data_proto import DataProto
 
 

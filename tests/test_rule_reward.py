@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from controller.char_tokenizer import save_char_tokenizer
+from controller.models.char_tokenizer import save_char_tokenizer
 from workers import DataProto
 from workers.base_worker import WorkerContext, bind_context, unbind_context
 from workers.reward import RewardFunctionError, RuleReward
@@ -189,7 +189,7 @@ def test_last_token_scores():
 def test_trainer_hands_reward_kwargs_to_its_rule_reward_worker():
     """``reward.kwargs`` of a job reach every call of the reward function (through the RuleReward spec)."""
     from controller.data import arithmetic_prompts
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
     from workers.actor import Actor
     from workers.rollout import Rollout
 

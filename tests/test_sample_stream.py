@@ -10,7 +10,7 @@ The rollout here is a pure function of (prompt, tokens so far, weights version),
 import pytest
 import torch
 
-from controller.sample_stream import SampleStream
+from controller.rl.sample_stream import SampleStream
 from workers.data_proto import DataProto
 from workers.rollout.batch import Completion, GenerationRequest, build_rollout_batch
 from workers.rollout.sampling import SamplingConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from controller.config import ConfigError, check_config, load_config
-from controller.schedules import build_schedule, drop_stale, generation_seed, staleness_metrics
+from controller.rl.schedules import build_schedule, drop_stale, generation_seed, staleness_metrics
 from workers.data_proto import DataProto
 
 from test_config import EXAMPLES

@@ -9,7 +9,7 @@ import torch
 from controller.config import ConfigError, check_config, load_config
 from controller.data.sft_batches import SFTLoader, collate_sft
 from controller.data.sft_examples import SFTExample
-from controller.sft_config import SFTConfig, check_sft_config, load_sft_config
+from controller.sft.config import SFTConfig, check_sft_config, load_sft_config
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "sft_tiny.yaml"
 

@@ -11,7 +11,7 @@ from controller.data.sft_examples import ChatTemplateError, encode_messages, enc
 def chat_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny-chat", tmp_path_factory.mktemp("m")))
 

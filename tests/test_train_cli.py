@@ -46,7 +46,7 @@ def hybridflow(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     """The built-in tiny model, made once for every run here (a run would otherwise write its own)."""
-    from controller.models import resolve_model_path
+    from controller.models.builtin import resolve_model_path
 
     return resolve_model_path("builtin:tiny-arithmetic", tmp_path_factory.mktemp("model"))
 

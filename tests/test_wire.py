@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from controller.wire import recv_message, send_message
+from controller.runtime.wire import recv_message, send_message
 from workers import DataProto
 
 

@@ -1,10 +1,10 @@
-"""Tiny random DeBERTa-v2 reward models made on the spot (controller/builtin_reward_model.py), and a
+"""Tiny random DeBERTa-v2 reward models made on the spot (controller/models/builtin_reward_model.py), and a
 reward worker that counts what each rank scored."""
 
 import torch
 import torch.distributed as dist
 
-from controller.builtin_reward_model import SENTENCES, make_deberta_reward_model, save_word_tokenizer  # noqa: F401
+from controller.models.builtin_reward_model import SENTENCES, make_deberta_reward_model, save_word_tokenizer  # noqa: F401
 from workers.dispatch import Dispatch
 from workers.register import register
 from workers.reward.hf_reward_model import HFRewardModel
@@ -12,7 +12,7 @@ from workers.reward.hf_reward_model import HFRewardModel
 # Each turn "[CLS] role : content [SEP]": a chat template a DeBERTa reward model could have been trained with.
 CHAT_TEMPLATE = "{% for m in messages %}[CLS] {{ m['role'] }} : {{ m['content'] }} [SEP] {% endfor %}"
 
-# The builtin reward model's maker (controller/builtin_reward_model.py), under the name the tests use.
+# The builtin reward model's maker (controller/models/builtin_reward_model.py), under the name the tests use.
 make_deberta_rm = make_deberta_reward_model
 
 

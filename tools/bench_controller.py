@@ -171,7 +171,7 @@ def main() -> None:
         if backend == "ray":
             import ray
 
-            from controller.ray_backend import ensure_ray
+            from controller.runtime.ray_backend import ensure_ray
 
             t0 = time.perf_counter()
             ensure_ray()

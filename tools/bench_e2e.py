@@ -26,7 +26,7 @@ scaled by the group std).
   token ids are checked against hybridflow's for every step.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, ``builtin:smollm2-135m-instruct``
-dequantized to an fp32 HF directory by controller/models.py) and ``tiny``
+dequantized to an fp32 HF directory by controller/models/builtin.py) and ``tiny``
 (tools/bench_models.py's random "tiny" Llama, 512 positions, with its
 character tokenizer given ``TINY_CHAT_TEMPLATE``: builtin:tiny-arithmetic has
 no chat template and 128 positions, too few for 256 new tokens). Both
@@ -450,7 +450,7 @@ def measure_gemm_peak(threads: int, size: int = 2048, reps: int = 8) -> dict[str
 def prepare_model(name: str, models_dir: Path) -> Path:
     """The HF directory both frameworks load for model ``name`` (made once under ``models_dir``)."""
     if name == "smollm2":
-        from controller.models import resolve_model_path
+        from controller.models.builtin import resolve_model_path
 
         return Path(resolve_model_path("builtin:smollm2-135m-instruct", models_dir))
     if name != "tiny":
@@ -572,7 +572,7 @@ def run_hybridflow(row_dir: Path, cfg: dict[str, Any], sequences: int, threads: 
                    timeout: float | None, keep_checkpoints: bool) -> dict[str, Any]:
     import yaml
 
-    from controller.metrics_log import read_metrics
+    from controller.metrics.log import read_metrics
 
     config_path, log = row_dir / "hybridflow.yaml", row_dir / "hybridflow.log"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -278,7 +278,7 @@ def write_checkpoint(shape_name: str, path: Path) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from controller.char_tokenizer import save_char_tokenizer
+    from controller.models.char_tokenizer import save_char_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, **SHAPES[shape_name]))

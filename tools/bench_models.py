@@ -23,7 +23,7 @@ def make_checkpoint(name: str, path: Path, tokenizer: bool = False) -> int:
                                          eos_token_id=2, pad_token_id=0, **SHAPES[name]))
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        from controller.char_tokenizer import save_char_tokenizer
+        from controller.models.char_tokenizer import save_char_tokenizer
 
         save_char_tokenizer(path, SHAPES[name]["vocab_size"])
     return sum(p.numel() for p in model.parameters())

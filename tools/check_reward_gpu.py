@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.models import resolve_model_path  # noqa: E402
+from controller.models.builtin import resolve_model_path  # noqa: E402
 from hybridengine.device import accelerator_available  # noqa: E402
 from workers.base_worker import WorkerContext, bind_context, unbind_context  # noqa: E402
 from workers.data_proto import DataProto  # noqa: E402

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 HYBRIDFLOW = [sys.executable, "-m", "controller.cli"]
 
-from controller.metrics_log import read_metrics  # noqa: E402  (the runs' metrics.jsonl)
+from controller.metrics.log import read_metrics  # noqa: E402  (the runs' metrics.jsonl)
 
 
 def _curve(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:

@@ -79,7 +79,7 @@ kernels() { "$PY" tools/bench_kernels.py --device gpu --json "$SEC/bench_kernels
 import_check() {  # with the installed set first on the path when $1 is "site"
   [ "${1:-}" = site ] && local PYTHONPATH="$SITE:$PYTHONPATH"
   PYTHONPATH="$PYTHONPATH" "$PY" -c "import importlib.metadata as m, torch, megatron.core, transformers, tokenizers, safetensors, cloudpickle, yaml; \
-import controller.cli, controller.torchrun_backend, workers.actor, workers.rollout.megatron_engine; \
+import controller.cli, controller.runtime.torchrun_backend, workers.actor, workers.rollout.megatron_engine; \
 print('imports ok:', *(f'{p} {m.version(p)}' for p in ('torch', 'megatron-core', 'transformers', 'tokenizers', 'numpy')))"
 }
 

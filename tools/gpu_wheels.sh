@@ -8,7 +8,7 @@
 # megatron rollout engine, built-in arithmetic task and reward, JSONL/console metrics):
 #   megatron-core==0.16.1, without its dependencies: it names torch, and the GPU machine has its own
 #   transformers, tokenizers, safetensors, huggingface-hub: model/tokenizer files, HF import and export
-#   cloudpickle: controller/wire.py, the torchrun transport (setup.py gets it through ray, which cannot travel)
+#   cloudpickle: controller/runtime/wire.py, the torchrun transport (setup.py gets it through ray, which cannot travel)
 #   psutil: megatron's checkpoint writer (dist_checkpointing filesystem_async), at every save
 #   numpy, pyyaml, einops, tqdm: the project's and megatron's own imports
 #   and every dependency of those, resolved by pip (never torch: nothing above but megatron-core names it).

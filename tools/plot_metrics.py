@@ -3,7 +3,7 @@
     python tools/plot_metrics.py RUN_DIR                       # default figures into RUN_DIR/plots
     python tools/plot_metrics.py RUN_DIR --out figs --keys actor/pg_loss critic/vf_loss
 
-Prints the path of each PNG written. See controller/plots.py for the figures.
+Prints the path of each PNG written. See controller/metrics/plots.py for the figures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controller.plots import plot_run  # noqa: E402
+from controller.metrics.plots import plot_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """NodeWorker: the processes of a placed DataFlow node, each running the node's plain Python function.
 
-The controller (``controller.dataflow``) splits the node's input into one part per rank and sends each
+The controller (``controller.dataflow.graph``) splits the node's input into one part per rank and sends each
 part as a DataProto (lists travel as a non-tensor column, tensors as a batch column); the worker turns
 it back into the value, calls the function, and sends the output the same way. While the function
 runs, ``node_context()`` tells it where it is: its rank among the node's processes, their number, the

@@ -8,7 +8,7 @@ A hub id is looked up in the local hub cache first (``HF_HUB_CACHE``, or
 ``HF_HOME/hub``), then, unless offline (``HF_HUB_OFFLINE=1``), downloaded
 into it: only what the engines read (config, tokenizer, safetensors weights).
 ``builtin:<name>`` models pass through unchanged: the controller makes them
-(``controller.models.resolve_model_path``).
+(``controller.models.builtin.resolve_model_path``).
 """
 
 from __future__ import annotations

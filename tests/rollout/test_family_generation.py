@@ -19,7 +19,7 @@ from conftest import run_torchrun
 from rollout_checks import assert_greedy_matches_hf
 from tiny_models import all_tensors, make_llama3, make_qwen3
 
-from controller.char_tokenizer import save_char_tokenizer
+from controller.models.char_tokenizer import save_char_tokenizer
 
 PROGRAM = Path(__file__).parent / "family_program.py"
 FAMILIES = {  # name: (make, vocab, make_vocab_size_divisible_by)

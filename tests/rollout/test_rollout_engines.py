@@ -13,7 +13,7 @@ from conftest import run_torchrun
 from rollout_checks import assert_greedy_matches_hf, hf_log_probs, responses
 from tiny_models import make_llama
 
-from controller.char_tokenizer import save_char_tokenizer
+from controller.models.char_tokenizer import save_char_tokenizer
 
 PROGRAM = Path(__file__).parent / "rollout_program.py"
 MAX_NEW = 10

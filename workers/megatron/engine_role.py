@@ -31,7 +31,7 @@ class EngineRole(BaseWorker):
 
         Other keyword arguments go to the role's constructor (``optim=``, ``ppo=``, ...); an unknown one,
         or a bad value in a config section, is refused here. ``device_map="auto"``: the controller picks
-        TP x PP for the job's devices (``controller.auto_layout``) unless ``tensor_parallel`` /
+        TP x PP for the job's devices (``controller.rl.auto_layout``) unless ``tensor_parallel`` /
         ``pipeline_parallel`` are given; without it they default to 1.
         """
         engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel or 1,

@@ -162,7 +162,7 @@ class Rollout(BaseWorker):
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def generate_chunk(self, partial: DataProto) -> DataProto:
-        """The next tokens of partially generated samples: async mode's partial rollouts (``controller.sample_stream``).
+        """The next tokens of partially generated samples: async mode's partial rollouts (``controller.rl.sample_stream``).
 
         Each row is one sample: its prompt (``prompts``, left-padded, with ``prompt_mask``) and its response so far
         (``responses``, right-padded to the configured max_new_tokens, the first ``response_mask.sum()`` of them

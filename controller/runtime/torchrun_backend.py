@@ -29,8 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from controller.errors import HostLostError
-from controller.hosts import HostSet, map_failure
-from controller.wire import recv_message, send_message
+from controller.runtime.hosts import HostSet, map_failure
+from controller.runtime.wire import recv_message, send_message
 from workers.host import Reply, WorkerHost
 
 __all__ = ["TorchrunRuntime", "TorchrunHostSet", "under_torchrun"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from controller.worker_group import WorkerGroup
+from controller.runtime.worker_group import WorkerGroup
 
 __all__ = ["RolloutWeightLink", "separate_rollout_kwargs"]
 

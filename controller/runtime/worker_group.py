@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from controller.errors import CallTimeoutError, HostLostError, RemoteWorkerError, WorkerDiedError
-from controller.hosts import FutureCalls, RankCalls
-from controller.resource_pool import ResourcePool
+from controller.runtime.hosts import FutureCalls, RankCalls
+from controller.runtime.resource_pool import ResourcePool
 from hybridengine.layout import ParallelLayout
 from workers.base_worker import BaseWorker
 from workers.dispatch import GroupView, get_dispatch_rule

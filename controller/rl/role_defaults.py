@@ -4,7 +4,7 @@
   where it is installed and megatron's engine otherwise, laid out by ``device_map="auto"``.
 - ``with_learning_rate(spec, lr, role)``: ``RLTrainer(lr=...)`` into a role's ``optim``.
 - ``critic_from_causal_lm(spec, work_dir)``: a critic declared on a causal LM gets the LM's body and
-  a new value head (``controller.models.value_model_from_policy``), as verl and OpenRLHF start it.
+  a new value head (``controller.models.builtin.value_model_from_policy``), as verl and OpenRLHF start it.
 - ``reading_policy_ids(spec, policy_path)``: a transformers reward model learns which tokenizer wrote
   the batch's ids (the actor's), to decode and re-encode them with its own.
 """
@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from controller.errors import ConfigError
-from controller.models import value_model_from_policy
+from controller.models.builtin import value_model_from_policy
 from hybridengine.model_spec import ModelSpec
 from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec

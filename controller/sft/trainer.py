@@ -19,9 +19,9 @@ from typing import Sequence
 
 from controller.data.sft_batches import SFTLoader
 from controller.data.sft_examples import SFTExample
-from controller.resource_pool import ResourcePool
-from controller.trainer_checkpoint import commit_trainer_state, latest_trainer_state
-from controller.worker_group import WorkerGroup
+from controller.runtime.resource_pool import ResourcePool
+from controller.rl.trainer_checkpoint import commit_trainer_state, latest_trainer_state
+from controller.runtime.worker_group import WorkerGroup
 from workers.role_spec import RoleSpec
 
 __all__ = ["SFTTrainer"]

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from controller.node_declarations import NodeDeclaration
-from controller.resource_pool import ResourcePool
-from controller.worker_group import WorkerGroup
+from controller.dataflow.declarations import NodeDeclaration
+from controller.runtime.resource_pool import ResourcePool
+from controller.runtime.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count
 from workers.data_proto import DataProto
 from workers.node_worker import NodeWorker, from_transport, to_transport

@@ -15,9 +15,9 @@ import yaml
 
 from controller.config import ConfigError
 from controller.data.sft_rows import SFTData, load_sft_examples
-from controller.models import resolve_model_path
-from controller.sft_config import SFTConfig, check_sft_config, sft_config_to_dict
-from controller.torchrun_backend import under_torchrun
+from controller.models.builtin import resolve_model_path
+from controller.sft.config import SFTConfig, check_sft_config, sft_config_to_dict
+from controller.runtime.torchrun_backend import under_torchrun
 
 __all__ = ["prepare_sft", "run_sft"]
 
@@ -43,10 +43,10 @@ def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> 
 def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> Path:
     from transformers import AutoTokenizer
 
-    from controller.metrics_log import MetricsLogger, read_metrics, validation_summary
-    from controller.resource_pool import ResourcePool
-    from controller.sft_trainer import SFTTrainer
-    from controller.job_pool import torchrun_pool
+    from controller.metrics.log import MetricsLogger, read_metrics, validation_summary
+    from controller.runtime.resource_pool import ResourcePool
+    from controller.sft.trainer import SFTTrainer
+    from controller.jobs.job_pool import torchrun_pool
     from workers.actor import Actor
 
     trainer_cfg = config.trainer
@@ -86,7 +86,7 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
             out = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
             lines.append(f"[hybridflow]   HF checkpoint:  {out} (an RL job's model_path can name it)")
         if trainer_cfg.plots:
-            from controller.plots import plot_run
+            from controller.metrics.plots import plot_run
 
             lines += [f"[hybridflow]   plot:           {path}" for path in plot_run(run_dir)]
         if "jsonl" in trainer_cfg.logger and (loss := validation_summary(read_metrics(run_dir), "sft/val_loss")):

@@ -38,8 +38,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.errors import HostLostError
-from controller.hosts import CallOutcome, HostSet, RankCalls, map_failure
-from controller.placement import ClusterNode, PlacementError, describe_cluster, fit_pools
+from controller.runtime.hosts import CallOutcome, HostSet, RankCalls, map_failure
+from controller.runtime.placement import ClusterNode, PlacementError, describe_cluster, fit_pools
 from workers.console import console_env, verbose_console
 from workers.data_proto import DataProto
 from workers.host import Reply, WorkerHost

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from controller.errors import ConfigError
 
 if TYPE_CHECKING:
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
 
 __all__ = ["TrainerCheckpoint", "commit_trainer_state", "latest_trainer_state"]
 

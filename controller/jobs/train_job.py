@@ -16,10 +16,10 @@ import yaml
 
 from controller.config import ConfigError, RLConfig, check_config, config_to_dict, job_pools
 from controller.data.prepare import JobPrompts, load_job_prompts
-from controller.job_pool import torchrun_pool
-from controller.models import resolve_model_path, value_model_from_policy
-from controller.placement import ClusterNode
-from controller.torchrun_backend import under_torchrun
+from controller.jobs.job_pool import torchrun_pool
+from controller.models.builtin import resolve_model_path, value_model_from_policy
+from controller.runtime.placement import ClusterNode
+from controller.runtime.torchrun_backend import under_torchrun
 
 __all__ = ["prepare_job", "run_training"]
 
@@ -98,9 +98,9 @@ def _check_agent_prompts(rollout, tokenizer, prompts: JobPrompts) -> None:
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:
     """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process)."""
-    from controller.metrics_log import MetricsLogger, read_metrics
-    from controller.resource_pool import ResourcePool
-    from controller.trainer import RLTrainer
+    from controller.metrics.log import MetricsLogger, read_metrics
+    from controller.runtime.resource_pool import ResourcePool
+    from controller.rl.trainer import RLTrainer
     from workers.actor import Actor
     from workers.critic import Critic
     from workers.reward import RewardModel
@@ -170,7 +170,7 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
             outputs["HF checkpoint"] = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
         plots = []
         if trainer_cfg.plots:
-            from controller.plots import plot_run  # matplotlib only when asked
+            from controller.metrics.plots import plot_run  # matplotlib only when asked
 
             plots = plot_run(run_dir)
         print(f"[hybridflow] done: {trainer.global_step} steps in {run_dir}")
@@ -189,8 +189,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
 def _print_validation(config: RLConfig, records: list[dict]) -> None:
     """The closing lines on validation: the first and last greedy score and, when the job started
     from an SFT run's export, that run's validation loss, the first score being the SFT model's."""
-    from controller.metrics_log import read_metrics, validation_summary
-    from controller.run_dirs import sft_run_of
+    from controller.metrics.log import read_metrics, validation_summary
+    from controller.jobs.run_dirs import sft_run_of
 
     sft_run = sft_run_of(config.actor.model_path or config.model_path)
     from_sft = sft_run is not None and any(r.get("step") == 0 and "val/reward/mean" in r for r in records)
@@ -205,8 +205,8 @@ def export_checkpoint(config: RLConfig, out: str | Path) -> Path:
     """Load the run's newest actor checkpoint at its training layout and write it as an HF directory."""
     from transformers import AutoTokenizer
 
-    from controller.resource_pool import ResourcePool
-    from controller.worker_group import WorkerGroup
+    from controller.runtime.resource_pool import ResourcePool
+    from controller.runtime.worker_group import WorkerGroup
     from workers.actor import Actor
 
     trainer_cfg = config.trainer

@@ -10,7 +10,7 @@ The same controller code runs on either backend:
 ``backend="auto"`` picks torchrun when the program was started by torchrun,
 Ray otherwise. Under torchrun each pool takes the next free ranks of the
 world, and the first pool created turns every rank but 0 into a server
-(see ``controller.torchrun_backend``).
+(see ``controller.runtime.torchrun_backend``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import itertools
 import os
 import threading
 
-from controller.hosts import HostSet
+from controller.runtime.hosts import HostSet
 
 __all__ = ["ResourcePool"]
 
@@ -61,7 +61,7 @@ class ResourcePool:
 
     @staticmethod
     def _resolve_backend(backend: str) -> str:
-        from controller.torchrun_backend import under_torchrun
+        from controller.runtime.torchrun_backend import under_torchrun
 
         if backend == "auto":
             return "torchrun" if under_torchrun() else "ray"
@@ -70,7 +70,7 @@ class ResourcePool:
         return backend
 
     def _torchrun_hosts(self, dist_timeout_s: float) -> HostSet:
-        from controller.torchrun_backend import TorchrunHostSet, TorchrunRuntime
+        from controller.runtime.torchrun_backend import TorchrunHostSet, TorchrunRuntime
 
         runtime = TorchrunRuntime.get(dist_timeout_s=dist_timeout_s)
         if runtime.rank != 0:
@@ -90,7 +90,7 @@ class ResourcePool:
     def _ray_hosts(self, use_gpu, cpus_per_process, ray_address, init_timeout_s, dist_timeout_s) -> HostSet:
         import ray
 
-        from controller.ray_backend import RayHostSet, ensure_ray
+        from controller.runtime.ray_backend import RayHostSet, ensure_ray
 
         ensure_ray(ray_address)
         if use_gpu is None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from controller.builtin_reward_model import ARITHMETIC, SENTENCES, make_deberta_reward_model
-from controller.char_tokenizer import save_char_tokenizer
+from controller.models.builtin_reward_model import ARITHMETIC, SENTENCES, make_deberta_reward_model
+from controller.models.char_tokenizer import save_char_tokenizer
 from workers.pretrained import is_hub_id, missing_directory_error, resolve_pretrained
 
 __all__ = ["BUILTIN_MODELS", "resolve_model_path", "value_model_from_policy"]
@@ -32,7 +32,7 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content']
                       "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 _CHAT_TEMPLATES = {"tiny-chat": TINY_CHAT_TEMPLATE}
 # A tiny random DeBERTa-v2 sequence classifier with a word-level tokenizer of its own (the path a hub reward
-# model such as OpenAssistant's takes: transformers, its own tokenizer): controller/builtin_reward_model.py.
+# model such as OpenAssistant's takes: transformers, its own tokenizer): controller/models/builtin_reward_model.py.
 BUILTIN_REWARD_MODELS = ("tiny-deberta-reward",)
 
 

@@ -4,7 +4,7 @@
 * ``one_step_off``: with the rollout on a pool of its own, the batch of step k+1 is generated while
   step k trains, on the weights from before step k's update; every trained sample is one update stale.
   The generation pool and the training pool are busy at the same time.
-* ``async``: the rollout on its own pool generates a stream of samples (``controller.sample_stream``),
+* ``async``: the rollout on its own pool generates a stream of samples (``controller.rl.sample_stream``),
   one rollout call always in flight; a step trains on the oldest ready prompt groups, and groups start
   only while they can be trained within ``trainer.max_staleness`` updates. A call advances every sample
   by at most ``trainer.partial_rollout_tokens`` tokens (default: a whole response). New weights reach
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from controller.algorithms.step_context import StepContext
-from controller.sample_stream import SampleStream, mixed_version_samples
+from controller.rl.sample_stream import SampleStream, mixed_version_samples
 from workers.data_proto import DataProto
 
 if TYPE_CHECKING:
     from controller.algorithms import StepState
-    from controller.trainer import RLTrainer
+    from controller.rl.trainer import RLTrainer
 
 __all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale",
            "generation_seed", "staleness_metrics", "with_sampling"]

@@ -26,9 +26,9 @@ method's future is waited on before its output moves on.
     results = flow.run(input_data={"prompts": batch})
     results["advantages"]  # every input and every node's output, by type
 
-A node whose function carries ``@register_placement`` (``controller.node_declarations``) runs in a
+A node whose function carries ``@register_placement`` (``controller.dataflow.declarations``) runs in a
 worker group of its own, one process per declared device, its input split and its outputs gathered
-as its parallelism and protocol say (``controller.placed_node``); the others run in the driver. The
+as its parallelism and protocol say (``controller.dataflow.placed_node``); the others run in the driver. The
 devices are checked against the machine when the DataFlow is built. ``run`` starts the placed nodes'
 processes on first use and keeps them for the next ``run``; ``shutdown()`` (or a ``with`` block)
 stops them. ``ray_address`` (or the ``RAY_ADDRESS`` environment variable, as ``ray start`` prints it)
@@ -50,9 +50,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.node_declarations import node_declaration
-from controller.placed_node import PlacedNode, check_machine_devices
-from controller.worker_group import GroupFuture
+from controller.dataflow.declarations import node_declaration
+from controller.dataflow.placed_node import PlacedNode, check_machine_devices
+from controller.runtime.worker_group import GroupFuture
 
 __all__ = ["DataFlow", "DataFlowError", "DataFlowNodeError", "Node"]
 

@@ -32,20 +32,20 @@ from typing import Any
 import torch
 
 from controller.algorithms import RLAlgorithm, SafeRLHF, StepContext, StepState, build_algorithm
-from controller.auto_layout import apply_device_map
+from controller.rl.auto_layout import apply_device_map
 from controller.algorithms.config import AlgorithmConfig
 from controller.errors import ConfigError
 from controller.data import PromptDataset, PromptLoader
-from controller.placement import PlacementError, PoolShape, pool_shape
-from controller.resource_pool import ResourcePool
-from controller.role_assembly import ROLE_ORDER, assemble_roles
-from controller.role_defaults import critic_from_causal_lm, default_rollout, reading_policy_ids, with_learning_rate
-from controller.rollout_dump import RolloutDump
-from controller.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
-from controller.schedules import build_schedule, generation_seed, with_sampling
-from controller.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
-from controller.trainer_checkpoint import TrainerCheckpoint
-from controller.worker_group import WorkerGroup
+from controller.runtime.placement import PlacementError, PoolShape, pool_shape
+from controller.runtime.resource_pool import ResourcePool
+from controller.rl.role_assembly import ROLE_ORDER, assemble_roles
+from controller.rl.role_defaults import critic_from_causal_lm, default_rollout, reading_policy_ids, with_learning_rate
+from controller.rl.rollout_dump import RolloutDump
+from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
+from controller.rl.schedules import build_schedule, generation_seed, with_sampling
+from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
+from controller.rl.trainer_checkpoint import TrainerCheckpoint
+from controller.runtime.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
@@ -112,8 +112,8 @@ class RLTrainer:
         (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None: whole
         responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
         allows). Samples more than ``max_staleness`` updates stale are not trained on; see
-        ``controller.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
-        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rollout_dump``).
+        ``controller.rl.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
+        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rl.rollout_dump``).
 
         ``rollout`` None: generation from the actor's model, in vLLM where it is installed (megatron
         otherwise), laid out by ``device_map="auto"``'s rule. ``lr``: the actor's (and critic's) learning
@@ -215,7 +215,7 @@ class RLTrainer:
             trainer.register_placement("rollout", 4)    # generation on 4 processes of its own
 
         Then the actor sends it the weights across pools after each update
-        (``controller.rollout_pool``). Under torchrun a megatron role's pool must
+        (``controller.rl.rollout_pool``). Under torchrun a megatron role's pool must
         be the whole world, so split placement is a Ray feature.
         """
         self._before_build("register_placement")

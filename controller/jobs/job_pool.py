@@ -14,7 +14,7 @@ __all__ = ["torchrun_pool"]
 def torchrun_pool(trainer_cfg: TrainerConfig):
     """Under torchrun: the job's pool of every rank (ranks 1.. serve from here on), once torchrun is
     seen to have started the processes the config asks for."""
-    from controller.resource_pool import ResourcePool
+    from controller.runtime.resource_pool import ResourcePool
 
     world = int(os.environ["WORLD_SIZE"])
     if world != trainer_cfg.nnodes * trainer_cfg.nproc:

@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from controller.metrics_log import METRICS_FILE, read_metrics
+from controller.metrics.log import METRICS_FILE, read_metrics
 
 __all__ = ["PLOTS_DIR", "plot_run"]
 

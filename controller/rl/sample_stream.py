@@ -1,7 +1,7 @@
 """The sample stream of ``trainer.mode: async``: prompts in, partial rollouts, ready prompt groups out.
 
 Pure bookkeeping, with no worker and no process group, so every rule here is tested on its own
-(``controller.schedules.AsyncStream`` drives it against the rollout pool):
+(``controller.rl.schedules.AsyncStream`` drives it against the rollout pool):
 
 * **Admission** (the staleness bound, as AReaL bounds its rollouts). Training consumes ``batch_size``
   groups per update, so a group admitted at policy version ``v`` as the ``g``-th group (0-based) is

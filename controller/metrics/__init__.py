@@ -1,0 +1,1 @@
+"""Metrics of a run: the logger (console, JSONL, TensorBoard) with its summaries, and the PNG curves."""
