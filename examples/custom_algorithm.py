@@ -30,7 +30,8 @@ def main() -> None:
         model = resolve_model_path("builtin:tiny-arithmetic", tmp)
         trainer = RLTrainer(
             actor=Actor.from_pretrained(model, micro_batch_size=8, optim={"lr": 5e-3}, ppo={"ppo_mini_batch_size": 32}),
-            rollout=Rollout.from_pretrained(model, max_prompt_length=8, sampling={"max_new_tokens": 4, "n": 4}),
+            rollout=Rollout.from_pretrained(model, engine="megatron", max_prompt_length=8,
+                                            sampling={"max_new_tokens": 4, "n": 4}),
             reward_fn="arithmetic_shaped", algorithm="clipped_grpo",
             train_data=arithmetic_prompts(256, seed=0), batch_size=8, processes=1,
         )
