@@ -257,8 +257,8 @@ class Actor(_LogProbRole):
         ppo, agg_mode = self.ppo, terms.policy_loss.agg_mode
         mask = mb["response_mask"]
         log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
-        # The batch's padded positions may hold anything (NaN from a rollout engine): never read them.
-        old_log_prob = log_prob.detach() if from_update else zero_padding(mb["old_log_probs"], mask)
+        old_log_prob = log_prob.detach() if from_update else mb["old_log_probs"]  # the losses read valid tokens only
+        # read here too (the agreement metric below), so its padding, which may hold anything, is zeroed first
         rollout_log_prob = zero_padding(mb["rollout_log_probs"], mask) if "rollout_log_probs" in mb else None
         weights = indicators = None
         if terms.rollout_correction.on and rollout_log_prob is not None:

@@ -21,8 +21,23 @@ from hybridengine.model_spec import ModelSpec
 from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
 
-__all__ = ["critic_from_causal_lm", "default_rollout", "default_rollout_engine", "reading_policy_ids",
+__all__ = ["check_declared_roles", "critic_from_causal_lm", "default_rollout", "default_rollout_engine", "reading_policy_ids",
            "with_learning_rate"]
+
+
+# How each of RLTrainer's role keywords is declared, for the error that a value of another kind gets.
+_DECLARED_BY = {"actor": "Actor", "critic": "Critic", "ref_policy": "ReferencePolicy", "reward_model": "RewardModel",
+                "cost_model": "RewardModel", "rollout": "Rollout"}
+
+
+def check_declared_roles(**roles: object) -> None:
+    """TypeError for a role keyword given something other than a declared role (a RoleSpec) or None."""
+    for name, spec in roles.items():
+        if spec is not None and not isinstance(spec, RoleSpec):
+            cls = _DECLARED_BY.get(name)
+            example = f"{cls}.from_pretrained(path)" if cls else "RoleSpec(MyWorker, {...})"
+            raise TypeError(f"RLTrainer({name}=...) takes a declared role, e.g. {name}={example}; "
+                            f"got {type(spec).__name__}")
 
 
 def default_rollout_engine() -> str:

@@ -39,7 +39,13 @@ from controller.data import PromptDataset, PromptLoader
 from controller.runtime.placement import PlacementError, PoolShape, pool_shape
 from controller.runtime.resource_pool import ResourcePool
 from controller.rl.role_assembly import ROLE_ORDER, assemble_roles
-from controller.rl.role_defaults import critic_from_causal_lm, default_rollout, reading_policy_ids, with_learning_rate
+from controller.rl.role_defaults import (
+    check_declared_roles,
+    critic_from_causal_lm,
+    default_rollout,
+    reading_policy_ids,
+    with_learning_rate,
+)
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.schedules import build_schedule, generation_seed, with_sampling
@@ -120,15 +126,8 @@ class RLTrainer:
         rate, where their own ``optim`` does not set one. ``rollout_proto``: a schema
         (``DataProto(field="name", ...)``) of the fields the rollout must produce, checked now and on the
         first batch. ``verbose``: one console line per phase of each step."""
-        roles = {"actor": actor, "critic": critic, "ref_policy": ref_policy, "reward_model": reward_model,
-                 "reward_worker": reward_worker, "cost_model": cost_model}
-        examples = {"actor": "Actor", "critic": "Critic", "ref_policy": "ReferencePolicy", "reward_model": "RewardModel",
-                    "cost_model": "RewardModel", "rollout": "Rollout"}
-        for name, spec in {**roles, "rollout": rollout}.items():
-            if spec is not None and not isinstance(spec, RoleSpec):
-                example = f"{examples[name]}.from_pretrained(path)" if name in examples else "RoleSpec(MyWorker, {...})"
-                raise TypeError(f"RLTrainer({name}=...) takes a declared role, e.g. {name}={example}; "
-                                f"got {type(spec).__name__}")
+        check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
+                             reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
         if rollout is None:
             rollout = default_rollout(actor)
         reward_model = reading_policy_ids(reward_model, actor.model_path)
