@@ -11,9 +11,11 @@ starts::
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
 __all__ = [
     "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
-    "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "check_config", "config_from_dict", "config_to_dict",
+    "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "build_section", "check_config", "config_from_dict", "config_to_dict",
     "job_pools", "load_config", "model_split_problem",
 ]
 
@@ -49,17 +51,33 @@ class RoleConfig:
     model_path: str | None = None  # None: the actor's (the critic: a value model made from it)
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # "auto": TP x PP for the job's devices (controller.rl.auto_layout); an engine TP or PP other than 1 still wins
+    device_map: str | None = None
+    # "package.module:Class" or a class: a subclass of the role's worker (Actor, Critic, ReferencePolicy) to run
+    worker: str | type | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_map not in (None, "auto"):
+            raise ValueError(f"device_map {self.device_map!r} is not supported; valid: 'auto' or null")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     # "auto": a scorer per sample's data_source (workers.reward.router); or a built-in name, or
     # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs); None with model_path set
-    fn: str | None = "auto"
+    # (a function, from the Python API); None with model_path or worker set
+    fn: str | Callable | None = "auto"
     model_path: str | None = None  # an HF sequence-classification checkpoint: the RewardModel worker
     # The reward model's own split (its own process groups, whatever the actor's); forward only, so no optim.
+    # A model megatron cannot hold runs in transformers (HFRewardModel): engine.precision and micro_batch_size.
     engine: EngineConfig = field(default_factory=EngineConfig)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    device_map: str | None = None  # "auto": the megatron reward model's TP x PP for the job's devices
+    max_length: int | None = None  # HFRewardModel: its tokens per text at most (None: the model's limit)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward function's keyword arguments
+    # Your own worker ("package.module:Class" or a class) with compute_reward(batch) -> token_level_scores,
+    # scores; worker_kwargs are its constructor's. Set instead of fn and model_path.
+    worker: str | type | None = None
+    worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the old name of "files"
@@ -113,7 +131,7 @@ class TrainerConfig:
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: no validation
     val_before_train: bool = False  # validate once before the first step too (logged as step 0)
-    run_dir: str = "runs/hybridflow"
+    run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
     resume: bool = False
     launcher: str = "torchrun"
     nproc: int = 4  # processes per node (torchrun's --nproc-per-node; one per GPU)
@@ -138,6 +156,10 @@ class TrainerConfig:
     max_in_flight: int | None = None  # async: prompt groups in generation at once; null: what max_staleness allows
     # each step's samples (text, score, per-token mask, rewards, returns, advantages) as {dir}/{step}.jsonl
     rollout_data_dir: str | None = None
+    # {field: the rollout's name}: the fields the rollout must produce (DataProto(field="name", ...)), checked
+    # before step 1 and on the first batch
+    rollout_proto: dict[str, str] | None = None
+    log_phases: bool = False  # one console line per phase of each step (RLTrainer(verbose=True))
 
 
 @dataclass(frozen=True)
@@ -147,11 +169,13 @@ class RLConfig:
     ppo: PPOActorConfig = field(default_factory=PPOActorConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
     critic_ppo: CriticConfig = field(default_factory=CriticConfig)
+    ref_policy: RoleConfig | None = None  # None: the actor's model and engine, where a KL term reads a reference
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cost_model: RoleConfig | None = None  # Safe-RLHF: a reward model scoring cost (instead of safe_rlhf_cost_fn)
 
 
 # ------------------------------------------------------------------ dict <-> typed tree
@@ -199,6 +223,14 @@ def _build(cls: Any, value: Any, where: str) -> Any:
         return dict(value)
     if cls is Any:
         return value
+    if origin is collections.abc.Callable:
+        if not callable(value):
+            raise ConfigError(f"{where}: expected a function, got {value!r}")
+        return value
+    if cls is type:
+        if not isinstance(value, type):
+            raise ConfigError(f"{where}: expected a class, got {value!r}")
+        return value
     if cls is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
@@ -227,6 +259,11 @@ def config_from_dict(values: dict[str, Any]) -> RLConfig:
     return _build(RLConfig, values, "")
 
 
+def build_section(cls: Any, value: Any, where: str) -> Any:
+    """``value`` (a mapping) as the config section ``cls``; ConfigError naming ``where`` and the key."""
+    return _build(cls, value, where)
+
+
 def config_to_dict(config: Any) -> Any:
     if dataclasses.is_dataclass(config):
         return {f.name: config_to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
@@ -234,6 +271,8 @@ def config_to_dict(config: Any) -> Any:
         return [config_to_dict(v) for v in config]
     if isinstance(config, dict):
         return {k: config_to_dict(v) for k, v in config.items()}
+    if callable(config):  # a function or class given from Python: its import path, as YAML names it
+        return f"{config.__module__}:{config.__qualname__}"
     return config
 
 
@@ -562,9 +601,14 @@ def _reward_problems(config: RLConfig) -> list[str]:
 
     reward, alg = config.reward, config.algorithm
     problems = []
-    if reward.fn is None and reward.model_path is None:
-        problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model)")
-    checks = [("reward.fn", reward.fn)] if reward.model_path is None and reward.fn is not None else []
+    if reward.worker is not None and reward.model_path is not None:
+        problems.append("reward: reward.worker (your own worker) and reward.model_path (a reward model) are both "
+                        "set; give one")
+    elif reward.fn is None and reward.model_path is None and reward.worker is None:
+        problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model), or reward.worker "
+                        "(your own worker)")
+    by_fn = reward.model_path is None and reward.worker is None and reward.fn is not None
+    checks = [("reward.fn", reward.fn)] if by_fn else []
     if alg.safe_rlhf_cost_fn is not None:
         checks.append(("algorithm.safe_rlhf_cost_fn", alg.safe_rlhf_cost_fn))
     for key, spec in checks:

@@ -46,7 +46,7 @@ def test_overrides_reach_nested_fields_and_parse_yaml_scalars():
 
 
 def test_bad_keys_values_and_overrides_name_the_key():
-    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['engine', 'model_path', 'optim'\]"):
+    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['device_map', 'engine', 'model_path', 'optim', 'worker'\]"):
         load_config(None, ["actor.engin.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel: expected an integer, got 'two'"):
         load_config(None, ["actor.engine.tensor_parallel=two"])
@@ -149,7 +149,7 @@ def test_trainer_placement_and_parallelism_by_declaration():
     assert trainer.specs["critic"].kwargs["engine"]["pipeline_parallel"] == 2
     assert trainer.specs["rollout"].kwargs["config"]["tensor_parallel"] == 2
     assert trainer.placement == {"actor": "policy", "rollout": "policy", "critic": "critic", "reward": "default"}
-    assert trainer.pool_sizes == {"default": None, "critic": 4, "policy": 2}
+    assert trainer.pool_sizes == {"default": 1, "critic": 4, "policy": 2}
     with pytest.raises(ConfigError, match=r"register_placement\('rollout', pool='policy'\): that is the actor's pool"):
         trainer.register_placement("rollout", pool="policy")
     trainer.register_placement("rollout", devices=3, pool="generation")  # a pool of its own, fed across pools

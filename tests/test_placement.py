@@ -91,7 +91,7 @@ def test_trainer_placement_across_nodes_by_declaration():
     trainer.register_placement("critic", 4)  # a node of its own
     assert trainer.pool_shapes["actor"].process_on_nodes == [4, 4]
     assert trainer.placement == {"actor": "actor", "rollout": "actor", "critic": "critic", "reward": "actor"}
-    assert trainer.pool_sizes == {"default": None, "actor": 8, "critic": 4}
+    assert trainer.pool_sizes == {"default": 1, "actor": 8, "critic": 4}
     with pytest.raises(ConfigError, match=r"pool 'actor' is 2 node\(s\) x 4 process\(es\), not 1 node\(s\) x 8"):
         trainer.register_placement("critic", nodes=1, processes_per_node=8, pool="actor")
     with pytest.raises(ConfigError, match="give devices .* or nodes and processes_per_node, not both"):

@@ -229,6 +229,22 @@ def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_pat
     config.write_text("trainer: {total_step: 3}\n")
     with pytest.raises(ConfigError, match=r"trainer: unknown key\(s\) \['total_step'\]; valid keys: \["):
         load_config(str(config))
+    # RLTrainer(config): the objects beside the config are named too, and the config must be the typed tree
+    typed = load_config(None, [f"model_path={model}"])
+    with pytest.raises(TypeError, match=r"RLTrainer\(config, ...\): unknown keyword 'train_dataset' \(did you mean "
+                                        r"'train_data'\?\); valid keywords: \['algorithm', 'logger', 'pool', "
+                                        r"'train_data', 'val_data'\]"):
+        RLTrainer(typed, train_dataset=arithmetic_prompts(8, seed=0))
+    with pytest.raises(TypeError, match=r"RLTrainer\(config\): config must be an RLConfig .* got dict"):
+        RLTrainer({"model_path": model})
+    with pytest.raises(TypeError, match=r"missing: \['train_data', 'batch_size'\]"):
+        RLTrainer(actor=Actor.from_pretrained(model))
+    with pytest.raises(ConfigError, match=r"algorithm: unknown key\(s\) \['estimator'\]; valid keys: \["):
+        RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
+                  reward_fn="arithmetic_shaped", algorithm={"name": "grpo", "estimator": "grpo"})
+    with pytest.raises(ConfigError, match=r"critic=... is given, but grpo estimates advantages without one"):
+        RLTrainer(actor=Actor.from_pretrained(model), critic=Critic.from_pretrained(model), algorithm="grpo",
+                  train_data=arithmetic_prompts(8, seed=0), batch_size=4, reward_fn="arithmetic_shaped")
     with pytest.raises(ValueError, match=r"register_placement\('actor'\): devices must be a non-empty list"):
         register_placement("actor", devices="cuda:0")
 
@@ -318,3 +334,53 @@ def test_an_algorithms_hooks_see_a_step_context_not_the_trainer():
     assert not hasattr(ctx, "pools") and not hasattr(ctx, "specs") and not hasattr(ctx, "save_checkpoint")
     with pytest.raises(TypeError):
         ctx.groups["critic"] = "another"  # read-only
+
+
+def test_the_keyword_builder_and_a_config_give_the_same_run(tmp_path):
+    """RLTrainer(actor=..., ...) fills the typed tree; RLTrainer(config) from the same values as YAML is the
+    same job: equal configs, and metrics equal to 1e-6 over 3 steps (PPO with a critic made from the LM, a
+    KL loss term and a function reward)."""
+    import yaml
+
+    from controller.config import config_from_dict
+    from controller.models.builtin import resolve_model_path
+    from controller.rl.trainer import RLTrainer
+    from controller.rl.trainer_builder import config_from_keywords
+    from hybridflow import Actor, Critic, Rollout, arithmetic_prompts
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    prompts = arithmetic_prompts(32, seed=1)
+    keywords = dict(
+        actor=Actor.from_pretrained(model, micro_batch_size=4, ppo={"ppo_mini_batch_size": 8, "use_kl_loss": True}),
+        critic=Critic.from_pretrained(model, micro_batch_size=4, critic={"ppo_mini_batch_size": 8}),
+        rollout=Rollout.from_pretrained(model, engine="megatron", max_prompt_length=8,
+                                        sampling={"max_new_tokens": 4, "n": 2}),
+        reward_fn="arithmetic_shaped", algorithm="ppo", lr=2e-3, train_data=prompts, batch_size=4, processes=1,
+        seed=3, backend="ray")
+    config = config_from_dict(yaml.safe_load(f"""
+model_path: {model}
+actor: {{engine: {{micro_batch_size: 4}}, optim: {{lr: 2.0e-3}}}}
+ppo: {{ppo_mini_batch_size: 8, use_kl_loss: true}}
+critic: {{model_path: {model}, engine: {{micro_batch_size: 4}}, optim: {{lr: 2.0e-3}}}}
+critic_ppo: {{ppo_mini_batch_size: 8, value_head_init: normal}}
+rollout: {{engine: megatron, max_prompt_length: 8, sampling: {{max_new_tokens: 4, n: 2}}}}
+reward: {{fn: arithmetic_shaped}}
+algorithm: {{name: ppo}}
+data: {{batch_size: 4}}
+trainer: {{nproc: 1, launcher: ray, seed: 3, run_dir: null}}
+"""))
+    assert config_from_keywords(**keywords)[0] == config
+
+    def three_steps(trainer):
+        try:
+            return [trainer.step() for _ in range(3)]
+        finally:
+            trainer.shutdown()
+
+    built, typed = three_steps(RLTrainer(**keywords)), three_steps(RLTrainer(config, train_data=prompts))
+    for a, b in zip(built, typed):
+        keys = sorted(k for k in a if not k.startswith(("timing_s/", "perf/")) and k != "rollout/tokens_per_s")
+        assert keys == sorted(k for k in b if not k.startswith(("timing_s/", "perf/")) and k != "rollout/tokens_per_s")
+        assert "critic/vf_loss" in keys and "actor/kl_loss" in keys
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-6, rel=0), key

@@ -28,10 +28,15 @@ class CriticConfig:
     shuffle: bool = True
     clip_range_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    # A critic started from a causal LM (the controller adds the value head): "zeros" (V = 0 at the start)
+    # or "normal" (verl's: N(0, initializer_range^2))
+    value_head_init: str = "zeros"
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if self.value_head_init not in ("zeros", "normal"):
+            raise ValueError(f"value_head_init {self.value_head_init!r} is not one of ('zeros', 'normal')")
 
 
 class Critic(EngineRole):

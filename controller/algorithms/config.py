@@ -6,6 +6,7 @@ settings. ``controller.config`` gathers it into the job's tree; the checks that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,10 @@ class AlgorithmConfig:
     # "recompute"), "recompute" (a separate forward of the actor) or "rollout" (the engine's)
     old_log_prob_source: str = "auto"
     use_reference: bool | None = None  # None: when a KL term needs it
-    safe_rlhf_cost_fn: str | None = None  # a reward function scoring cost; turns on Safe-RLHF
+    # Your KL term in the actor's loss: "package.module:function" or a function
+    # fn(actor_outputs, ref_outputs, step) -> loss (workers.user_kl); it reads a reference policy
+    kl_loss_fn: str | Callable | None = None
+    safe_rlhf_cost_fn: str | Callable | None = None  # a reward function scoring cost; turns on Safe-RLHF
     safe_rlhf_cost_limit: float = 0.0
     safe_rlhf_lambda_init: float = 1.0
     safe_rlhf_lambda_lr: float = 0.1

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import ConfigError, RLConfig, check_config, config_to_dict, job_pools
+from controller.config import ConfigError, RLConfig, check_config, config_to_dict
 from controller.data.prepare import JobPrompts, load_job_prompts
 from controller.jobs.job_pool import torchrun_pool
-from controller.models.builtin import resolve_model_path, value_model_from_policy
+from controller.models.builtin import resolve_model_path
 from controller.runtime.placement import ClusterNode
 from controller.runtime.torchrun_backend import under_torchrun
 
@@ -101,10 +101,6 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     from controller.metrics.log import MetricsLogger, read_metrics
     from controller.runtime.resource_pool import ResourcePool
     from controller.rl.trainer import RLTrainer
-    from workers.actor import Actor
-    from workers.critic import Critic
-    from workers.reward import RewardModel
-    from workers.rollout import Rollout
 
     trainer_cfg = config.trainer
     if under_torchrun():
@@ -113,51 +109,16 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
     else:
         pool = None
     # Under torchrun the launching process has already checked and reported the data: rank 0 stays quiet.
-    model, prompts = prepared or prepare_job(config, log=(lambda line: None) if under_torchrun() else None)
+    _, prompts = prepared or prepare_job(config, log=(lambda line: None) if under_torchrun() else None)
     if pool is None:
         pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray",
                             ray_address=trainer_cfg.ray_address)
         print(f"[hybridflow] Ray pool of the actor and colocated roles: {pool.describe()}", file=sys.stderr)
     run_dir = Path(trainer_cfg.run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    alg = config.algorithm
-    actor = Actor.from_pretrained(config.actor.model_path or model, engine=config.actor.engine.__dict__,
-                                  tensor_parallel=config.actor.engine.tensor_parallel,
-                                  pipeline_parallel=config.actor.engine.pipeline_parallel,
-                                  micro_batch_size=config.actor.engine.micro_batch_size,
-                                  optim=config.actor.optim, ppo=config.ppo)
-    rollout_cfg = config_to_dict(config.rollout)
-    rollout = Rollout.from_pretrained(model, **rollout_cfg)
-    critic = None
-    if alg.needs_critic:
-        value_path = config.critic.model_path or value_model_from_policy(model, run_dir / "critic-init")
-        critic = Critic.from_pretrained(value_path, tensor_parallel=config.critic.engine.tensor_parallel,
-                                        pipeline_parallel=config.critic.engine.pipeline_parallel,
-                                        micro_batch_size=config.critic.engine.micro_batch_size,
-                                        optim=config.critic.optim, critic=config.critic_ppo)
-    reward_model = None
-    if config.reward.model_path:
-        reward_model = RewardModel.from_pretrained(config.reward.model_path, engine=config.reward.engine.__dict__,
-                                                   tensor_parallel=config.reward.engine.tensor_parallel,
-                                                   pipeline_parallel=config.reward.engine.pipeline_parallel,
-                                                   micro_batch_size=config.reward.engine.micro_batch_size)
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
                            config=config_to_dict(config), resume=trainer_cfg.resume)
-    trainer = RLTrainer(
-        actor=actor, rollout=rollout, critic=critic, reward_model=reward_model,
-        reward_fn=config.reward.fn if reward_model is None else None, reward_kwargs=config.reward.kwargs,
-        cost_fn=alg.safe_rlhf_cost_fn,
-        algorithm=alg, train_data=prompts.train, val_data=prompts.val, batch_size=config.data.batch_size, pool=pool,
-        ray_address=trainer_cfg.ray_address,
-        run_dir=run_dir, logger=logger, save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
-        val_before_train=trainer_cfg.val_before_train,
-        seed=trainer_cfg.seed, shuffle=config.data.shuffle, mode=trainer_cfg.mode,
-        max_staleness=trainer_cfg.max_staleness, partial_rollout_tokens=trainer_cfg.partial_rollout_tokens,
-        max_in_flight=trainer_cfg.max_in_flight, rollout_data_dir=trainer_cfg.rollout_data_dir,
-    )
-    for role, shape in job_pools(trainer_cfg).items():
-        if role != "default":
-            trainer.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
+    trainer = RLTrainer(config, train_data=prompts.train, val_data=prompts.val, pool=pool, logger=logger)
     try:
         if trainer_cfg.resume:
             step = trainer.resume()

@@ -73,11 +73,12 @@ def reading_policy_ids(spec: RoleSpec | None, policy_path: str) -> RoleSpec | No
     return dataclasses.replace(spec, kwargs={**spec.kwargs, "tokenizer_path": policy_path})
 
 
-def critic_from_causal_lm(spec: RoleSpec, work_dir: str | Path) -> RoleSpec:
+def critic_from_causal_lm(spec: RoleSpec, work_dir: str | Path, head_init: str = "normal") -> RoleSpec:
     """``spec`` on a value model: as it is for a sequence-classification checkpoint, else the causal LM's
-    body with a new value head written once under ``work_dir/critic-init``."""
+    body with a new value head (``head_init``: "zeros" or verl's "normal") written once under
+    ``work_dir/critic-init``."""
     path = spec.model_path
     if ModelSpec.from_pretrained(path).is_value_model:
         return spec
-    value_model = value_model_from_policy(path, Path(work_dir) / "critic-init", head_init="normal")
+    value_model = value_model_from_policy(path, Path(work_dir) / "critic-init", head_init=head_init)
     return dataclasses.replace(spec, kwargs={**spec.kwargs, "model_path": value_model})

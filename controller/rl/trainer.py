@@ -21,46 +21,38 @@ setting) unless ``register_placement`` puts it elsewhere.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from controller.algorithms import RLAlgorithm, SafeRLHF, StepContext, StepState, build_algorithm
-from controller.rl.auto_layout import apply_device_map
-from controller.algorithms.config import AlgorithmConfig
+from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
+from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
+from controller.data import PromptLoader
 from controller.errors import ConfigError
-from controller.data import PromptDataset, PromptLoader
-from controller.runtime.placement import PlacementError, PoolShape, pool_shape
-from controller.runtime.resource_pool import ResourcePool
-from controller.rl.role_assembly import ROLE_ORDER, assemble_roles
-from controller.rl.role_defaults import (
-    check_declared_roles,
-    critic_from_causal_lm,
-    default_rollout,
-    reading_policy_ids,
-    with_learning_rate,
-)
+from controller.models.builtin import resolve_model_path
+from controller.rl.auto_layout import apply_device_map
+from controller.rl.role_assembly import ROLE_ORDER
+from controller.rl.role_defaults import critic_from_causal_lm
+from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.schedules import build_schedule, generation_seed, with_sampling
 from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
+from controller.rl.trainer_builder import config_from_keywords
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
+from controller.rl.trainer_inputs import TrainerInputs
+from controller.runtime.placement import PlacementError, PoolShape, pool_shape
+from controller.runtime.resource_pool import ResourcePool
 from controller.runtime.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count, device_memory_bytes
-from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
-from workers.keywords import keyword_checked
-from workers.megatron.config import as_config
-from workers.role_spec import RoleSpec
+from workers.keywords import check_keywords
 from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
-from workers.rollout.config import RolloutConfig
 from workers.user_kl import UserKLTerm, check_kl_loss_fn
 
 __all__ = ["RLTrainer"]
@@ -74,116 +66,108 @@ ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "
 
 
 class RLTrainer:
-    @keyword_checked
-    def __init__(
-        self,
-        *,
-        actor: RoleSpec,
-        train_data: PromptDataset,
-        batch_size: int,
-        rollout: RoleSpec | None = None,
-        lr: float | None = None,
-        rollout_proto: DataSchema | None = None,
-        critic: RoleSpec | None = None,
-        ref_policy: RoleSpec | None = None,
-        reward_model: RoleSpec | None = None,
-        reward_fn: str | Callable | None = None,
-        reward_kwargs: dict[str, Any] | None = None,
-        reward_worker: RoleSpec | None = None,
-        cost_fn: str | Callable | None = None,
-        cost_model: RoleSpec | None = None,
-        algorithm: AlgorithmConfig | dict | str | RLAlgorithm = "ppo",
-        val_data: PromptDataset | None = None,
-        kl_loss_fn: Callable | None = None,
-        processes: int | None = None,
-        backend: str = "auto",
-        ray_address: str | None = None,
-        pool: ResourcePool | None = None,
-        run_dir: str | Path | None = None,
-        logger=None,
-        save_every: int = 0,
-        val_every: int = 0,
-        val_before_train: bool = False,
-        seed: int = 0,
-        shuffle: bool = True,
-        mode: str = "sync",
-        max_staleness: int = 1,
-        partial_rollout_tokens: int | None = None,
-        max_in_flight: int | None = None,
-        rollout_data_dir: str | Path | None = None,
-        verbose: bool = False,
-    ) -> None:
-        """``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync";
-        "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains); or "async"
-        (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None: whole
-        responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
+    def __init__(self, config: RLConfig | None = None, /, **keywords: Any) -> None:
+        """``RLTrainer(config, train_data=..., val_data=..., algorithm=..., pool=..., logger=...)``: the job
+        a typed config (``controller.config.RLConfig``) describes, with the inputs that are objects
+        (``controller.rl.trainer_inputs.TrainerInputs``; None: what the config describes).
+
+        ``RLTrainer(actor=..., train_data=..., batch_size=..., ...)``: the researcher's keyword form, which
+        ``controller.rl.trainer_builder.config_from_keywords`` turns into that config, keyword by keyword.
+        ``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``:
+        "sync"; "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains);
+        or "async" (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None:
+        whole responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
         allows). Samples more than ``max_staleness`` updates stale are not trained on; see
         ``controller.rl.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
         advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rl.rollout_dump``).
-
         ``rollout`` None: generation from the actor's model, in vLLM where it is installed (megatron
         otherwise), laid out by ``device_map="auto"``'s rule. ``lr``: the actor's (and critic's) learning
         rate, where their own ``optim`` does not set one. ``rollout_proto``: a schema
         (``DataProto(field="name", ...)``) of the fields the rollout must produce, checked now and on the
-        first batch. ``verbose``: one console line per phase of each step."""
-        check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
-                             reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
-        if rollout is None:
-            rollout = default_rollout(actor)
-        reward_model = reading_policy_ids(reward_model, actor.model_path)
-        cost_model = reading_policy_ids(cost_model, actor.model_path)
-        if lr is not None:
-            actor, critic = with_learning_rate(actor, lr, "actor"), with_learning_rate(critic, lr, "critic")
-        if rollout_proto is not None:
-            if not isinstance(rollout_proto, DataSchema):
-                raise TypeError(f"rollout_proto takes a schema, DataProto(field='name', ...); got {rollout_proto!r}")
-            rollout_proto.check(getattr(rollout.worker_cls, "produces", ROLLOUT_FIELDS))
-        self.rollout_proto = rollout_proto
-        self.verbose = verbose
+        first batch. ``verbose``: one console line per phase of each step.
+
+        Every keyword is checked now: an unknown one, or a value of the wrong kind, raises before any
+        process starts; the checks across fields (``controller.config.check_config``) run at ``build``.
+        """
+        if config is None:
+            missing = [key for key in ("actor", "train_data", "batch_size") if key not in keywords]
+            if missing:
+                raise TypeError(f"RLTrainer takes a config, RLTrainer(config), or the keywords actor=, train_data= "
+                                f"and batch_size= (with the rest of the job); missing: {missing}")
+            check_keywords("RLTrainer", config_from_keywords, keywords)
+            config, inputs = config_from_keywords(**keywords)
+        else:
+            if not isinstance(config, RLConfig):
+                raise TypeError(f"RLTrainer(config): config must be an RLConfig (controller.config.load_config), "
+                                f"got {type(config).__name__}")
+            check_keywords("RLTrainer(config, ...)", TrainerInputs, keywords)
+            inputs = TrainerInputs(**keywords)
+            config = with_resolved_paths(config)  # hub ids: their cached snapshots (the keyword form's are)
+        self.config, self.inputs = config, inputs
+        trainer = config.trainer
+        self.run_dir = Path(trainer.run_dir) if trainer.run_dir is not None else None
         self._scratch: tempfile.TemporaryDirectory | None = None
-        self._proto_seen = False
-        safe_rlhf = cost_fn is not None or cost_model is not None
-        if not isinstance(algorithm, RLAlgorithm):
-            config = AlgorithmConfig(name=algorithm) if isinstance(algorithm, str) else (
-                AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm)
-            algorithm = build_algorithm(config, safe_rlhf=safe_rlhf)
+        self.policy_path = (resolve_model_path(config.model_path, self._work_dir())
+                            if config.model_path.startswith("builtin:") else config.model_path)
+        algorithm = inputs.algorithm
+        safe_rlhf = config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
+        if algorithm is None:
+            algorithm = build_algorithm(config.algorithm, safe_rlhf=safe_rlhf)
         elif safe_rlhf and not isinstance(algorithm, SafeRLHF):  # a cost is scored: its hooks wrap the object's
             algorithm = SafeRLHF(algorithm)
         self.algorithm = algorithm
-        self.ppo = as_config(PPOActorConfig, actor.kwargs.get("ppo"))
-        self.specs = assemble_roles(
-            algorithm=algorithm, ppo=self.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
-            reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward_kwargs, reward_worker=reward_worker,
-            cost_fn=cost_fn, cost_model=cost_model, kl_loss_fn=kl_loss_fn)
+        self.ppo = config.ppo
+        self.specs = declare_roles(config, algorithm, self.policy_path)
+        self.rollout_proto = DataSchema(dict(trainer.rollout_proto)) if trainer.rollout_proto is not None else None
+        if self.rollout_proto is not None:
+            self.rollout_proto.check(getattr(self.specs["rollout"].worker_cls, "produces", ROLLOUT_FIELDS))
+        self._proto_seen = False
+        self.verbose = trainer.log_phases
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
-        self.mode = mode
-        self.schedule = build_schedule(mode, max_staleness, partial_rollout_tokens, max_in_flight)
+        self.mode = trainer.mode
+        self.schedule = build_schedule(trainer.mode, trainer.max_staleness, trainer.partial_rollout_tokens,
+                                       trainer.max_in_flight)
         self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
-        # None: the default pool spans the launcher's world (torchrun's WORLD_SIZE, else one process).
-        self.pool_shapes: dict[str, PoolShape | None] = {
-            "default": PoolShape("default", 1, processes) if processes is not None else None}
-        self.backend = backend
-        self.ray_address = ray_address
-        self.kl_loss_fn = check_kl_loss_fn(kl_loss_fn) if kl_loss_fn is not None else None
-        self.train_data, self.val_data = train_data, val_data
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.pool_shapes: dict[str, PoolShape | None] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
+        self.backend = trainer.launcher
+        self.ray_address = trainer.ray_address
+        self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)
+        if self.kl_loss_fn is not None:
+            check_kl_loss_fn(self.kl_loss_fn)
+        self.train_data, self.val_data = inputs.train_data, inputs.val_data
+        if self.train_data is None:  # the prompts config.data describes, loaded and checked now
+            self.train_data, self.val_data = self._config_prompts()
+        self.batch_size, self.shuffle, self.seed = config.data.batch_size, config.data.shuffle, trainer.seed
         self.checkpoints = TrainerCheckpoint(self.run_dir)
-        self.logger = logger
-        self.rollout_dump = RolloutDump(rollout_data_dir, actor.model_path) if rollout_data_dir is not None else None
-        self.save_every, self.val_every, self.val_before_train = save_every, val_every, val_before_train
-        rollout_config = RolloutConfig.from_value(rollout.kwargs.get("config"))
-        self.rollout_sampling = sampling = rollout_config.sampling
-        self.max_response_length = rollout_config.max_response_length  # a conversation's, for agent rollouts
+        self.logger = inputs.logger
+        self.rollout_dump = (RolloutDump(trainer.rollout_data_dir, self.specs["actor"].model_path)
+                             if trainer.rollout_data_dir is not None else None)
+        self.save_every, self.val_every, self.val_before_train = trainer.save_every, trainer.val_every, trainer.val_before_train
+        self.rollout_sampling = sampling = config.rollout.sampling
+        self.max_response_length = config.rollout.max_response_length  # a conversation's, for agent rollouts
         self.old_log_probs_from_update = old_log_probs_from_update(
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
-            batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward)
+            self.batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
-        self.pools: dict[str, ResourcePool] = {"default": pool} if pool is not None else {}
+        self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
         self.loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
+        for role, shape in job_pools(trainer).items():  # the config's own placement
+            if role != "default":
+                self.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
+
+    def _config_prompts(self):
+        """The train and validation prompts ``config.data`` describes, tokenized by the actor's tokenizer."""
+        from transformers import AutoTokenizer
+
+        from controller.data.prepare import load_job_prompts
+
+        rollout = self.config.rollout
+        tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
+        prompts = load_job_prompts(self.config.data, tokenizer, rollout.max_prompt_length, rollout.truncation)
+        return prompts.train, prompts.val
 
     @property
     def pool_sizes(self) -> dict[str, int | None]:
@@ -253,19 +237,14 @@ class RLTrainer:
             self.rollout_on_its_own_pool = True
 
     def register_parallelism(self, role: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> None:
-        """Set a megatron role's TP/PP (the rollout's generation TP/PP). Before the first step."""
+        """Set a megatron role's TP/PP (the rollout's generation TP/PP), in the config. Before the first step."""
         self._before_build("register_parallelism")
         if role not in self.specs:
             raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        spec = self.specs[role]
-        if role == "rollout":
-            config = dict(spec.kwargs.get("config") or {})
-            config.update({k: v for k, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)) if v})
-            self.specs[role] = RoleSpec(spec.worker_cls, {**spec.kwargs, "config": config})
-        elif "engine" in spec.kwargs:
-            self.specs[role] = spec.with_parallelism(tensor_parallel, pipeline_parallel)
-        else:
-            raise ConfigError(f"role {role!r} ({spec.worker_cls.__name__}) has no model parallelism to set")
+        if role != "rollout" and "engine" not in self.specs[role].kwargs:
+            raise ConfigError(f"role {role!r} ({self.specs[role].worker_cls.__name__}) has no model parallelism to set")
+        self.config = with_parallelism(self.config, role, tensor_parallel, pipeline_parallel)
+        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
 
     def _before_build(self, what: str) -> None:
         if self.groups:
@@ -273,16 +252,15 @@ class RLTrainer:
 
     # -------------------------------------------------------------------- build
     def build(self) -> None:
+        """The checks across the whole config (with the placement as declared), then the pools and groups."""
         if self.groups:
             return
-        if self.mode != "sync" and not self.rollout_on_its_own_pool:
-            raise ConfigError(f"mode {self.mode!r} overlaps generation with training, so the rollout needs a pool of "
-                              f"its own: register_placement('rollout', n) (trainer.placement.rollout)")
+        self.check()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
         # Loaders first: a prompt the rollout cannot take is an error before any worker starts.
-        rollout_cfg = RolloutConfig.from_value(self.specs["rollout"].kwargs.get("config"))
+        rollout_cfg = self.config.rollout
         # With truncation "left" the rollout keeps a long prompt's end; otherwise the loader refuses it up front.
         max_prompt = rollout_cfg.max_prompt_length if rollout_cfg.truncation == "error" else None
         self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
@@ -292,14 +270,14 @@ class RLTrainer:
         for name, shape in self.pool_shapes.items():
             if name in self.pools:
                 continue
-            nodes = shape.process_on_nodes if shape is not None else [int(os.environ.get("WORLD_SIZE", "1"))]
-            self.pools[name] = ResourcePool(nodes, backend=self.backend, ray_address=self.ray_address)
+            self.pools[name] = ResourcePool(shape.process_on_nodes, backend=self.backend, ray_address=self.ray_address)
         # device_map="auto" roles get their layouts for these pools; a critic on a causal LM its value head
         pool_world = {name: pool.world_size for name, pool in self.pools.items()}
         self.specs = apply_device_map(self.specs, self.placement, pool_world, device_memory_bytes(),
                                       devices_per_node=accelerator_count() or None)
         if "critic" in self.specs:
-            self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir())
+            self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir(),
+                                                         self.config.critic_ppo.value_head_init)
         for role in ROLE_ORDER:
             if role in self.specs:
                 spec, pool = self.specs[role], self.pools[self.placement[role]]
@@ -311,6 +289,23 @@ class RLTrainer:
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
+
+    def check(self) -> None:
+        """ConfigError listing every problem of the config, its pools as declared (``register_placement``
+        included), the policy's and the reward model's checkpoints; nothing starts."""
+        from hybridengine.model_spec import ModelSpec
+        from workers.reward.reward_model import megatron_spec_or_none
+
+        placement = {}
+        for role, pool in self.placement.items():
+            shape = self.pool_shapes[pool]
+            if pool != "default" and role in PLACEABLE_ROLES:
+                placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
+        config = replace(self.config, trainer=replace(self.config.trainer, placement=placement))
+        path = self.specs["actor"].model_path
+        policy = ModelSpec.from_pretrained(path) if Path(path, "config.json").is_file() else None
+        reward = self.config.reward.model_path
+        check_config(config, policy, reward_spec=megatron_spec_or_none(reward) if reward is not None else None)
 
     def _work_dir(self) -> Path:
         """Where the trainer writes what it derives (a critic's value-head model): the run directory, else

@@ -35,6 +35,9 @@ class RolloutConfig:
     seed: int = 0
     # Multi-turn, tool-calling rollouts (workers.rollout.agent): None is the single-turn rollout.
     agent: AgentConfig | None = None
+    # "auto": the controller picks the generation TP for the devices (controller.rl.auto_layout), unless
+    # tensor_parallel or pipeline_parallel is other than 1
+    device_map: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
@@ -42,6 +45,8 @@ class RolloutConfig:
         if isinstance(self.agent, dict):
             object.__setattr__(self, "agent", AgentConfig(**self.agent))
         problems = []
+        if self.device_map not in (None, "auto"):
+            problems.append(f"device_map {self.device_map!r} is not one of ('auto', None)")
         if self.engine not in ROLLOUT_ENGINES:
             problems.append(f"engine {self.engine!r} is not one of {ROLLOUT_ENGINES}")
         if self.truncation not in TRUNCATION_MODES:

@@ -17,10 +17,10 @@ write and install only tools you trust.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
+from workers.import_path import import_object
 from workers.rollout.agent.calculator import Calculator
 from workers.rollout.agent.loop import AgentLimits, Environment, ToolEnvironment
 from workers.rollout.agent.tool import Tool, ToolBox
@@ -31,20 +31,6 @@ __all__ = ["AgentConfig", "BUILTIN_TOOLS", "resolve_tool", "resolve_environment"
 BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator}
 
 
-def _import(path: str, what: str) -> Any:
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{what} {path!r} is neither a built-in nor an import path 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({exc})") from None
-    try:
-        return getattr(module, attribute)
-    except AttributeError:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attribute!r}") from None
-
-
 def resolve_tool(name: str) -> type[Tool]:
     """A tool class from a built-in name (``BUILTIN_TOOLS``) or ``package.module:Class``."""
     if name in BUILTIN_TOOLS:
@@ -52,14 +38,14 @@ def resolve_tool(name: str) -> type[Tool]:
     if ":" not in name:
         raise ValueError(f"unknown tool {name!r}; built-in tools: {sorted(BUILTIN_TOOLS)}, or give an import path "
                          "'package.module:Class'")
-    cls = _import(name, "tool")
+    cls = import_object(name, "tool")
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
         raise ValueError(f"tool {name!r} is {cls!r}, not a subclass of workers.rollout.agent.Tool")
     return cls
 
 
 def resolve_environment(path: str) -> type[Environment]:
-    cls = _import(path, "environment")
+    cls = import_object(path, "environment")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment {path!r} is {cls!r}, not a subclass of workers.rollout.agent.Environment")
     return cls

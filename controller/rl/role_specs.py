@@ -1,0 +1,143 @@
+"""The roles of an RL job, declared from its typed config: one ``RoleSpec`` per role, nothing loaded yet.
+
+``declare_roles(config, algorithm)`` reads the tree (``controller.config.RLConfig``) and gives the
+actor, the rollout, the critic where the estimator needs one, the reference where a KL term reads
+it, and the reward (a rule, a reward model or the user's worker) and Safe-RLHF's cost, through
+``assemble_roles``. Every role's worker and keywords are checked here, before any process starts.
+A ``worker`` given as ``"package.module:Class"`` is imported now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from controller.config import RoleConfig, config_to_dict
+from controller.errors import ConfigError
+from controller.rl.role_assembly import assemble_roles
+from controller.rl.role_defaults import reading_policy_ids
+from workers.pretrained import resolve_pretrained
+from workers.actor import Actor, ReferencePolicy
+from workers.critic import Critic
+from workers.import_path import import_object
+from workers.keywords import check_constructor
+from workers.reward import RewardModel
+from workers.role_spec import RoleSpec
+from workers.rollout import Rollout
+
+__all__ = ["declare_roles", "kl_loss_function", "with_parallelism", "with_resolved_paths", "worker_class"]
+
+
+def worker_class(value: str | type | None, base: type, key: str) -> type:
+    """The worker a config names (a class, an import path, or None: ``base``); a subclass of ``base``."""
+    if value is None:
+        return base
+    cls = import_object(value, key) if isinstance(value, str) else value
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{key}: {value!r} is not a subclass of {base.__name__}")
+    return cls
+
+
+def kl_loss_function(value: str | Callable | None) -> Callable | None:
+    """``algorithm.kl_loss_fn`` as a function (an import path is imported now), or None."""
+    if value is None or callable(value):
+        return value
+    return import_object(value, "algorithm.kl_loss_fn")
+
+
+def _engine_role(cls: type, path: str, role_cfg, **kwargs: Any) -> RoleSpec:
+    engine = role_cfg.engine
+    return RoleSpec(cls, {"model_path": path, "engine": _fields(engine), **kwargs},
+                    device_map=role_cfg.device_map,
+                    explicit_parallelism=(engine.tensor_parallel, engine.pipeline_parallel) != (1, 1))
+
+
+def _fields(section) -> dict:
+    """A config section's fields, one level deep (the worker builds its typed config from them)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _reward_model(role_cfg, model_path: str, max_length: int | None = None) -> RoleSpec:
+    engine = role_cfg.engine
+    return RewardModel.from_pretrained(
+        model_path, engine=_fields(engine), tensor_parallel=engine.tensor_parallel,
+        pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
+        device_map=role_cfg.device_map, **({"max_length": max_length} if max_length is not None else {}))
+
+
+def with_resolved_paths(config):
+    """``config`` with each model path that names a hub id replaced by its cached snapshot (once, here)."""
+    def resolved(section):
+        if section is None or section.model_path is None:
+            return section
+        return replace(section, model_path=resolve_pretrained(section.model_path, missing_ok=True))
+
+    model_path = config.model_path
+    if not model_path.startswith("builtin:"):
+        model_path = resolve_pretrained(model_path, missing_ok=True)
+    return replace(config, model_path=model_path, actor=resolved(config.actor), critic=resolved(config.critic),
+                   ref_policy=resolved(config.ref_policy), cost_model=resolved(config.cost_model))
+
+
+def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
+    """The job's roles by name (``controller.rl.role_assembly.ROLE_ORDER``), from ``config`` (an RLConfig)
+    for ``algorithm`` (the RLAlgorithm), with ``policy_path`` the policy checkpoint (``config.model_path``
+    resolved). ConfigError (or the worker's TypeError / ValueError) on a role that cannot be declared."""
+    actor_path = config.actor.model_path or policy_path
+    actor = _engine_role(worker_class(config.actor.worker, Actor, "actor.worker"), actor_path, config.actor,
+                         optim=config.actor.optim, ppo=config.ppo)
+    rollout_cfg = config.rollout
+    rollout = RoleSpec(Rollout, {"model_path": policy_path, "actor_role": "actor",
+                                 "config": config_to_dict(rollout_cfg)},
+                       device_map=rollout_cfg.device_map,
+                       explicit_parallelism=(rollout_cfg.tensor_parallel, rollout_cfg.pipeline_parallel) != (1, 1))
+    critic = None
+    if algorithm.needs_critic:
+        critic = _engine_role(worker_class(config.critic.worker, Critic, "critic.worker"),
+                              config.critic.model_path or policy_path, config.critic,
+                              optim=config.critic.optim, critic=config.critic_ppo)
+    ref_policy = None
+    if config.ref_policy is not None:
+        ref = config.ref_policy
+        ref_policy = _engine_role(worker_class(ref.worker, ReferencePolicy, "ref_policy.worker"),
+                                  ref.model_path or actor_path, ref)
+    reward = config.reward
+    reward_model = reward_worker = reward_fn = None
+    if reward.worker is not None:
+        cls = import_object(reward.worker, "reward.worker") if isinstance(reward.worker, str) else reward.worker
+        if not hasattr(cls, "compute_reward"):
+            raise ConfigError(f"reward.worker {reward.worker!r} has no compute_reward(batch) method")
+        check_constructor(cls, reward.worker_kwargs, f"reward.worker {cls.__name__}")
+        reward_worker = RoleSpec(cls, dict(reward.worker_kwargs))
+    elif reward.model_path is not None:
+        reward_model = reading_policy_ids(_reward_model(reward, reward.model_path, reward.max_length), actor_path)
+    else:
+        reward_fn = reward.fn
+    cost_model = None
+    if config.cost_model is not None:
+        cost_model = reading_policy_ids(_reward_model(config.cost_model, config.cost_model.model_path), actor_path)
+    alg = config.algorithm
+    return assemble_roles(
+        algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
+        reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None,
+        reward_worker=reward_worker, cost_fn=alg.safe_rlhf_cost_fn, cost_model=cost_model,
+        kl_loss_fn=kl_loss_function(alg.kl_loss_fn))
+
+
+def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_parallel: int | None):
+    """``config`` with ``role``'s TP / PP set (None: as it is), as the user's own (no device_map)."""
+    sizes = {k: v for k, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel))
+             if v is not None}
+    if role == "rollout":
+        return replace(config, rollout=replace(config.rollout, **sizes, device_map=None))
+    sections = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy", "reward_model": "reward",
+                "cost": "cost_model"}
+    if role not in sections:
+        raise ConfigError(f"role {role!r} has no model parallelism to set; roles with one: {sorted(sections)}")
+    section = getattr(config, sections[role])
+    if section is None:  # the reference: the actor's model and engine until set
+        section = RoleConfig(engine=config.actor.engine)
+    section = replace(section, engine=replace(section.engine, **sizes), device_map=None)
+    return replace(config, **{sections[role]: section})
