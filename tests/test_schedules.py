@@ -70,3 +70,42 @@ def test_trainer_mode_is_checked_before_launch():
         check_config(load_config(EXAMPLES / "calculator_agent.yaml", asynchronous))
     with pytest.raises(ValueError, match="trainer.mode 'later' is not one of"):
         build_schedule("later", 1)
+
+
+def test_one_step_off_runs_on_a_rollout_source_of_its_own():
+    """A schedule sees the trainer only through a RolloutSource: here one made of plain functions. Step k
+    trains on what was generated during step k-1, from the weights sent before it, seeded per step."""
+    from concurrent.futures import Future
+
+    from controller.algorithms import StepState
+    from controller.rl.rollout_source import RolloutSource
+
+    drawn, sent, synced, recorded = [], [], [], []
+
+    def next_prompts(state):
+        drawn.append(len(drawn))
+        return DataProto({"input_ids": torch.full((2, 3), len(drawn) - 1)})
+
+    def submit(method, data):
+        sent.append((method, data.meta_info["sampling"]["seed"]))
+        future = Future()
+        future.set_result(DataProto({"responses": data.batch["input_ids"] + 100}, meta_info={"metrics": {"timing_s/gen": 1.0}}))
+        return future
+
+    def source(version):
+        return RolloutSource(version=version, seed=7, batch_size=2, sampling=None, pad_token_id=0,
+                             next_prompts=next_prompts, generate_and_score=None,
+                             score=lambda b: DataProto({"scores": b.batch["responses"][:, 0].float()}),
+                             submit=submit, sync_weights=lambda: synced.append(1) or {"weight_sync/bytes": 8.0},
+                             record_rollout_metrics=lambda state, m: recorded.append(dict(m)))
+
+    schedule = build_schedule("one_step_off", max_staleness=1)
+    first = schedule.rollout(source(0), StepState(0))
+    assert first.batch["responses"][:, 0].tolist() == [100, 100] and first.batch["policy_version"].tolist() == [0, 0]
+    assert sent == [("generate_sequences", generation_seed(7, 0)), ("generate_sequences", generation_seed(7, 1))]
+    second_state = StepState(1)
+    second = schedule.rollout(source(1), second_state)  # generated during step 0, from the weights before its update
+    assert second.batch["responses"][:, 0].tolist() == [101, 101] and second.batch["scores"].tolist() == [101.0, 101.0]
+    assert second_state.metrics["staleness/mean"] == 1.0 and second_state.metrics["staleness/dropped"] == 0.0
+    assert drawn == [0, 1, 2] and len(synced) == 3
+    assert recorded.count({"weight_sync/bytes": 8.0}) == 3 and recorded.count({"timing_s/gen": 1.0}) == 2

@@ -18,6 +18,9 @@ stale; samples staler than ``trainer.max_staleness`` are not trained on and are 
 (``staleness/dropped``). Off the on-policy path the rollout correction's ``auto`` mode turns on
 (truncated importance weights between the rollout's log-probs and the trainer's).
 
+A schedule sees the trainer through a ``RolloutSource`` (``controller.rl.rollout_source``): prompts,
+generation calls, the weights' transfer and scoring, never the trainer itself.
+
 A checkpoint of a one-step-off run holds the batch generated in advance, and one of an async run the
 whole stream (prompts drawn, samples in generation with their tokens so far, ready groups), so a
 resumed run trains on exactly the batches an uninterrupted one would have, losing and repeating none.
@@ -30,13 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controller.algorithms.step_context import StepContext
+from controller.rl.rollout_source import RolloutSource
 from controller.rl.sample_stream import SampleStream, mixed_version_samples
 from workers.data_proto import DataProto
 
 if TYPE_CHECKING:
     from controller.algorithms import StepState
-    from controller.rl.trainer import RLTrainer
 
 __all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale",
            "generation_seed", "staleness_metrics", "with_sampling"]
@@ -84,16 +86,12 @@ def drop_stale(batch: DataProto, now: int, max_staleness: int) -> tuple[DataProt
 
 
 
-def next_prompts(trainer: RLTrainer, state: StepState) -> DataProto:
-    """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
-    return trainer.algorithm.before_generation(StepContext.of(trainer), state, trainer.loader.next_batch())
-
 class SyncSchedule:
     """Generate the step's batch now, on the actor's current weights."""
 
-    def rollout(self, trainer: RLTrainer, state: StepState) -> DataProto:
-        state.prompts = next_prompts(trainer, state)
-        return trainer.generate_and_score(state.prompts, state)
+    def rollout(self, source: RolloutSource, state: StepState) -> DataProto:
+        state.prompts = source.next_prompts(state)
+        return source.generate_and_score(state.prompts, state)
 
     def state_dict(self, path: Path) -> dict[str, Any]:
         return {}
@@ -112,15 +110,15 @@ class OneStepOff:
         # A batch generated ahead and already collected (at a checkpoint, or loaded from one)
         self.ready: tuple[DataProto, DataProto, int] | None = None
 
-    def _launch(self, trainer: RLTrainer, state: StepState, step: int) -> None:
-        prompts = next_prompts(trainer, state)
+    def _launch(self, source: RolloutSource, state: StepState, step: int) -> None:
+        prompts = source.next_prompts(state)
         # The weights the actor has now; the transfer counts towards the step it happens in.
-        trainer.record_rollout_metrics(state, trainer.rollout_link.sync())
-        sampling = {"seed": generation_seed(trainer.seed, step)}
-        future = trainer.groups["rollout"].generate_sequences.submit(with_sampling(prompts, sampling))
-        self.in_flight = (prompts, future, trainer.global_step)
+        source.record_rollout_metrics(state, source.sync_weights())
+        sampling = {"seed": generation_seed(source.seed, step)}
+        future = source.submit("generate_sequences", with_sampling(prompts, sampling))
+        self.in_flight = (prompts, future, source.version)
 
-    def _collect(self, trainer: RLTrainer, state: StepState) -> tuple[DataProto, DataProto, int]:
+    def _collect(self, source: RolloutSource, state: StepState) -> tuple[DataProto, DataProto, int]:
         if self.ready is not None:
             (prompts, out, version), self.ready = self.ready, None
         else:
@@ -128,19 +126,19 @@ class OneStepOff:
             self.in_flight = None
             with state.timed("wait_rollout"):  # what generation did not hide behind the previous step
                 out = future.result()
-        trainer.record_rollout_metrics(state, out.meta_info.pop("metrics", {}))
+        source.record_rollout_metrics(state, out.meta_info.pop("metrics", {}))
         return prompts, out, version
 
-    def rollout(self, trainer: RLTrainer, state: StepState) -> DataProto:
+    def rollout(self, source: RolloutSource, state: StepState) -> DataProto:
         if self.in_flight is None and self.ready is None:  # the first step: nothing generated ahead yet
-            self._launch(trainer, state, state.step)
-        prompts, out, version = self._collect(trainer, state)
+            self._launch(source, state, state.step)
+        prompts, out, version = self._collect(source, state)
         state.prompts = prompts
-        self._launch(trainer, state, state.step + 1)  # overlaps with this step's scoring and training
+        self._launch(source, state, state.step + 1)  # overlaps with this step's scoring and training
         out.batch[VERSION_KEY] = torch.full((len(out),), version, dtype=torch.long)
         with state.timed("reward"):
-            batch = out.union(trainer.score(out))
-        batch, metrics = drop_stale(batch, trainer.global_step, self.max_staleness)
+            batch = out.union(source.score(out))
+        batch, metrics = drop_stale(batch, source.version, self.max_staleness)
         state.metrics.update(metrics)
         return batch
 
@@ -179,64 +177,64 @@ class AsyncStream:
         self.weights_version: int | None = None  # the policy version the rollout holds; None: not sent yet
         self.chunks = 0  # chunk calls made; each one's sampling seed
 
-    def _stream(self, trainer: RLTrainer) -> SampleStream:
+    def _stream(self, source: RolloutSource) -> SampleStream:
         if self.stream is None:
-            sampling = trainer.rollout_sampling
+            sampling = source.sampling
             chunk = self.partial_rollout_tokens or sampling.max_new_tokens
-            self.stream = SampleStream(trainer.batch_size, sampling.n, sampling.max_new_tokens, chunk,
-                                       self.max_staleness, trainer.pad_token_id, self.max_in_flight)
+            self.stream = SampleStream(source.batch_size, sampling.n, sampling.max_new_tokens, chunk,
+                                       self.max_staleness, source.pad_token_id, self.max_in_flight)
         if self.saved_stream is not None:
             self.stream.load_state_dict(self.saved_stream)
             self.saved_stream = None
         return self.stream
 
-    def rollout(self, trainer: RLTrainer, state: StepState) -> DataProto:
-        stream, version = self._stream(trainer), trainer.global_step
+    def rollout(self, source: RolloutSource, state: StepState) -> DataProto:
+        stream, version = self._stream(source), source.version
         dropped_before = stream.dropped_samples
         if self.weights_version != version:  # an update (or a resume) since the rollout's weights were sent
-            self._finish_chunk(trainer, state)  # the chunk in flight ends under the old weights ...
+            self._finish_chunk(source, state)  # the chunk in flight ends under the old weights ...
             state.metrics["stream/interrupted_samples"] = float(stream.partial_samples())
-            trainer.record_rollout_metrics(state, trainer.rollout_link.sync())  # ... and the rest under these
+            source.record_rollout_metrics(state, source.sync_weights())  # ... and the rest under these
             self.weights_version = version
         stream.drop_stale(version)
         while not stream.has_batch():
-            if self.in_flight is None and not self._launch(trainer, state):
+            if self.in_flight is None and not self._launch(source, state):
                 raise RuntimeError(f"the sample stream is stuck: no group can start at version {version} "
-                                   f"and only {len(stream.ready)} of the batch's {trainer.batch_size} are ready")
-            self._finish_chunk(trainer, state)
+                                   f"and only {len(stream.ready)} of the batch's {source.batch_size} are ready")
+            self._finish_chunk(source, state)
             stream.drop_stale(version)
         out, state.prompts = stream.take_batch()
-        self._launch(trainer, state)  # generation goes on while this batch is scored and trained on
+        self._launch(source, state)  # generation goes on while this batch is scored and trained on
         with state.timed("reward"):
-            batch = out.union(trainer.score(out))
+            batch = out.union(source.score(out))
         state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, self.max_staleness))
         state.metrics["staleness/dropped"] = float(stream.dropped_samples - dropped_before)
         state.metrics["stream/mixed_version_samples"] = float(mixed_version_samples(batch.batch["token_versions"]))
         state.metrics.update(stream.metrics())
         return batch
 
-    def _launch(self, trainer: RLTrainer, state: StepState) -> bool:
+    def _launch(self, source: RolloutSource, state: StepState) -> bool:
         """Draw the prompts that may start, and send the next chunk; False when nothing is left to generate."""
-        stream, version = self.stream, trainer.global_step
+        stream, version = self.stream, source.version
         while stream.wants_prompts(version):
-            stream.add_prompts(next_prompts(trainer, state))
+            stream.add_prompts(source.next_prompts(state))
         chunk = stream.next_chunk(version)
         if chunk is None:
             return False
-        chunk.meta_info["sampling"]["seed"] = generation_seed(trainer.seed, self.chunks)
+        chunk.meta_info["sampling"]["seed"] = generation_seed(source.seed, self.chunks)
         self.chunks += 1
-        future = trainer.groups["rollout"].generate_chunk.submit(chunk)
+        future = source.submit("generate_chunk", chunk)
         self.in_flight = (future, list(stream.generating), self.weights_version)
         return True
 
-    def _finish_chunk(self, trainer: RLTrainer | None, state: StepState | None) -> None:
+    def _finish_chunk(self, source: RolloutSource | None, state: StepState | None) -> None:
         if self.in_flight is None:
             return
         future, sent, version = self.in_flight
         if state is not None:
             with state.timed("wait_rollout"):  # what generation did not hide behind training
                 out = future.result()
-            trainer.record_rollout_metrics(state, out.meta_info.pop("metrics", {}))
+            source.record_rollout_metrics(state, out.meta_info.pop("metrics", {}))
         else:
             out = future.result()
         self.in_flight = None

@@ -40,6 +40,7 @@ from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
+from controller.rl.rollout_source import RolloutSource
 from controller.rl.schedules import build_schedule, generation_seed, with_sampling
 from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
 from controller.rl.trainer_builder import config_from_keywords
@@ -323,7 +324,7 @@ class RLTrainer:
         if step is not None:
             self.global_step = step
         alg, state = self.algorithm, StepState(self.global_step)
-        batch = self.schedule.rollout(self, state)  # sync: generated now; else while earlier steps trained
+        batch = self.schedule.rollout(self.rollout_source(), state)  # sync: now; else while earlier steps trained
         ctx = StepContext.of(self)  # what the algorithm's hooks see of this trainer
         batch = alg.after_scoring(ctx, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
         batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
@@ -335,6 +336,19 @@ class RLTrainer:
         return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
     # ------------------------------------------------------------- phases
+    def rollout_source(self) -> RolloutSource:
+        """What the schedule sees of this trainer for the current step."""
+        link, rollout = self.rollout_link, self.groups["rollout"]
+        return RolloutSource(
+            version=self.global_step, seed=self.seed, batch_size=self.batch_size, sampling=self.rollout_sampling,
+            pad_token_id=self.pad_token_id, next_prompts=self.next_prompts, generate_and_score=self.generate_and_score,
+            score=self.score, submit=lambda method, data: getattr(rollout, method).submit(data),
+            sync_weights=link.sync if link is not None else dict, record_rollout_metrics=self.record_rollout_metrics)
+
+    def next_prompts(self, state: StepState) -> DataProto:
+        """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
+        return self.algorithm.before_generation(StepContext.of(self), state, self.loader.next_batch())
+
     def generate_and_score(self, prompts: DataProto, state: StepState, round_index: int = 0) -> DataProto:
         """Sampled responses to ``prompts``, scored; ``round_index`` > 0: an extra generation round of the step."""
         seed = generation_seed(self.seed, state.step, round_index)
