@@ -149,12 +149,12 @@ def test_dapo_overlong_shaping_on_the_last_token():
 ])
 def test_presets_fill_what_the_user_left_unset(name, kind, low, high, agg):
     alg = build_algorithm(AlgorithmConfig(name=name))
-    terms = alg.loss_terms(ScriptedTrainer([]), StepState(0), DataProto({}))["loss_terms"]
+    terms = alg.loss_terms(ScriptedTrainer([]), StepState(0), DataProto({}))
     assert terms.policy_loss == PolicyLossSpec(kind, low, high, 3.0, agg)
     assert terms.norm_length == MAX_NEW and not terms.rollout_correction.on
     # a value the user set wins over the preset
     user = ScriptedTrainer([], ppo=PPOActorConfig(clip_ratio_high=0.5, loss_agg_mode="token-mean"))
-    terms = alg.loss_terms(user, StepState(0), DataProto({}))["loss_terms"]
+    terms = alg.loss_terms(user, StepState(0), DataProto({}))
     assert terms.policy_loss.clip_ratio_high == 0.5 and terms.policy_loss.agg_mode == "token-mean"
     assert terms.policy_loss.clip_ratio_low == low
 

@@ -35,7 +35,7 @@ from workers.policy_losses import (
     zero_padding,
 )
 from workers.register import register
-from workers.rollout.agreement import FROM_UPDATE, old_log_probs_from_update
+from workers.rollout import agreement
 from workers.rollout_correction import RolloutCorrection, correction_metrics, correction_weights
 from workers.user_kl import UserKLTerm
 
@@ -84,7 +84,7 @@ class PPOActorConfig:
 
 @dataclass(frozen=True)
 class PolicyUpdateTerms:
-    """What the trainer's algorithm sets for one update (``meta_info["loss_terms"]``).
+    """What the trainer's algorithm sets for one update (``update_actor(data, terms)``).
 
     ``norm_length``: the constant of the ``seq-mean-token-sum-norm`` aggregation (the maximum
     response length). ``rollout_correction``: importance weights between the rollout engine's
@@ -147,25 +147,27 @@ class Actor(_LogProbRole):
         return None if result is None else DataProto({"old_log_probs": result[0], "entropys": result[1]})
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
-    def update_actor(self, data: DataProto) -> dict[str, Any]:
+    def update_actor(self, data: DataProto, terms: PolicyUpdateTerms | None = None,
+                     old_log_probs_from_update: bool = False) -> dict[str, Any]:
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
 
-        ``data.meta_info["loss_terms"]`` (PolicyUpdateTerms, set by the trainer's algorithm): the policy
-        objective, the rollout correction and the user's KL term; without it, this actor's ``ppo`` config
-        with PPO's defaults. With reference log-probs in the batch, ``actor/kl_div`` is the token mean of
-        log pi - log ref over the update.
-        ``data.meta_info["old_log_probs"] == "update"`` (``agreement.FROM_UPDATE``): the batch holds no old
-        log-probs; the update is a single optimizer step, so its own forward, detached, is the old policy
-        (the ratio is 1 with the gradient of the recompute path), and the rollout/train agreement on the
-        sampled tokens comes back as ``actor/rollout_logprob_diff_mean`` and ``..._max``.
+        ``terms`` (set by the trainer's algorithm): the policy objective, the rollout correction and the
+        user's KL term; None: this actor's ``ppo`` config with PPO's defaults. With reference log-probs in
+        the batch, ``actor/kl_div`` is the token mean of log pi - log ref over the update.
+        ``old_log_probs_from_update``: the batch holds no old log-probs; the update is a single optimizer
+        step, so its own forward, detached, is the old policy (the ratio is 1 with the gradient of the
+        recompute path), and the rollout/train agreement on the sampled tokens comes back as
+        ``actor/rollout_logprob_diff_mean`` and ``..._max``.
         """
         ppo = self.ppo
-        terms = data.meta_info.get("loss_terms") or PolicyUpdateTerms(ppo.policy_loss_spec())
+        if terms is not None and not isinstance(terms, PolicyUpdateTerms):
+            raise TypeError(f"update_actor(terms=...) takes PolicyUpdateTerms, got {type(terms).__name__}")
+        terms = terms or PolicyUpdateTerms(ppo.policy_loss_spec())
         temperature = float(data.meta_info.get("temperature", 1.0))
-        from_update = data.meta_info.get("old_log_probs") == FROM_UPDATE
+        from_update = bool(old_log_probs_from_update)
         sequences = len(data) * self.engine.layout.dp
-        if from_update and not old_log_probs_from_update("auto", ppo.ppo_epochs, ppo.ppo_mini_batch_size, sequences,
-                                                         read_before_update=False):
+        if from_update and not agreement.old_log_probs_from_update(
+                "auto", ppo.ppo_epochs, ppo.ppo_mini_batch_size, sequences, read_before_update=False):
             raise ValueError(
                 f"old log-probs from the update need a single optimizer step: ppo_epochs 1 (got {ppo.ppo_epochs}) and "
                 f"the {sequences} sequences in one mini-batch (ppo_mini_batch_size "

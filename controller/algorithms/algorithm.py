@@ -7,7 +7,7 @@ update, metrics) and calls the algorithm object at five points:
     after_scoring(ctx, state, batch) -> batch           scored responses (ReMax's greedy baseline,
                                                         DAPO's dynamic sampling and overlong shaping)
     advantages(ctx, state, batch) -> batch              sets token_level_rewards, advantages, returns
-    loss_terms(ctx, state, batch) -> dict               meta_info for the actor's update: the policy
+    loss_terms(ctx, state, batch) -> PolicyUpdateTerms  the actor's update's terms: the policy
                                                         objective and the rollout correction
     after_update(ctx, state, batch) -> None             e.g. the adaptive KL coefficient
 
@@ -128,12 +128,12 @@ class RLAlgorithm:
         batch.batch.update({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
         return batch
 
-    def loss_terms(self, ctx: StepContext, state: StepState, batch: DataProto) -> dict[str, Any]:
+    def loss_terms(self, ctx: StepContext, state: StepState, batch: DataProto) -> PolicyUpdateTerms:
         # Off the on-policy path (ctx.mode one_step_off) the samples come from older weights.
         correction = resolve_rollout_correction(self.config.rollout_correction, same_precision=True,
                                                 off_policy=ctx.mode != "sync")
-        return {"loss_terms": PolicyUpdateTerms(ctx.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
-                                                norm_length=ctx.max_response_length)}
+        return PolicyUpdateTerms(ctx.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
+                                 norm_length=ctx.max_response_length)
 
     def after_update(self, ctx: StepContext, state: StepState, batch: DataProto) -> None:
         if self.config.kl_in_reward:

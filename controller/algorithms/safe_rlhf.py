@@ -129,7 +129,7 @@ class SafeRLHF(RLAlgorithm):
                               "safe_rlhf/cost/mean": float(batch.batch["cost_scores"].mean())})
         return batch
 
-    def loss_terms(self, ctx, state: StepState, batch: DataProto) -> dict[str, Any]:
+    def loss_terms(self, ctx, state: StepState, batch: DataProto):
         return self.inner.loss_terms(ctx, state, batch)
 
     def after_update(self, ctx, state: StepState, batch: DataProto) -> None:

@@ -53,7 +53,8 @@ from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
 from workers.keywords import check_keywords
-from workers.rollout.agreement import FROM_UPDATE, logprob_agreement, old_log_probs_from_update, use_old_log_probs
+from workers.actor import PolicyUpdateTerms
+from workers.rollout.agreement import logprob_agreement, old_log_probs_from_update, use_old_log_probs
 from workers.user_kl import UserKLTerm, check_kl_loss_fn
 
 __all__ = ["RLTrainer"]
@@ -330,8 +331,8 @@ class RLTrainer:
         batch = self.compute_log_probs(batch, state)  # old (unless the update gives them), reference, values
         with state.timed("adv"):
             batch = alg.advantages(ctx, state, batch)
-        batch.meta_info.update(alg.loss_terms(ctx, state, batch))  # the policy objective, rollout correction
-        self.update(batch, state)  # the critic, then the actor
+        terms = alg.loss_terms(ctx, state, batch)  # the policy objective, the rollout correction
+        self.update(batch, terms, state)  # the critic, then the actor
         alg.after_update(ctx, state, batch)
         return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
@@ -402,9 +403,7 @@ class RLTrainer:
     def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:
         """Old log-probs (skipped when the update's own forward gives them), reference log-probs, values."""
         g = self.groups
-        if self.old_log_probs_from_update:  # on-policy: the update's own forward gives them, detached
-            batch.meta_info["old_log_probs"] = FROM_UPDATE
-        else:
+        if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
             with state.timed("old_log_prob"):
                 batch = batch.union(g["actor"].compute_log_prob(batch))
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
@@ -418,17 +417,17 @@ class RLTrainer:
                 batch = batch.union(g["critic"].compute_values(batch))
         return batch
 
-    def update(self, batch: DataProto, state: StepState) -> None:
-        """The critic's PPO update, then the actor's; their metrics go into ``state.metrics``."""
+    def update(self, batch: DataProto, terms: PolicyUpdateTerms, state: StepState) -> None:
+        """The critic's PPO update, then the actor's with the algorithm's ``terms``; their metrics go into
+        ``state.metrics``."""
         g = self.groups
         if "critic" in g:
             with state.timed("update_critic"):
                 state.metrics.update(reduce_update_metrics(g["critic"].update_critic(batch)))
         with state.timed("update_actor"):
             if self.kl_loss_fn is not None:  # the user's term, called with this step
-                batch.meta_info["loss_terms"] = replace(batch.meta_info["loss_terms"],
-                                                        user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
-            metrics = reduce_update_metrics(g["actor"].update_actor(batch))
+                terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
+            metrics = reduce_update_metrics(g["actor"].update_actor(batch, terms, self.old_log_probs_from_update))
         if self.rollout_link is not None:
             self.rollout_link.mark_stale()
         for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:

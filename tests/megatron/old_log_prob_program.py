@@ -13,9 +13,7 @@ import torch
 from controller import ResourcePool, WorkerGroup
 from actor_inputs import whole_weights, with_ppo_inputs
 from tiny_models import make_rl_batch
-from workers import DataProto
 from workers.actor import Actor
-from workers.rollout.agreement import FROM_UPDATE
 
 
 def main():
@@ -35,8 +33,7 @@ def main():
         from_update = WorkerGroup(pool, Actor, role=f"from_update_{precision}", kwargs=kwargs)
         old = recompute.compute_log_prob(batch)
         recompute_metrics = recompute.update_actor(batch.union(old))
-        on_policy = DataProto(batch.batch, batch.non_tensor_batch, {**batch.meta_info, "old_log_probs": FROM_UPDATE})
-        update_metrics = from_update.update_actor(on_policy)
+        update_metrics = from_update.update_actor(batch, old_log_probs_from_update=True)
         result[precision] = {
             "old_log_probs": old.batch["old_log_probs"], "recompute": recompute_metrics, "from_update": update_metrics,
             "weights": [whole_weights(recompute), whole_weights(from_update)],
@@ -46,7 +43,7 @@ def main():
     two = WorkerGroup(pool, Actor, role="two_mini_batches", kwargs=dict(
         model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2}, ppo={"ppo_mini_batch_size": len(batch) // 2}))
     try:
-        two.update_actor(DataProto(batch.batch, batch.non_tensor_batch, {"old_log_probs": FROM_UPDATE}))
+        two.update_actor(batch, old_log_probs_from_update=True)
         result["refusal"] = None
     except Exception as error:  # noqa: BLE001 - the message is what the test checks
         result["refusal"] = str(error)

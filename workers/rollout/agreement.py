@@ -18,11 +18,9 @@ import torch
 
 from workers.data_proto import DataProto
 
-__all__ = ["OLD_LOG_PROB_SOURCES", "FROM_UPDATE", "logprob_agreement", "old_log_probs_from_update", "use_old_log_probs"]
+__all__ = ["OLD_LOG_PROB_SOURCES", "logprob_agreement", "old_log_probs_from_update", "use_old_log_probs"]
 
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")
-# meta_info["old_log_probs"] of a batch handed to update_actor with no old log-probs: take the update's own.
-FROM_UPDATE = "update"
 
 
 def old_log_probs_from_update(source: str, ppo_epochs: int, ppo_mini_batch_size: int, sequences_per_step: int,
