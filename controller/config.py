@@ -567,6 +567,7 @@ def _algorithm_problems(config: RLConfig) -> list[str]:
 
 def _data_problems(data: DataConfig) -> list[str]:
     from controller.data.arithmetic import ARITHMETIC_OPERATORS
+    from controller.data.chat_template import apply_chat_template_problem
 
     problems = []
     if data.task not in DATA_TASKS:
@@ -590,8 +591,8 @@ def _data_problems(data: DataConfig) -> list[str]:
     for path in (*data.train_paths, *data.val_paths):
         if not Path(path).exists():
             problems.append(f"data: prompt file {path} does not exist")
-    if not isinstance(data.apply_chat_template, bool) and data.apply_chat_template != "auto":
-        problems.append(f"data.apply_chat_template must be true, false or auto, got {data.apply_chat_template!r}")
+    if problem := apply_chat_template_problem(data.apply_chat_template):
+        problems.append(problem)
     return problems
 
 

@@ -42,7 +42,7 @@ def test_data_problems_name_the_key_and_what_is_valid(tmp_path):
         "data.task=files", f"data.train_files={there}", f"data.train_file={there}")
     assert "set data.task=files to train on them" in problems(f"data.train_files={there}")
     assert "data.operators '+/': each must be one of '+-*'" in problems("data.operators=+/")
-    assert "data.apply_chat_template must be true, false or auto, got 'sometimes'" in problems(
+    assert "data.apply_chat_template must be true, false or 'auto', got 'sometimes'" in problems(
         "data.apply_chat_template=sometimes")
 
 

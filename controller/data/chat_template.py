@@ -15,7 +15,7 @@ from typing import Any
 
 from controller.data.dataset import Prompt, PromptDataset
 
-__all__ = ["PromptFormat", "encode_prompts", "render_prompt", "uses_chat_template"]
+__all__ = ["PromptFormat", "apply_chat_template_problem", "encode_prompts", "render_prompt", "uses_chat_template"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,16 @@ class PromptFormat:
     system_prompt: str | None = None  # prepended as a system message unless the chat starts with one
 
     def __post_init__(self) -> None:
-        if not isinstance(self.apply_chat_template, bool) and self.apply_chat_template != "auto":
-            raise ValueError(f"data.apply_chat_template must be true, false or 'auto', got {self.apply_chat_template!r}")
+        problem = apply_chat_template_problem(self.apply_chat_template)
+        if problem:
+            raise ValueError(problem)
+
+
+def apply_chat_template_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be ``data.apply_chat_template`` (RL's and SFT's data sections); None when it can."""
+    if not isinstance(value, bool) and value != "auto":
+        return f"data.apply_chat_template must be true, false or 'auto', got {value!r}"
+    return None
 
 
 def uses_chat_template(fmt: PromptFormat, tokenizer: Any) -> bool:

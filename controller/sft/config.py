@@ -118,6 +118,7 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
 
 def _sft_data_problems(data: SFTDataConfig, trainer: TrainerConfig) -> list[str]:
     from controller.data.arithmetic import ARITHMETIC_OPERATORS
+    from controller.data.chat_template import apply_chat_template_problem
 
     problems = []
     if data.task not in SFT_TASKS:
@@ -145,8 +146,8 @@ def _sft_data_problems(data: SFTDataConfig, trainer: TrainerConfig) -> list[str]
     if trainer.val_every and not has_val:
         problems.append(f"trainer.val_every {trainer.val_every} needs validation examples (data.val_files, or "
                         "data.val_size > 0 for the arithmetic task)")
-    if not isinstance(data.apply_chat_template, bool) and data.apply_chat_template != "auto":
-        problems.append(f"data.apply_chat_template must be true, false or auto, got {data.apply_chat_template!r}")
+    if problem := apply_chat_template_problem(data.apply_chat_template):
+        problems.append(problem)
     return problems
 
 
