@@ -172,6 +172,33 @@ def test_device_map_auto_lays_out_colocated_roles_alike_and_explicit_wins(tmp_pa
         RoleSpec(object, {}, device_map="balanced")
 
 
+def test_the_trainer_writes_device_map_auto_layouts_into_its_config_before_the_checks(tmp_path, monkeypatch):
+    """At build the auto roles' layouts go into the typed config (the reference made from the actor's model
+    included), so check_config and the workers see the layout that will run."""
+    import controller.rl.trainer as trainer_module
+    from controller.config import ConfigError
+    from controller.models.builtin import resolve_model_path
+    from controller.rl.trainer import RLTrainer
+    from hybridflow import Actor, Critic, arithmetic_prompts
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    monkeypatch.setattr(trainer_module, "device_memory_bytes", lambda: 10 * 2**20)  # TP 2 fits, TP 1 does not
+
+    job = RLTrainer(actor=Actor.from_pretrained(model, device_map="auto", ppo={"use_kl_loss": True,
+                                                                               "ppo_mini_batch_size": 2}),
+                    critic=Critic.from_pretrained(model, device_map="auto", critic={"ppo_mini_batch_size": 2}),
+                    train_data=arithmetic_prompts(8, seed=0), batch_size=2, processes=4, reward_fn="arithmetic_shaped")
+    # As written (TP 1 on 4 processes: DP 4) a mini-batch of 2 cannot split; laid out (TP 2: DP 2) it can.
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size 2 does not divide over 4 data-parallel ranks"):
+        job.check()
+    job.lay_out()
+    config = job.config
+    assert (config.actor.engine.tensor_parallel, config.actor.engine.pipeline_parallel) == (2, 1)
+    assert config.critic.engine.tensor_parallel == 2 and config.actor.device_map is None
+    assert config.ref_policy.engine.tensor_parallel == 2 and job.specs["ref_policy"].kwargs["engine"]["tensor_parallel"] == 2
+    job.check()
+
+
 def test_keywords_are_refused_where_written():
     from workers.actor import Actor
 

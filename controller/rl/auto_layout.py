@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from hybridengine.model_spec import ModelConfigError, ModelSpec
 
-__all__ = ["FIT_FRACTION", "AutoLayout", "apply_device_map", "auto_generation_tp", "auto_layout", "parameter_count",
-           "role_bytes"]
+__all__ = ["FIT_FRACTION", "AutoLayout", "apply_device_map", "auto_generation_tp", "auto_layout", "device_map_layouts",
+           "parameter_count", "role_bytes"]
 
 FIT_FRACTION = 0.8
 _TRAIN_BYTES = {"bf16": 18, "fp32": 16}
@@ -102,17 +102,16 @@ def _engine(spec) -> dict:
     return engine if isinstance(engine, dict) else {f: getattr(engine, f) for f in engine.__dataclass_fields__}
 
 
-def apply_device_map(specs: dict, placement: dict[str, str], pool_world: dict[str, int], device_bytes: int,
-                     devices_per_node: int | None = None) -> dict:
-    """``specs`` with every ``device_map="auto"`` role laid out by the rule above.
+def device_map_layouts(specs: dict, placement: dict[str, str], pool_world: dict[str, int], device_bytes: int,
+                       devices_per_node: int | None = None) -> dict[str, AutoLayout]:
+    """The layout of every ``device_map="auto"`` role of ``specs`` (role -> RoleSpec) by the rule above;
+    the rollout's is its generation TP x 1.
 
     Megatron roles that share a pool share one TP x PP (the engine's colocation rule): a role given its
     layout explicitly sets it for the pool, otherwise the largest of the auto roles' layouts does. The
     rollout then takes the generation TP for the actor's training TP.
     """
-    from dataclasses import replace
-
-    specs = dict(specs)
+    layouts: dict[str, AutoLayout] = {}
     megatron = {role: s for role, s in specs.items() if "engine" in s.kwargs and role != "rollout"}
     for pool in sorted({placement[r] for r in megatron}):
         roles = [r for r in megatron if placement[r] == pool]
@@ -124,19 +123,34 @@ def apply_device_map(specs: dict, placement: dict[str, str], pool_world: dict[st
             engine = _engine(specs[fixed[0]])
             layout = AutoLayout(engine.get("tensor_parallel", 1), engine.get("pipeline_parallel", 1))
         else:
-            layouts = [auto_layout(ModelSpec.from_pretrained(specs[r].model_path), pool_world[pool], device_bytes,
-                                   _engine(specs[r]).get("precision", "bf16"), trains=r in ("actor", "critic"),
-                                   devices_per_node=devices_per_node) for r in auto]
-            layout = max(layouts, key=lambda l: (l.tensor_parallel * l.pipeline_parallel, l.tensor_parallel))
-        for role in auto:
-            specs[role] = specs[role].with_parallelism(layout.tensor_parallel, layout.pipeline_parallel)
+            candidates = [auto_layout(ModelSpec.from_pretrained(specs[r].model_path), pool_world[pool], device_bytes,
+                                      _engine(specs[r]).get("precision", "bf16"), trains=r in ("actor", "critic"),
+                                      devices_per_node=devices_per_node) for r in auto]
+            layout = max(candidates, key=lambda l: (l.tensor_parallel * l.pipeline_parallel, l.tensor_parallel))
+        layouts.update({role: layout for role in auto})
     rollout = specs.get("rollout")
     if rollout is not None and rollout.device_map == "auto" and not rollout.explicit_parallelism:
         actor_engine = _engine(specs["actor"])
         training_tp = (pool_world[placement["rollout"]] if placement["rollout"] != placement["actor"]
-                       else actor_engine.get("tensor_parallel", 1))
+                       else layouts.get("actor", AutoLayout(actor_engine.get("tensor_parallel", 1), 1)).tensor_parallel)
         tp = auto_generation_tp(ModelSpec.from_pretrained(rollout.model_path), training_tp, device_bytes,
                                 actor_engine.get("precision", "bf16"))
-        config = {**(rollout.kwargs.get("config") or {}), "tensor_parallel": tp, "pipeline_parallel": 1}
-        specs["rollout"] = replace(rollout, kwargs={**rollout.kwargs, "config": config}, explicit_parallelism=True)
+        layouts["rollout"] = AutoLayout(tp, 1)
+    return layouts
+
+
+def apply_device_map(specs: dict, placement: dict[str, str], pool_world: dict[str, int], device_bytes: int,
+                     devices_per_node: int | None = None) -> dict:
+    """``specs`` with every ``device_map="auto"`` role laid out as ``device_map_layouts`` says."""
+    from dataclasses import replace
+
+    specs = dict(specs)
+    for role, layout in device_map_layouts(specs, placement, pool_world, device_bytes, devices_per_node).items():
+        spec = specs[role]
+        if role == "rollout":
+            config = {**(spec.kwargs.get("config") or {}), "tensor_parallel": layout.tensor_parallel,
+                      "pipeline_parallel": layout.pipeline_parallel}
+            specs[role] = replace(spec, kwargs={**spec.kwargs, "config": config}, explicit_parallelism=True)
+        else:
+            specs[role] = spec.with_parallelism(layout.tensor_parallel, layout.pipeline_parallel)
     return specs

@@ -53,8 +53,9 @@ def assemble_roles(
     needs_ref = config.use_reference if config.use_reference is not None else (
         config.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
     if needs_ref:
-        specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {
-            "model_path": actor.model_path, "engine": actor.kwargs.get("engine")})
+        specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {  # the actor's model, engine and layout rule
+            "model_path": actor.model_path, "engine": actor.kwargs.get("engine")},
+            device_map=actor.device_map, explicit_parallelism=actor.explicit_parallelism)
     if reward_model is not None:
         specs["reward_model"] = reward_model
     if reward_fn is not None:

@@ -34,7 +34,7 @@ from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
 from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
-from controller.rl.auto_layout import apply_device_map
+from controller.rl.auto_layout import device_map_layouts
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
@@ -131,7 +131,7 @@ class RLTrainer:
         self.schedule = build_schedule(trainer.mode, trainer.max_staleness, trainer.partial_rollout_tokens,
                                        trainer.max_in_flight)
         self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
-        self.pool_shapes: dict[str, PoolShape | None] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
+        self.pool_shapes: dict[str, PoolShape] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
         self.backend = trainer.launcher
         self.ray_address = trainer.ray_address
         self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)
@@ -174,7 +174,7 @@ class RLTrainer:
     @property
     def pool_sizes(self) -> dict[str, int | None]:
         """Processes of each pool (None: the launcher's whole world)."""
-        return {name: shape.world_size if shape is not None else None for name, shape in self.pool_shapes.items()}
+        return {name: shape.world_size for name, shape in self.pool_shapes.items()}
 
     @property
     def kl_ctrl(self):
@@ -257,6 +257,7 @@ class RLTrainer:
         """The checks across the whole config (with the placement as declared), then the pools and groups."""
         if self.groups:
             return
+        self.lay_out()
         self.check()
         from transformers import AutoTokenizer
 
@@ -273,11 +274,7 @@ class RLTrainer:
             if name in self.pools:
                 continue
             self.pools[name] = ResourcePool(shape.process_on_nodes, backend=self.backend, ray_address=self.ray_address)
-        # device_map="auto" roles get their layouts for these pools; a critic on a causal LM its value head
-        pool_world = {name: pool.world_size for name, pool in self.pools.items()}
-        self.specs = apply_device_map(self.specs, self.placement, pool_world, device_memory_bytes(),
-                                      devices_per_node=accelerator_count() or None)
-        if "critic" in self.specs:
+        if "critic" in self.specs:  # a critic on a causal LM: the LM's body and a new value head
             self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir(),
                                                          self.config.critic_ppo.value_head_init)
         for role in ROLE_ORDER:
@@ -291,6 +288,18 @@ class RLTrainer:
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
+
+    def lay_out(self) -> None:
+        """Each ``device_map="auto"`` role's layout for the pools as declared (``controller.rl.auto_layout``),
+        written into the config as if the user had set it; nothing starts."""
+        pool_world = {name: self.pools[name].world_size if name in self.pools else shape.world_size
+                      for name, shape in self.pool_shapes.items()}
+        layouts = device_map_layouts(self.specs, self.placement, pool_world, device_memory_bytes(),
+                                     devices_per_node=accelerator_count() or None)
+        for role, layout in layouts.items():
+            self.config = with_parallelism(self.config, role, layout.tensor_parallel, layout.pipeline_parallel)
+        if layouts:
+            self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
 
     def check(self) -> None:
         """ConfigError listing every problem of the config, its pools as declared (``register_placement``
