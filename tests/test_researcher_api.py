@@ -269,9 +269,24 @@ def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_pat
     with pytest.raises(ConfigError, match=r"algorithm: unknown key\(s\) \['estimator'\]; valid keys: \["):
         RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
                   reward_fn="arithmetic_shaped", algorithm={"name": "grpo", "estimator": "grpo"})
+    with pytest.raises(ConfigError, match=r"data.batch_size: expected an integer, got '4'"):
+        RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size="4",
+                  reward_fn="arithmetic_shaped", algorithm="grpo")
+    with pytest.raises(ConfigError, match=r"trainer.val_before_train: expected true or false, got 1"):
+        RLTrainer(actor=Actor.from_pretrained(model), train_data=arithmetic_prompts(8, seed=0), batch_size=4,
+                  reward_fn="arithmetic_shaped", algorithm="grpo", val_before_train=1)
     with pytest.raises(ConfigError, match=r"critic=... is given, but grpo estimates advantages without one"):
         RLTrainer(actor=Actor.from_pretrained(model), critic=Critic.from_pretrained(model), algorithm="grpo",
                   train_data=arithmetic_prompts(8, seed=0), batch_size=4, reward_fn="arithmetic_shaped")
+    # A worker group built by hand: its worker's keywords are checked in the driver, before any worker is made.
+    from types import SimpleNamespace
+
+    from controller.runtime.worker_group import WorkerGroup
+
+    with pytest.raises(TypeError, match=r"Actor: unknown keyword 'engin' \(did you mean 'engine'\?\)"):
+        WorkerGroup(SimpleNamespace(world_size=1), Actor, kwargs={"model_path": model, "engin": {}})
+    with pytest.raises(TypeError, match=r"Actor\(optim=...\): unknown keyword 'learning_rate'"):
+        WorkerGroup(SimpleNamespace(world_size=1), Actor, kwargs={"model_path": model, "optim": {"learning_rate": 1}})
     with pytest.raises(ValueError, match=r"register_placement\('actor'\): devices must be a non-empty list"):
         register_placement("actor", devices="cuda:0")
 

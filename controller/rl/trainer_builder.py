@@ -117,15 +117,16 @@ def config_from_keywords(
         ppo=ppo,
         rollout=_rollout_config(rollout if rollout is not None else default_rollout(actor), policy_path),
         algorithm=algorithm_config,
-        data=DataConfig(batch_size=batch_size, shuffle=shuffle),
-        trainer=TrainerConfig(
+        # Through the typed tree's own builder: a value of the wrong kind is refused here, naming its key.
+        data=build_section(DataConfig, {"batch_size": batch_size, "shuffle": shuffle}, "data"),
+        trainer=build_section(TrainerConfig, dict(
             run_dir=str(run_dir) if run_dir is not None else None, save_every=save_every, val_every=val_every,
             val_before_train=val_before_train, seed=seed, mode=mode, max_staleness=max_staleness,
             partial_rollout_tokens=partial_rollout_tokens, max_in_flight=max_in_flight,
             rollout_data_dir=str(rollout_data_dir) if rollout_data_dir is not None else None,
             rollout_proto=dict(rollout_proto.fields) if rollout_proto is not None else None, log_phases=verbose,
             launcher=("torchrun" if under_torchrun() else "ray") if backend == "auto" else backend,
-            ray_address=ray_address, nproc=_processes(processes, pool), nnodes=1),
+            ray_address=ray_address, nproc=_processes(processes, pool), nnodes=1), "trainer"),
         reward=_reward_config(reward_fn, reward_kwargs, reward_model, reward_worker),
         ref_policy=_role_config(ref_policy, dict(ref_policy.kwargs), ReferencePolicy, "ref_policy")
         if ref_policy is not None else None,

@@ -23,6 +23,7 @@ from hybridengine.layout import ParallelLayout
 from workers.base_worker import BaseWorker
 from workers.dispatch import GroupView, get_dispatch_rule
 from workers.host import Reply
+from workers.keywords import check_constructor
 from workers.register import MethodSpec, registered_methods
 
 __all__ = ["WorkerGroup", "GroupFuture", "GroupMethod"]
@@ -99,6 +100,8 @@ class WorkerGroup:
     ) -> None:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
             raise TypeError(f"worker class must subclass workers.BaseWorker, got {worker_cls!r}")
+        # A keyword the worker does not take, or a bad config section, fails here, not in every worker process.
+        check_constructor(worker_cls, dict(kwargs or {}))
         self.pool = pool
         self.worker_cls = worker_cls
         self.role = role or worker_cls.__name__
