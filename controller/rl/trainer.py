@@ -52,8 +52,8 @@ from controller.runtime.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
-from workers.keywords import check_keywords
 from workers.actor import PolicyUpdateTerms
+from workers.keywords import check_keywords
 from workers.rollout.agreement import logprob_agreement, old_log_probs_from_update, use_old_log_probs
 from workers.user_kl import UserKLTerm, check_kl_loss_fn
 
@@ -172,8 +172,8 @@ class RLTrainer:
         return prompts.train, prompts.val
 
     @property
-    def pool_sizes(self) -> dict[str, int | None]:
-        """Processes of each pool (None: the launcher's whole world)."""
+    def pool_sizes(self) -> dict[str, int]:
+        """Processes of each pool."""
         return {name: shape.world_size for name, shape in self.pool_shapes.items()}
 
     @property
