@@ -49,8 +49,8 @@ class RoleConfig:
     """A model role on the megatron engine: where its weights come from and how it is split."""
 
     model_path: str | None = None  # None: the actor's (the critic: a value model made from it)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # its TP / PP split, precision and micro-batches
+    optim: OptimConfig = field(default_factory=OptimConfig)  # its optimizer (trained roles only: actor, critic)
     # "auto": TP x PP for the job's devices (controller.rl.auto_layout); an engine TP or PP other than 1 still wins
     device_map: str | None = None
     # "package.module:Class" or a class: a subclass of the role's worker (Actor, Critic, ReferencePolicy) to run
@@ -63,9 +63,11 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
+    """How responses are scored: a rule function, a reward model, or your own worker."""
+
     # "auto": a scorer per sample's data_source (workers.reward.router); or a built-in name, or
-    # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs); None with model_path set
-    # (a function, from the Python API); None with model_path or worker set
+    # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs) (from Python: the
+    # function itself); None with model_path or worker set
     fn: str | Callable | None = "auto"
     model_path: str | None = None  # an HF sequence-classification checkpoint: the RewardModel worker
     # The reward model's own split (its own process groups, whatever the actor's); forward only, so no optim.
@@ -77,7 +79,7 @@ class RewardConfig:
     # Your own worker ("package.module:Class" or a class) with compute_reward(batch) -> token_level_scores,
     # scores; worker_kwargs are its constructor's. Set instead of fn and model_path.
     worker: str | type | None = None
-    worker_kwargs: dict[str, Any] = field(default_factory=dict)
+    worker_kwargs: dict[str, Any] = field(default_factory=dict)  # reward.worker's constructor keyword arguments
 
 
 DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the old name of "files"
@@ -85,14 +87,16 @@ DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the o
 
 @dataclass(frozen=True)
 class DataConfig:
+    """The prompts: a built-in generator or files, their columns and chat rendering, and the batch size."""
+
     # a built-in generator (arithmetic, word_problems), or "files" (train_files / val_files); None: "files"
     # when train files are given, else "arithmetic"
     task: str | None = None
     # One path or a list (concatenated): .parquet, .jsonl, .json, or a datasets save_to_disk directory.
     train_files: tuple[str, ...] = ()
-    val_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()  # validation prompts, in the same forms as train_files
     train_file: str | None = None  # the old spelling of a single train_files path (data.task: jsonl)
-    val_file: str | None = None
+    val_file: str | None = None  # the old spelling of a single val_files path
     # verl's row schema; a dotted key reaches into a mapping column.
     prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
     answer_key: str | None = None  # None: reward_model.ground_truth, else a plain ground_truth column
@@ -104,10 +108,10 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # drop prompts over rollout.max_prompt_length (else: an error)
     cache_dir: str | None = None  # datasets' Arrow cache; None: a temporary directory
     train_size: int = 2048  # arithmetic task
-    val_size: int = 64
+    val_size: int = 64  # built-in tasks: validation prompts generated (from seed + 1); 0: none
     batch_size: int = 16  # prompts per step (each gets rollout.sampling.n responses)
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # reshuffle the prompts every epoch (from trainer.seed); false: their given order
+    seed: int = 0  # built-in tasks: the generator's seed (the validation prompts' is seed + 1)
     max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
     steps: int = 2  # word_problems task: operations per problem
     operators: str = "+-*"  # arithmetic task
@@ -127,24 +131,27 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """The run: steps, checkpoints, validation, launch and placement, logging, export and the step schedule."""
+
+    # steps the run trains (a step: one batch of data.batch_size); a resumed run goes on up to this total
     total_steps: int = 20
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: no validation
     val_before_train: bool = False  # validate once before the first step too (logged as step 0)
     run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
-    resume: bool = False
-    launcher: str = "torchrun"
+    resume: bool = False  # continue from the newest complete checkpoint under run_dir
+    launcher: str = "torchrun"  # what starts the worker processes: "torchrun" or "ray"
     nproc: int = 4  # processes per node (torchrun's --nproc-per-node; one per GPU)
     nnodes: int = 1  # nodes of the job's default pool: nnodes x nproc processes
     ray_address: str | None = None  # launcher ray: null starts a private local cluster; "auto" or "host:port" joins one
     rdzv_endpoint: str | None = None  # launcher torchrun, nnodes > 1: the c10d rendezvous "host:port" every node uses
-    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  # metrics backends (wandb too, when installed)
     # role -> its own pool (Ray): processes on one node (an int) or {nodes: N, processes_per_node: P}; others share
     placement: dict[str, Any] = field(default_factory=dict)
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
     export_precision: str | None = None  # its dtype: "bf16" or "fp32"; None: the actor's engine.precision
     plots: bool = True  # write PNG curves of the metrics at the end
-    seed: int = 0
+    seed: int = 0  # the prompts' (SFT: examples') order each epoch; RL: each step's sampling seed too
     verbose: bool = False  # true: every library's INFO lines and warnings too (workers.console)
     # sync: generate each step's batch, then train on it; one_step_off: the rollout (on a pool of its own,
     # trainer.placement.rollout) generates step k+1 while step k trains; async: it generates a stream of
@@ -164,17 +171,19 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RLConfig:
+    """An RL job (hybridflow train): the policy and its roles, rollout, reward, algorithm, data and trainer."""
+
     model_path: str = "builtin:tiny-arithmetic"  # an HF dir, or builtin:<name> made on the spot
-    actor: RoleConfig = field(default_factory=RoleConfig)
-    ppo: PPOActorConfig = field(default_factory=PPOActorConfig)
-    critic: RoleConfig = field(default_factory=RoleConfig)
-    critic_ppo: CriticConfig = field(default_factory=CriticConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)  # the policy being trained
+    ppo: PPOActorConfig = field(default_factory=PPOActorConfig)  # the actor's PPO update
+    critic: RoleConfig = field(default_factory=RoleConfig)  # the value model, used when the estimator is GAE
+    critic_ppo: CriticConfig = field(default_factory=CriticConfig)  # the critic's update
     ref_policy: RoleConfig | None = None  # None: the actor's model and engine, where a KL term reads a reference
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # response generation
+    reward: RewardConfig = field(default_factory=RewardConfig)  # how responses are scored
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # the RL algorithm and its settings
+    data: DataConfig = field(default_factory=DataConfig)  # the prompts
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the run: steps, checkpoints, launch, logging
     cost_model: RoleConfig | None = None  # Safe-RLHF: a reward model scoring cost (instead of safe_rlhf_cost_fn)
 
 

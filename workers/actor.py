@@ -48,16 +48,18 @@ class PPOActorConfig:
     (controller.algorithms.presets; an Actor used on its own: PPO's, 0.2 / 0.2 and the token mean)."""
 
     ppo_mini_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
-    ppo_epochs: int = 1
-    shuffle: bool = True
+    ppo_epochs: int = 1  # passes over each step's batch, each split into mini-batches
+    shuffle: bool = True  # reshuffle the batch before each epoch's split (seeded from engine.seed)
     policy_loss: str | None = None  # one of POLICY_LOSSES
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
+    clip_ratio_low: float | None = None  # the ratio's lower clip, 1 - clip_ratio_low; None: the algorithm's
+    clip_ratio_high: float | None = None  # the ratio's upper clip, 1 + clip_ratio_high; None: the algorithm's
     clip_ratio_c: float | None = 3.0  # PPO's dual clip; None turns it off
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0: none
+    # a KL(actor || reference) term in the loss, read from a reference policy; algorithm.kl_in_reward puts
+    # the KL in the reward instead
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"
+    kl_loss_coef: float = 0.001  # the weight of that KL term
+    kl_loss_type: str = "k3"  # its per-token estimator: k1, k2 or k3 (workers.policy_losses)
     loss_agg_mode: str | None = None  # one of LOSS_AGG_MODES
 
     def __post_init__(self) -> None:

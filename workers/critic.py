@@ -23,11 +23,13 @@ __all__ = ["Critic", "CriticConfig"]
 
 @dataclass(frozen=True)
 class CriticConfig:
-    ppo_mini_batch_size: int = 8
-    ppo_epochs: int = 1
-    shuffle: bool = True
-    clip_range_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    """The critic's update: its mini-batches, epochs and clipped value loss."""
+
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
+    ppo_epochs: int = 1  # passes over each step's batch, each split into mini-batches
+    shuffle: bool = True  # reshuffle the batch before each epoch's split (seeded from engine.seed)
+    clip_range_value: float = 0.5  # the new value is clipped to the old one +- this (the loss takes the larger)
+    loss_agg_mode: str = "token-mean"  # how token losses are aggregated: one of LOSS_AGG_MODES
     # A critic started from a causal LM (the controller adds the value head): "zeros" (V = 0 at the start)
     # or "normal" (verl's: N(0, initializer_range^2))
     value_head_init: str = "zeros"

@@ -21,19 +21,23 @@ class RolloutCorrectionConfig:
     level: str = "token"  # token or sequence
     cap: float = 2.0  # tis: the weights' cap
     low: float = 0.5  # mis: the ratio's bounds
-    high: float = 2.0
+    high: float = 2.0  # mis: a token or sequence whose ratio is outside [low, high] gets weight 0
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    """The RL algorithm: its advantage estimator's knobs, the KL terms, Safe-RLHF and DAPO's settings."""
+
     # A registered algorithm (ALGORITHMS, or one registered with register_algorithm), or module:Class
     name: str = "ppo"
     advantage_estimator: str | None = None  # overrides the algorithm's estimator (a registered name)
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # the discount factor (GAE, REINFORCE++ returns)
+    lam: float = 1.0  # GAE's lambda
     norm_adv_by_std: bool | None = None  # GRPO-family: divide by the group std; None: the algorithm's (dr_grpo: no)
     kl_in_reward: bool = False  # KL penalty in the reward (PPO-RLHF style); the loss form is actor.ppo.use_kl_loss
-    kl_penalty: str = "k1"
+    kl_penalty: str = "k1"  # kl_in_reward's per-token estimator: k1, k2 or k3 (or kl, mse, low_var_kl)
+    # kl_in_reward's coefficient beta: {kind: fixed, value}, {kind: adaptive, init_kl_coef, target_kl, horizon},
+    # or a linear / exponential / cosine schedule (controller.algorithms.kl_control.make_kl_controller)
     kl_ctrl: dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "value": 0.001})
     # The PPO ratio's old log-probs: "auto" (the update's own forward when provably on-policy, else
     # "recompute"), "recompute" (a separate forward of the actor) or "rollout" (the engine's)
@@ -43,9 +47,10 @@ class AlgorithmConfig:
     # fn(actor_outputs, ref_outputs, step) -> loss (workers.user_kl); it reads a reference policy
     kl_loss_fn: str | Callable | None = None
     safe_rlhf_cost_fn: str | Callable | None = None  # a reward function scoring cost; turns on Safe-RLHF
-    safe_rlhf_cost_limit: float = 0.0
-    safe_rlhf_lambda_init: float = 1.0
-    safe_rlhf_lambda_lr: float = 0.1
+    safe_rlhf_cost_limit: float = 0.0  # the constraint: the mean episode cost at most this
+    safe_rlhf_lambda_init: float = 1.0  # the Lagrange multiplier lambda's first value
+    safe_rlhf_lambda_lr: float = 0.1  # lambda's step: lambda + lr * (mean cost - cost_limit), kept >= 0
+    # importance weights between the rollout engine's log-probs and the trainer's
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # DAPO (algorithm.name: dapo)
     dynamic_sampling: bool | None = None  # drop prompt groups whose rewards are all equal; None: dapo's (on)

@@ -27,28 +27,30 @@ SFT_FORMATS = ("auto", "pair", "messages", "text")
 
 @dataclass(frozen=True)
 class SFTDataConfig:
+    """The examples: built-in arithmetic pairs or files, their format and columns, lengths and batch size."""
+
     task: str | None = None  # built-in prompt/answer pairs ("7+5=" -> "12"), or "files"; None: files if given
     train_files: tuple[str, ...] = ()  # .parquet, .jsonl, .json or a datasets save_to_disk directory
-    val_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()  # validation examples, in the same forms as train_files
     # pair: prompt_key + response_key; messages: a chat, the loss on assistant turns; text: text_key;
     # auto: whichever key a row has (messages, then a prompt/response pair, then text)
     format: str = "auto"
     prompt_key: str = "prompt"  # a string or chat messages (rendered as the rollout renders prompts)
-    response_key: str = "response"
-    messages_key: str = "messages"
-    text_key: str = "text"
+    response_key: str = "response"  # pair: the response string's column
+    messages_key: str = "messages"  # messages: the chat's column (a list of {role, content})
+    text_key: str = "text"  # text: the plain text's column
     apply_chat_template: bool | str = "auto"  # pairs: "auto" renders the prompt through the tokenizer's template
     chat_wrap: bool = False  # pairs: a string prompt becomes one user message
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # pairs: prepended as a system message to a chat prompt that has none
     max_length: int = 64  # prompt + response tokens at most; longer examples are refused (or dropped)
-    drop_overlong: bool = False
+    drop_overlong: bool = False  # drop examples over max_length instead of refusing them
     batch_size: int = 16  # examples per optimizer step, over all data-parallel ranks
     shuffle: bool = True  # the order of the examples, from trainer.seed (as RL's prompts)
     seed: int = 0  # arithmetic task: the problems drawn (the held-out ones from seed + 1)
     train_size: int = 2048  # arithmetic task
-    val_size: int = 64
-    max_operand: int = 9
-    operators: str = "+-*"
+    val_size: int = 64  # arithmetic task: held-out pairs (from seed + 1); 0: none
+    max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
+    operators: str = "+-*"  # arithmetic task: the operators drawn from
 
     def __post_init__(self) -> None:
         if self.task is None:  # the default follows what the user gave
@@ -57,9 +59,12 @@ class SFTDataConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    model_path: str = "builtin:tiny-arithmetic"
-    actor: RoleConfig = field(default_factory=RoleConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """An SFT job (hybridflow sft): the model, its engine and optimizer, the examples and the trainer."""
+
+    model_path: str = "builtin:tiny-arithmetic"  # an HF dir, or builtin:<name> made on the spot
+    actor: RoleConfig = field(default_factory=RoleConfig)  # the model being fine-tuned
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)  # the examples
+    # the keys of hybridflow train's trainer (run_dir default: runs/sft); the RL-only ones are refused
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/sft"))
 
 

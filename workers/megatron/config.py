@@ -23,16 +23,19 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 class OptimConfig:
     """Adam via megatron's optimizer, and the LR schedule (warmup, then decay)."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = 1e-6  # the peak learning rate, reached at the end of warmup
+    min_lr: float = 0.0  # the LR that decay ends at (at lr_decay_steps); unused by the constant style
+    weight_decay: float = 0.0  # Adam's weight decay (decoupled, AdamW-style); constant over the run
+    adam_beta1: float = 0.9  # Adam's decay rate of the gradient's running mean
+    adam_beta2: float = 0.999  # Adam's decay rate of the squared gradient's running mean
+    adam_eps: float = 1e-8  # Adam's epsilon, added to the denominator
+    clip_grad: float = 1.0  # gradients clipped to this global L2 norm before each step; 0: no clipping
+    # optimizer steps (one per mini-batch, not per training step) of linear warmup from 0 to lr
     lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1_000_000
+    lr_decay_steps: int = 1_000_000  # the optimizer step (warmup included) at which decay reaches min_lr
+    # after warmup: "constant" (stays at lr), "linear", "cosine" or "inverse-square-root" (down to min_lr)
     lr_decay_style: str = "constant"
+    # megatron's distributed optimizer: Adam state (and bf16's fp32 master weights) sharded over the DP ranks
     use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
@@ -50,12 +53,13 @@ class OptimConfig:
 class EngineConfig:
     """How a model is split, stored and fed: TP/PP sizes, precision, micro-batches, seed."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: int = 1  # TP size: each layer's weights split over this many ranks
+    pipeline_parallel: int = 1  # PP size: the layers split into this many stages (DP = ranks / (TP x PP))
     micro_batch_size: int = 1  # sequences per forward pass on one DP rank
     # A token budget instead (verl's ppo_max_token_len_per_gpu): rows grouped by length so that each
     # micro-batch holds at most this many real tokens; micro_batch_size is then unused. None: fixed size.
     max_tokens_per_micro_batch: int | None = None
+    # megatron's model-parallel RNG seed; a PPO update's mini-batch shuffle draws from it (+ update count)
     seed: int = 1
     # Log-prob roles (actor, reference): the output layer runs fused with the
     # log-prob and entropy (hybridengine.ops.linear_log_prob), so the
@@ -70,7 +74,7 @@ class EngineConfig:
     # Activation recomputation (megatron's recompute_granularity; None: keep every activation). "full" takes
     # recompute_num_layers layers per recomputed block (megatron's "uniform" method).
     recompute_granularity: str | None = None
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = 1  # "full" only: layers per recomputed block
 
     def __post_init__(self) -> None:
         check_precision(self.precision)

@@ -17,22 +17,28 @@ ROLLOUT_ENGINES = ("vllm", "megatron")
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """The rollout: which generation engine, its layout and limits, and the default sampling."""
+
+    # "vllm", or "megatron" (megatron-core's static inference engine on the resharded weights, zero copy)
     engine: str = "vllm"
     tensor_parallel: int = 1  # generation TP (t_g); must be reachable from the actor's layout
     pipeline_parallel: int = 1  # generation PP (p_g); vLLM runs 1
-    max_prompt_length: int = 64
+    max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
+    # the default sampling; a call's meta_info["sampling"] overrides any of its fields
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # how the actor's weights reach the generation layout: "micro_dp" (the 3D-HybridEngine) or a baseline
+    # it is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard_baselines)
     reshard_method: str = "micro_dp"
     release_training: bool = True  # free the actor's training shards while the generation buffer exists
     pad_token_id: int | None = None  # None: the tokenizer's
     eos_token_id: int | None = None  # None: the tokenizer's
     # vLLM only
     kv_cache_bytes: int = 64 << 20
-    max_num_seqs: int = 256
-    enforce_eager: bool = True
+    max_num_seqs: int = 256  # sequences in one vLLM engine batch at most (vLLM's max_num_seqs)
+    enforce_eager: bool = True  # vLLM runs eagerly: no compilation or CUDA graphs, a faster start
     sleep_between_rollouts: bool = True  # GPU: free KV cache and weights while training
-    seed: int = 0
+    seed: int = 0  # the vLLM engine's own seed; each request's draws come from sampling.seed
     # Multi-turn, tool-calling rollouts (workers.rollout.agent): None is the single-turn rollout.
     agent: AgentConfig | None = None
     # "auto": the controller picks the generation TP for the devices (controller.rl.auto_layout), unless

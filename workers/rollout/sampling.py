@@ -23,15 +23,17 @@ class SamplingConfig:
     / top-p when those are set), which is what the PPO ratio compares against.
     """
 
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 32  # response tokens at most (an agent rollout: per model turn)
+    temperature: float = 1.0  # logits are divided by it before sampling; 0: greedy
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability; 1: all
     top_k: int = -1  # -1: all tokens
-    n: int = 1
-    greedy: bool = False
+    n: int = 1  # responses sampled per prompt (GRPO, RLOO need >= 2)
+    greedy: bool = False  # argmax decoding whatever the temperature (ReMax's baseline)
+    # request i, sample j draws from seed + i * n + j; None: unseeded. hybridflow train sets it at each
+    # step from trainer.seed
     seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings: a response ends when it produces one
+    ignore_eos: bool = False  # generate past EOS, up to max_new_tokens
 
     def __post_init__(self) -> None:
         problems = []

@@ -53,13 +53,16 @@ def resolve_environment(path: str) -> type[Environment]:
 
 @dataclass(frozen=True)
 class AgentConfig:
-    tools: tuple[str, ...] = ("calculator",)
+    """A multi-turn rollout's tools, environment and limits."""
+
+    tools: tuple[str, ...] = ("calculator",)  # built-in tool names (BUILTIN_TOOLS) or "package.module:Class"
     environment: str | None = None  # None: ToolEnvironment over the tools
+    # how replies call tools: "hermes" (<tool_call> tags: Hermes, Qwen), "json", or "vllm:<parser>"
     tool_format: str = "hermes"
-    max_turns: int = 4
+    max_turns: int = 4  # model turns per sample at most
     max_response_length: int = 256  # tokens after the prompt, model turns and observations together
-    max_concurrent_steps: int = 16
-    max_observation_chars: int = 2000
+    max_concurrent_steps: int = 16  # environment steps (tool calls) running at once
+    max_observation_chars: int = 2000  # each tool result or error text cut to this many characters
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
