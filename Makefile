@@ -13,7 +13,7 @@ CUDA_ONLY := torchvision torchaudio torchcodec triton
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo smollm2 bench clean cuda-check
+.PHONY: setup test docs demo smollm2 bench clean cuda-check
 
 # The csrc op library (hybridengine/ops/_C*.so), rebuilt in place when a source changes.
 CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
@@ -73,6 +73,17 @@ cuda-check:
 
 test: setup cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The documentation site, into build/site (`mkdocs serve` to browse it while writing). --strict: a broken link,
+# a page missing from the nav or a docstring mkdocstrings cannot read fails the build. The configuration
+# reference is written from the typed config tree at every build (tools/docs_hooks.py).
+DOCS_STAMP := $(VENV)/.hybridflow-docs-installed
+$(DOCS_STAMP): docs/requirements.txt $(STAMP)
+	$(PY) -m pip install -q -r docs/requirements.txt 2>&1 | $(QUIET)
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The main job, about 4 minutes (4m20s on 2 cores once .venv is made): a short SFT warm start of the
 # built-in tiny model on arithmetic, then PPO from its export rewarded for exact answers only (actor and

