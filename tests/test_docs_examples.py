@@ -1,6 +1,6 @@
-"""The docs' runnable examples run as written (a ```python block after a `<!-- runnable -->` line, on any page
-under docs/): the researcher's API snippet, the worker example on both launchers, and any other block marked
-so. The README stays a short entrance to the site."""
+"""The docs' runnable examples run as written (a ```python block after a `<!-- runnable -->` line, in the README
+or on any page under docs/): the researcher's API snippet (the README's, which the docs page includes), the
+worker example on both launchers, and any other block marked so. The README stays a short entrance."""
 
 import os
 import re
@@ -13,9 +13,9 @@ from conftest import ROOT, run_torchrun
 def runnable_blocks() -> dict[str, str]:
     """Each runnable block of the docs, by "page:index"."""
     blocks = {}
-    for page in sorted((ROOT / "docs").rglob("*.md")):
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for i, block in enumerate(re.findall(r"<!-- runnable -->\n```python\n(.*?)```", page.read_text(), flags=re.S)):
-            blocks[f"{page.relative_to(ROOT / 'docs')}:{i}"] = block
+            blocks[f"{page.relative_to(ROOT)}:{i}"] = block
     return blocks
 
 
@@ -63,7 +63,7 @@ def test_docs_worker_example_runs_under_torchrun():
 
 
 def test_docs_researcher_snippet_runs_as_written(tmp_path):
-    """The block in docs/how-to/python-api.md (the first design document's PPO with a dynamic KL coefficient),
+    """The README's researcher block (the first design document's PPO with a dynamic KL coefficient),
     run unchanged in an empty directory: Ray, one process, every role colocated, device_map="auto", a DeBERTa
     reward model through transformers, the critic from the policy's LM, generation in vLLM."""
     block = next(b for b in runnable_python_blocks() if "def dynamic_kl_loss(" in b)
