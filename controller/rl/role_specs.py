@@ -1,6 +1,6 @@
 """The roles of an RL job, declared from its typed config: one ``RoleSpec`` per role, nothing loaded yet.
 
-``declare_roles(config, algorithm)`` reads the tree (``controller.config.RLConfig``) and gives the
+``declare_roles(config, algorithm, policy_path)`` reads the tree (``controller.config.RLConfig``) and gives the
 actor, the rollout, the critic where the estimator needs one, the reference where a KL term reads
 it, and the reward (a rule, a reward model or the user's worker) and Safe-RLHF's cost, through
 ``assemble_roles``. Every role's worker and keywords are checked here, before any process starts.
@@ -18,11 +18,11 @@ from controller.config import RoleConfig, config_to_dict
 from controller.errors import ConfigError
 from controller.rl.role_assembly import assemble_roles
 from controller.rl.role_defaults import reading_policy_ids
-from workers.pretrained import resolve_pretrained
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 from workers.import_path import import_object
 from workers.keywords import check_constructor
+from workers.pretrained import resolve_pretrained
 from workers.reward import RewardModel
 from workers.role_spec import RoleSpec
 from workers.rollout import Rollout
