@@ -86,7 +86,7 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The suite's line coverage, the processes it starts included (.coveragerc): the total and per file, and
-# build/coverage/coverage.json. Tracing every process takes about three times `make test` on 2 cores, so it
+# build/coverage/coverage.json. Tracing every process is slower (1.25x to about 3x per test on 2 cores), so it
 # is its own target, run to compare a change to the tests before and after (COVERAGE_TESTS: a part of the suite).
 COVERAGE_DIR := $(CURDIR)/build/coverage
 COVERAGE_TESTS ?= tests
