@@ -426,3 +426,23 @@ trainer: {{nproc: 1, launcher: ray, seed: 3, run_dir: null}}
         assert "critic/vf_loss" in keys and "actor/kl_loss" in keys
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-6, rel=0), key
+
+
+def test_a_config_without_train_data_gets_the_clis_prompt_checks(tmp_path):
+    """RLTrainer(config) loads config.data's prompts itself, with the checks hybridflow train makes
+    (controller.rl.job_prompts): here a data_source no scorer knows, under reward.fn auto."""
+    import json
+
+    from controller.config import ConfigError, load_config
+    from controller.models.builtin import resolve_model_path
+    from controller.rl.trainer import RLTrainer
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "data_source": "my_source",
+                                        "reward_model": {"ground_truth": str(i + 1)}}) + "\n" for i in range(4)))
+    config = load_config(None, [f"model_path={model}", f"data.train_files={rows}", "reward.fn=auto",
+                                "data.batch_size=2", "algorithm.name=grpo", "rollout.sampling.n=2", "trainer.launcher=ray"])
+    with pytest.raises(ConfigError, match=r"reward.fn is 'auto' \(score by data_source\), but no reward function is "
+                                          r"known for data_source 'my_source'"):
+        RLTrainer(config)

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from controller.config import ConfigError, RLConfig, check_config, config_to_dict
-from controller.data.prepare import JobPrompts, load_job_prompts
+from controller.data.prepare import JobPrompts
+from controller.rl.job_prompts import rl_job_prompts
 from controller.jobs.job_pool import torchrun_pool
 from controller.models.builtin import resolve_model_path
 from controller.runtime.placement import ClusterNode
@@ -48,52 +49,7 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
             raise ConfigError(f"reward.model_path: {exc}") from None
         reward_spec = megatron_spec_or_none(config.reward.model_path)
     check_config(config, ModelSpec.from_pretrained(model), cluster, reward_spec)
-    return model, _datasets(config, config.actor.model_path or model, log)
-
-
-def _datasets(config: RLConfig, tokenizer_path: str, log: Callable[[str], None] | None) -> JobPrompts:
-    from transformers import AutoTokenizer
-
-    from workers.reward.router import AUTO, DATA_SOURCE_SCORERS, unknown_data_sources
-
-    rollout = config.rollout
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    prompts = load_job_prompts(config.data, tokenizer, rollout.max_prompt_length, rollout.truncation, log)
-    if rollout.agent is not None:
-        _check_agent_prompts(rollout, tokenizer, prompts)
-    routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),
-                                  ("algorithm.safe_rlhf_cost_fn", config.algorithm.safe_rlhf_cost_fn)) if fn == AUTO]
-    sources = [*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ())]
-    unknown = unknown_data_sources(sources) if routed else []
-    if unknown:
-        raise ConfigError(f"{routed[0]} is 'auto' (score by data_source), but no reward function is known for "
-                          f"data_source {', '.join(map(repr, unknown))} (data.data_source_key "
-                          f"{config.data.data_source_key!r}); known data sources: {sorted(DATA_SOURCE_SCORERS)}. "
-                          f"Set {routed[0]} to a built-in name or 'package.module:function'")
-    return prompts
-
-
-def _check_agent_prompts(rollout, tokenizer, prompts: JobPrompts) -> None:
-    """A multi-turn rollout renders every prompt again, tools included: the template must frame turns as ids,
-    and each prompt fit rollout.max_prompt_length, before any worker starts."""
-    from controller.data.loader import prompt_messages
-    from workers.rollout.agent import ChatFormat, ChatTemplateError
-
-    with rollout.agent.toolbox() as box:
-        try:
-            chat = ChatFormat(tokenizer, tools=box.schemas() or None, end_of_turn_id=rollout.eos_token_id,
-                              tool_format=rollout.agent.tool_format)
-        except ChatTemplateError as exc:
-            raise ConfigError(f"rollout.agent: {exc}") from None
-    for name, dataset in (("train", prompts.train), ("val", prompts.val)):
-        if dataset is None:
-            continue
-        lengths = [len(chat.prompt_ids(prompt_messages(dataset, row))) for row in range(len(dataset))]
-        longest = max(lengths, default=0)
-        if longest > rollout.max_prompt_length:
-            raise ConfigError(f"rollout.agent: {sum(n > rollout.max_prompt_length for n in lengths)} {name} prompt(s) "
-                              f"render, with the tools' instructions, to more than rollout.max_prompt_length "
-                              f"{rollout.max_prompt_length} tokens (the longest: {longest}); raise max_prompt_length")
+    return model, rl_job_prompts(config, config.actor.model_path or model, log)
 
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:

@@ -15,7 +15,7 @@ from controller.errors import ConfigError
 from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
 
-__all__ = ["ROLE_ORDER", "assemble_roles"]
+__all__ = ["ROLE_ORDER", "assemble_roles", "check_reward_sources"]
 
 ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "cost")
 
@@ -37,13 +37,9 @@ def assemble_roles(
     kl_loss_fn: Callable | None = None,
 ) -> dict[str, RoleSpec]:
     config = algorithm.config
-    if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
-        raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
-                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
+    check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn, cost_model)
     if algorithm.needs_critic and critic is None:
         raise ConfigError(f"{config.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
-    if cost_fn is not None and cost_model is not None:
-        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
     if (cost_fn is not None or cost_model is not None) and algorithm.needs_critic:
         raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
                           f"{config.name} would need a cost critic")
@@ -68,6 +64,15 @@ def assemble_roles(
     if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
         specs["cost"] = cost_model
     return specs
+
+
+def check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn=None, cost_model=None) -> None:
+    """ConfigError unless exactly one reward source is given, and at most one cost source."""
+    if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
+        raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
+                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
+    if cost_fn is not None and cost_model is not None:
+        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
 
 
 def _reference_cls():

@@ -26,6 +26,7 @@ from workers.pretrained import resolve_pretrained
 from workers.reward import RewardModel
 from workers.role_spec import RoleSpec
 from workers.rollout import Rollout
+from workers.user_kl import check_kl_loss_fn
 
 __all__ = ["declare_roles", "kl_loss_function", "with_parallelism", "with_resolved_paths", "worker_class"]
 
@@ -41,10 +42,11 @@ def worker_class(value: str | type | None, base: type, key: str) -> type:
 
 
 def kl_loss_function(value: str | Callable | None) -> Callable | None:
-    """``algorithm.kl_loss_fn`` as a function (an import path is imported now), or None."""
-    if value is None or callable(value):
-        return value
-    return import_object(value, "algorithm.kl_loss_fn")
+    """``algorithm.kl_loss_fn`` as a function (an import path is imported now) checked to take
+    ``(actor_outputs, ref_outputs, step)``, or None."""
+    if value is None:
+        return None
+    return check_kl_loss_fn(import_object(value, "algorithm.kl_loss_fn") if isinstance(value, str) else value)
 
 
 def _engine_role(cls: type, path: str, role_cfg, **kwargs: Any) -> RoleSpec:

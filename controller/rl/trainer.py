@@ -35,6 +35,7 @@ from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
 from controller.rl.auto_layout import device_map_layouts
+from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
@@ -55,7 +56,7 @@ from workers.data_schema import ROLLOUT_FIELDS, DataSchema
 from workers.actor import PolicyUpdateTerms
 from workers.keywords import check_keywords
 from workers.rollout.agreement import logprob_agreement, old_log_probs_from_update, use_old_log_probs
-from workers.user_kl import UserKLTerm, check_kl_loss_fn
+from workers.user_kl import UserKLTerm
 
 __all__ = ["RLTrainer"]
 
@@ -134,12 +135,11 @@ class RLTrainer:
         self.pool_shapes: dict[str, PoolShape] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
         self.backend = trainer.launcher
         self.ray_address = trainer.ray_address
-        self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)
-        if self.kl_loss_fn is not None:
-            check_kl_loss_fn(self.kl_loss_fn)
+        self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)  # imported and its signature checked
         self.train_data, self.val_data = inputs.train_data, inputs.val_data
-        if self.train_data is None:  # the prompts config.data describes, loaded and checked now
-            self.train_data, self.val_data = self._config_prompts()
+        if self.train_data is None:  # the prompts config.data describes, loaded and checked now, as the CLI does
+            prompts = rl_job_prompts(config, self.specs["actor"].model_path)
+            self.train_data, self.val_data = prompts.train, prompts.val
         self.batch_size, self.shuffle, self.seed = config.data.batch_size, config.data.shuffle, trainer.seed
         self.checkpoints = TrainerCheckpoint(self.run_dir)
         self.logger = inputs.logger
@@ -159,17 +159,6 @@ class RLTrainer:
         for role, shape in job_pools(trainer).items():  # the config's own placement
             if role != "default":
                 self.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
-
-    def _config_prompts(self):
-        """The train and validation prompts ``config.data`` describes, tokenized by the actor's tokenizer."""
-        from transformers import AutoTokenizer
-
-        from controller.data.prepare import load_job_prompts
-
-        rollout = self.config.rollout
-        tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
-        prompts = load_job_prompts(self.config.data, tokenizer, rollout.max_prompt_length, rollout.truncation)
-        return prompts.train, prompts.val
 
     @property
     def pool_sizes(self) -> dict[str, int]:

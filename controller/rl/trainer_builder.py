@@ -23,6 +23,7 @@ from controller.algorithms import RLAlgorithm
 from controller.algorithms.config import AlgorithmConfig
 from controller.config import DataConfig, RewardConfig, RLConfig, RoleConfig, TrainerConfig, build_section
 from controller.errors import ConfigError
+from controller.rl.role_assembly import check_reward_sources
 from controller.rl.role_defaults import check_declared_roles, default_rollout, with_learning_rate
 from controller.rl.trainer_inputs import TrainerInputs
 from controller.runtime.torchrun_backend import under_torchrun
@@ -35,7 +36,6 @@ from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
 from workers.rollout import Rollout
 from workers.rollout.config import RolloutConfig
-from workers.user_kl import check_kl_loss_fn
 
 __all__ = ["config_from_keywords"]
 
@@ -80,17 +80,11 @@ def config_from_keywords(
     """The config and inputs that ``RLTrainer(**keywords)`` runs from (the keywords: ``RLTrainer``'s)."""
     check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
                          reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
-    if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
-        raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
-                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
-    if cost_fn is not None and cost_model is not None:
-        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
+    check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn, cost_model)  # before they fill one section
     if rollout_proto is not None:
         if not isinstance(rollout_proto, DataSchema):
             raise TypeError(f"rollout_proto takes a schema, DataProto(field='name', ...); got {rollout_proto!r}")
         rollout_proto.check(getattr(rollout.worker_cls if rollout is not None else Rollout, "produces", ROLLOUT_FIELDS))
-    if kl_loss_fn is not None:
-        check_kl_loss_fn(kl_loss_fn)
     if backend not in ("auto", "ray", "torchrun"):
         raise ConfigError(f"backend {backend!r} is not one of ('auto', 'ray', 'torchrun')")
     if lr is not None:
