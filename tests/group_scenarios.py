@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from controller import CallTimeoutError, RemoteWorkerError, ResourcePool, WorkerDiedError, WorkerGroup
+from controller.runtime.process_exit import exit_process
 from hybridengine.layout import ParallelLayout
 from workers import BaseWorker, DataProto, Dispatch, DispatchError, RankCall, register, register_dispatch_mode
 
@@ -304,3 +305,4 @@ if __name__ == "__main__":
     if name in ("faults", "lost_node", "controller_leaves"):
         # A rank is gone, and with it the group's collectives; leave at once (a lost node fails the job).
         os._exit(3 if name == "lost_node" else 0)
+    exit_process(0)  # skip the interpreter's seconds of teardown (torch's operator registry)

@@ -2,9 +2,11 @@
 
 Every algorithm runs end to end, the runs spread over both launchers and both
 rollout engines (one process each, so the suite stays short, except PPO at the
-demo's TP2 x PP2; more TP/PP runs are in the rollout and megatron tests); a
-fixed-seed run of the demo task must raise its reward, and stopping and
-resuming it must reproduce the uninterrupted run's metrics exactly.
+demo's TP2 x PP2; more TP/PP runs are in the rollout and megatron tests);
+stopping a run of the demo task and resuming it must reproduce the
+uninterrupted run's metrics exactly. (Learning-length runs are tools, not
+tests: tools/precision_learning.py measures the demo task's reward rising in
+bf16 as in fp32.)
 """
 
 import json
@@ -127,37 +129,28 @@ DEMO = [*TINY[:7], "data.train_size=64", "data.val_size=8", "rollout.sampling.ma
         "critic_ppo.ppo_mini_batch_size=16"]
 
 
-def test_demo_task_reward_rises_in_bf16_as_in_fp32_and_resume_reproduces_the_run(tmp_path, model):
-    full, stopped, fp32 = tmp_path / "full", tmp_path / "stopped", tmp_path / "fp32"
+def test_demo_task_stopped_and_resumed_reproduces_the_run_and_exports_its_weights(tmp_path, model):
+    # (Whether bf16 learns as fp32 does, over 8 steps and several seeds, is tools/precision_learning.py's
+    # measurement; its figures are on the benchmarks page.)
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={full}", f"model_path={model}", *DEMO,
-                      "trainer.total_steps=8", "trainer.save_every=4")
+                      "trainer.total_steps=4", "trainer.save_every=2")
     assert proc.returncode == 0, proc.stderr[-5000:]
     steps = read_metrics(full)  # bf16, the default
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
 
-    def gain(steps):  # sampled reward, last 3 steps against the first 3
-        return sum(s["critic/score/mean"] for s in steps[-3:]) / 3 - sum(s["critic/score/mean"] for s in steps[:3]) / 3
-
-    assert gain(steps) > 0.1, [round(s["critic/score/mean"], 3) for s in steps]
-    proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={fp32}", f"model_path={model}", *DEMO,
-                      "trainer.total_steps=8", "actor.engine.precision=fp32", "critic.engine.precision=fp32")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    fp32_steps = read_metrics(fp32)
-    # bf16 learns like fp32: both rise, by gains within 0.15 of each other (measured: 0.39 and 0.27).
-    assert gain(fp32_steps) > 0.1 and abs(gain(steps) - gain(fp32_steps)) < 0.15, (
-        [round(s["critic/score/mean"], 3) for s in steps], [round(s["critic/score/mean"], 3) for s in fp32_steps])
-
-    # Stop at step 4: a run directory whose newest complete checkpoint is step 4 (the trainer state is the
-    # commit point, so pointing it back is exactly what a run stopped after step 4 leaves), then resume to 8
+    # Stop at step 2: a run directory whose newest complete checkpoint is step 2 (the trainer state is the
+    # commit point, so pointing it back is exactly what a run stopped after step 2 leaves), then resume to 4
     # in new processes.
     shutil.copytree(full, stopped)
-    (stopped / "checkpoints" / "trainer" / "latest").write_text("step_00000004.json")
+    (stopped / "checkpoints" / "trainer" / "latest").write_text("step_00000002.json")
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={stopped}", f"model_path={model}",
-                      *DEMO, "trainer.total_steps=8", "trainer.save_every=4", "trainer.resume=true",
+                      *DEMO, "trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=true",
                       "trainer.export_hf=true")
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "resumed at step 4" in proc.stderr
+    assert "resumed at step 2" in proc.stderr
     resumed = read_metrics(stopped)
-    assert [s["step"] for s in resumed] == list(range(1, 9))
+    assert [s["step"] for s in resumed] == list(range(1, 5))
 
     def exact(step):  # everything but wall-clock times, throughput and memory
         return {k: v for k, v in step.items() if not k.startswith(("timing_s/", "perf/", "rollout/tokens_per_s"))}

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from controller.errors import HostLostError
 from controller.runtime.hosts import HostSet, map_failure
+from controller.runtime.process_exit import exit_process
 from controller.runtime.wire import recv_message, send_message
 from workers.host import Reply, WorkerHost
 
@@ -243,7 +244,7 @@ class TorchrunRuntime:
             except OSError:
                 break
         self.host.shutdown()
-        sys.exit(0)
+        exit_process(0)
 
     def _exit_if_controller_leaves(self) -> None:
         """While a call runs, watch rank 0's connection: if it closes, nobody waits for the result; leave.

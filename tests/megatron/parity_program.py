@@ -13,6 +13,7 @@ from controller import ResourcePool, WorkerGroup
 from hybridengine.model_spec import ModelSpec
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
+from controller.runtime.process_exit import exit_process
 
 
 def main():
@@ -84,3 +85,4 @@ def run_critic(args, pool, inputs, out):
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # skip the interpreter's seconds of teardown (torch's operator registry)

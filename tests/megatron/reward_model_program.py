@@ -13,6 +13,7 @@ import torch
 
 from controller import ResourcePool, WorkerGroup
 from workers.reward import RewardModel
+from controller.runtime.process_exit import exit_process
 
 
 def main():
@@ -37,3 +38,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # skip the interpreter's seconds of teardown (torch's operator registry)

@@ -11,6 +11,7 @@ import torch
 
 from controller import ResourcePool, WorkerGroup
 from workers.actor import Actor
+from controller.runtime.process_exit import exit_process
 
 
 def main():
@@ -35,3 +36,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # skip the interpreter's seconds of teardown (torch's operator registry)

@@ -14,6 +14,7 @@ from workers import DataProto
 from workers.actor import Actor
 from workers.rollout import Rollout
 from workers.rollout.agent import Environment, StepResult
+from controller.runtime.process_exit import exit_process
 
 
 class Insist(Environment):
@@ -50,3 +51,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # skip the interpreter's seconds of teardown (torch's operator registry)
