@@ -71,8 +71,13 @@ cuda-check:
 	wait $$bindings || status=1; \
 	exit $$status
 
+# The suite runs on TEST_WORKERS pytest-xdist workers (2: this machine's cores; 0 runs it in this process),
+# a test module at a time per worker (--dist loadscope), so a module's shared fixtures start once.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+
 test: setup cuda-check
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 # The documentation site, into build/site (`mkdocs serve` to browse it while writing). --strict: a broken link,
 # a page missing from the nav or a docstring mkdocstrings cannot read fails the build. The configuration
@@ -97,7 +102,7 @@ $(COV_STAMP): $(STAMP)
 
 coverage: setup $(COV_STAMP)
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
-	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage run -m pytest $(COVERAGE_TESTS) $(PYTEST_ARGS)
+	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage run -m pytest $(COVERAGE_TESTS) $(XDIST) $(PYTEST_ARGS)
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage combine -q
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage report --skip-covered
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage json -q -o $(COVERAGE_DIR)/coverage.json

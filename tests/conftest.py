@@ -14,6 +14,27 @@ os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id resolves from a cache a test fills, or fails at once  # (Ray 2.60 ignores RAY_DISABLE_USAGE_STATS)
 
+# The longest modules (seconds of one worker, measured on 2 cores), started first: `make test` runs the suite
+# on two pytest-xdist workers a module at a time, and a long module started last would leave one worker idle
+# while the other finishes it. The rest keep pytest's order.
+LONGEST_MODULES = [
+    "test_train_cli.py", "test_ray_multinode.py", "megatron/test_checkpoint_resume.py", "test_algorithm_cli.py",
+    "rollout/test_rollout_engines.py", "rollout/test_family_generation.py", "test_sft_cli.py",
+    "megatron/test_actor_parity.py", "test_examples.py", "test_researcher_api.py", "megatron/test_sft_parity.py",
+    "megatron/test_hybrid_engine.py", "rollout/test_agent_rollout.py", "test_one_step_off.py", "test_ray_groups.py",
+    "test_docs_examples.py", "test_rollout_pool.py", "test_torchrun_groups.py", "test_async_mode.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+
+    def order(item):
+        module = Path(str(item.fspath)).relative_to(TESTS).as_posix()
+        return rank.get(module, len(LONGEST_MODULES))
+
+    items.sort(key=order)  # stable: within a module, and among the others, pytest's order
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():

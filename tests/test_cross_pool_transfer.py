@@ -10,7 +10,7 @@ makes each segment travel as several messages.
 import pytest
 import torch
 
-from dist_utils import run_in_processes
+from dist_utils import run_cases_in_processes, run_in_processes
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
@@ -72,12 +72,29 @@ def models(tmp_path_factory):
             "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
 
 
-@pytest.mark.parametrize("model,train,gen,gen_dp,method,expect", CASES,
-                         ids=[f"{m}-{t}->{g}x{d}-{a}" for m, t, g, d, a, _ in CASES])
-def test_each_generation_rank_gets_exactly_its_shard_at_the_planned_bytes(models, model, train, gen, gen_dp,
+CASE_IDS = [f"{m}-{t}->{g}x{d}-{a}" for m, t, g, d, a, _ in CASES]
+
+
+def world_of(train, gen, gen_dp) -> int:
+    return train[0] * train[1] * train[2] + gen[0] * gen[1] * gen_dp
+
+
+@pytest.fixture(scope="module")
+def case_outcomes(models):
+    """Every case, those of one world size in turn in one set of processes (3 sets for the 6 cases)."""
+    outcomes = {}
+    for world in sorted({world_of(t, g, d) for _, t, g, d, _, _ in CASES}):
+        cases = {name: (str(models[m]), t, g, d, method, expect, 32 << 10)
+                 for name, (m, t, g, d, method, expect) in zip(CASE_IDS, CASES) if world_of(t, g, d) == world}
+        outcomes.update(run_cases_in_processes(_worker, world, cases))
+    return outcomes
+
+
+@pytest.mark.parametrize("model,train,gen,gen_dp,method,expect", CASES, ids=CASE_IDS)
+def test_each_generation_rank_gets_exactly_its_shard_at_the_planned_bytes(case_outcomes, model, train, gen, gen_dp,
                                                                           method, expect):
-    world = train[0] * train[1] * train[2] + gen[0] * gen[1] * gen_dp
-    run_in_processes(_worker, world, str(models[model]), train, gen, gen_dp, method, expect, 32 << 10)
+    failure = case_outcomes[f"{model}-{train}->{gen}x{gen_dp}-{method}"]
+    assert failure is None, failure
 
 
 def test_the_transfer_over_a_process_group_outside_the_world(models):

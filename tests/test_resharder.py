@@ -4,7 +4,7 @@ independently from the HF checkpoint."""
 import pytest
 import torch
 
-from dist_utils import run_in_processes
+from dist_utils import run_cases_in_processes, run_in_processes
 from hybridengine.hf_mapping import cut_shard, hf_source
 from hybridengine.layout import ParallelLayout
 from hybridengine.model_spec import ModelSpec
@@ -93,11 +93,25 @@ def models(tmp_path_factory):
             "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
 
 
+def pair_case(model, train, gen) -> str:
+    return f"{model}-{train}->{gen}"
+
+
+@pytest.fixture(scope="module")
+def pair_outcomes(models):
+    """Every (model, pair) case in turn in one set of 4 processes (each pair's world is 4 ranks)."""
+    assert {t * p * d for (t, p, d), _ in PAIRS} == {4}
+    # A small bucket forces several all-gathers per transition.
+    cases = {pair_case(model, train, gen): (str(models[model]), train, gen, 64 << 10)
+             for model in ("llama", "qwen2-tied") for train, gen in PAIRS}
+    return run_cases_in_processes(_worker, 4, cases)
+
+
 @pytest.mark.parametrize("train,gen", PAIRS, ids=[f"{t}->{g}" for t, g in PAIRS])
 @pytest.mark.parametrize("model", ["llama", "qwen2-tied"])
-def test_generation_weights_are_exact_slices_of_the_model(models, model, train, gen):
-    # A small bucket forces several all-gathers per transition.
-    run_in_processes(_worker, train[0] * train[1] * train[2], str(models[model]), train, gen, 64 << 10)
+def test_generation_weights_are_exact_slices_of_the_model(pair_outcomes, model, train, gen):
+    failure = pair_outcomes[pair_case(model, train, gen)]
+    assert failure is None, failure
 
 
 def test_the_papers_eight_rank_example(models):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_in_processes
+from dist_utils import run_cases_in_processes, run_in_processes
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
@@ -94,10 +94,24 @@ def models(tmp_path_factory):
             "qwen2-tied": make_llama(root / "qwen", tie=True, qkv_bias=True, heads=8, kv_heads=4)}
 
 
-@pytest.mark.parametrize("model,train,gen", CASES, ids=[f"{m}-{t}->{g}" for m, t, g in CASES])
-def test_generation_model_matches_hf_logits(models, tmp_path, model, train, gen):
-    run_in_processes(_worker, train[0] * train[1] * train[2], str(models[model]), train, gen, str(tmp_path))
-    diffs = [json.loads(p.read_text()) for p in tmp_path.glob("diff*.json")]
+CASE_IDS = [f"{m}-{t}->{g}" for m, t, g in CASES]
+
+
+@pytest.fixture(scope="module")
+def case_runs(models, tmp_path_factory):
+    """Both cases in turn in one set of 4 processes: name -> (failure or None, the case's output directory)."""
+    assert {t * p * d for _, (t, p, d), _ in CASES} == {4}
+    outs = {name: tmp_path_factory.mktemp(name.replace(">", "")) for name in CASE_IDS}
+    cases = {name: (str(models[m]), train, gen, str(outs[name])) for name, (m, train, gen) in zip(CASE_IDS, CASES)}
+    outcomes = run_cases_in_processes(_worker, 4, cases)
+    return {name: (outcomes[name], outs[name]) for name in CASE_IDS}
+
+
+@pytest.mark.parametrize("model,train,gen", CASES, ids=CASE_IDS)
+def test_generation_model_matches_hf_logits(case_runs, model, train, gen):
+    failure, out = case_runs[f"{model}-{train}->{gen}"]
+    assert failure is None, failure
+    diffs = [json.loads(p.read_text()) for p in out.glob("diff*.json")]
     assert len(diffs) == train[0] * train[1] * train[2] // gen[1]  # one per last-stage rank
     print(f"max |logit diff| vs HF: {max(diffs):.3g}")
 

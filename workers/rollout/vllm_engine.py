@@ -31,6 +31,7 @@ from hybridengine.param_catalogue import ShardKind, stage_params
 from hybridengine.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments
 from workers.rollout.vocab_rows import megatron_vocab_rows, regroup_vocab_rows
 
 __all__ = ["VLLMGenerator", "check_vllm_head_dim", "vllm_rank_permutation"]
@@ -120,7 +121,10 @@ class VLLMGenerator:
         if self._tp_ranks.index(rank) != self.me.gen_tp_rank:  # vLLM's TP rank is the position in the group
             raise RuntimeError(f"rank {rank} is generation TP rank {self.me.gen_tp_rank} but at position "
                                f"{self._tp_ranks.index(rank)} of its generation TP group {self._tp_ranks}")
-        with _permuted_groups(vllm_rank_permutation(plan)):
+        # Shared-memory segment names of this engine's own (vllm_cpu_shm.py): no other engine on the machine
+        # opens them, and a killed one's leftovers never collide with them.
+        self._shm_token = agree_token(self._tp_group, self._tp_ranks)
+        with _permuted_groups(vllm_rank_permutation(plan)), unique_segment_names(self._shm_token):
             self.llm = LLM(
                 model=model_path,
                 tensor_parallel_size=plan.gen.tensor_parallel,
@@ -210,3 +214,4 @@ class VLLMGenerator:
         """Shut the engine down. vLLM's teardown also ends torch.distributed in this process, so this
         runs last, when the worker host shuts down."""
         self.llm.llm_engine.engine_core.shutdown()
+        unlink_segments(self._shm_token)  # the names only: the segments go when the last rank unmaps them
