@@ -72,12 +72,15 @@ cuda-check:
 	exit $$status
 
 # The suite runs on TEST_WORKERS pytest-xdist workers (2: this machine's cores; 0 runs it in this process),
-# a test module at a time per worker (--dist loadscope), so a module's shared fixtures start once.
+# a test module at a time per worker (--dist loadscope), so a module's shared fixtures start once, in the
+# order of tests/conftest.py (the longest modules first; xdist's own reorder puts the modules with most tests first).
+# TESTS: a part of the suite (make test TESTS=tests/test_dispatch.py TEST_WORKERS=0).
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+TESTS ?= tests
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: setup cuda-check
-	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) $(XDIST) $(PYTEST_ARGS)
 
 # The documentation site, into build/site (`mkdocs serve` to browse it while writing). --strict: a broken link,
 # a page missing from the nav or a docstring mkdocstrings cannot read fails the build. The configuration
@@ -92,9 +95,8 @@ docs: $(DOCS_STAMP)
 
 # The suite's line coverage, the processes it starts included (.coveragerc): the total and per file, and
 # build/coverage/coverage.json. Tracing every process is slower (1.25x to about 3x per test on 2 cores), so it
-# is its own target, run to compare a change to the tests before and after (COVERAGE_TESTS: a part of the suite).
+# is its own target, run to compare a change to the tests before and after (TESTS: a part of the suite).
 COVERAGE_DIR := $(CURDIR)/build/coverage
-COVERAGE_TESTS ?= tests
 COV_STAMP := $(VENV)/.hybridflow-coverage-installed
 $(COV_STAMP): $(STAMP)
 	$(PY) -m pip install -q "coverage>=7.10" 2>&1 | $(QUIET)
@@ -102,7 +104,7 @@ $(COV_STAMP): $(STAMP)
 
 coverage: setup $(COV_STAMP)
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
-	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage run -m pytest $(COVERAGE_TESTS) $(XDIST) $(PYTEST_ARGS)
+	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage run -m pytest $(TESTS) $(XDIST) $(PYTEST_ARGS)
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage combine -q
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage report --skip-covered
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage json -q -o $(COVERAGE_DIR)/coverage.json

@@ -6,11 +6,14 @@ operator a ``torch.library.Library`` defined (vLLM defines hundreds), then the
 final garbage collections walk every module's objects. Nothing in that work
 writes anything: outputs are closed by then. ``exit_process`` waits for the
 threads that are not daemons and runs the ``atexit`` handlers, as the
-interpreter would (Ray's shutdown, the torchrun
-runtime's, loggers', a user's), without the operator unregistering, flushes
-the standard streams and ends the process with ``os._exit``.
+interpreter would (Ray's shutdown, the torchrun runtime's, loggers', a
+user's), without the operator unregistering, flushes the standard streams
+and ends the process with ``os._exit``.
 
-``HYBRIDFLOW_FAST_EXIT=0`` keeps the interpreter's full teardown.
+C++ static destructors do not run either: a library that cleans up in one
+must be cleaned up by its owner before the end (vLLM's CPU shared memory,
+workers/rollout/vllm_cpu_shm.py). ``HYBRIDFLOW_FAST_EXIT=0`` keeps the
+interpreter's full teardown.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def test_names_carry_the_engines_token_and_no_slash(monkeypatch):
     assert _CPUSHMDistributed.make_group_name(communicator([0, 1])) == plain  # put back
 
 
-def _engine_ranks(rank, world_size, leftover_dir):
+def _engine_ranks(rank, world_size):
     import torch
     import torch.distributed as dist
     import vllm._C  # noqa: F401  (the shared-memory ops)
@@ -62,13 +62,13 @@ def _engine_ranks(rank, world_size, leftover_dir):
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
-def test_an_engines_segments_work_beside_a_killed_ones_and_are_removed_at_close(tmp_path):
+def test_an_engines_segments_work_beside_a_killed_ones_and_are_removed_at_close():
     leftover = Path("/dev/shm") / "-tp:0-[0-1]-cpushm_0"
     made = not leftover.exists()
     if made:
         leftover.write_bytes(b"\0" * 64)  # what a killed job's rank 0 leaves under vLLM's own name
     try:
-        run_in_processes(_engine_ranks, 2, str(tmp_path))
+        run_in_processes(_engine_ranks, 2)
     finally:
         if made:
             leftover.unlink()

@@ -2,12 +2,13 @@
 
 vLLM's CPU communicator (``_CPUSHMDistributed``) names a TP group's segments
 ``{VLLM_DIST_IDENT}-{group}-[ranks]-cpushm_{i}`` under ``/dev/shm``. Its worker
-derives ``VLLM_DIST_IDENT`` from the distributed init method, which is empty
-under the external launcher hybridflow uses, so every engine on a machine
-would open the same names: two jobs at once would share (and corrupt) one
-another's segments, and the segments a killed job leaves behind (nothing
-unlinks them) make the next engine with the same ranks fail with
-``create shm in SHMManager failed. errno: 17``.
+derives ``VLLM_DIST_IDENT`` from the distributed init method: ``//`` under the
+external launcher hybridflow uses, which ``shm_open`` drops. So every engine
+on a machine would open the same names: two jobs at once would share (and
+corrupt) one another's segments, and the segments of a job that did not run
+vLLM's C++ static destructors (killed, or ended by ``exit_process``) would make
+the next engine with the same ranks fail with ``create shm in SHMManager
+failed. errno: 17``.
 
 Each engine's ranks agree on a random token over their own generation TP
 group; ``unique_segment_names`` prefixes the names with it while vLLM builds
@@ -19,7 +20,6 @@ communicator (another vLLM version, a GPU build) both do nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 from pathlib import Path
 
