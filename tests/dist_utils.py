@@ -5,14 +5,24 @@ import tempfile
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from controller.runtime.process_exit import exit_process
 
 
+# The processes fork from one server process per pytest process that has imported these once (a spawned
+# process would import torch, megatron-core and transformers afresh: seconds each, on every call).
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "safetensors.torch", "hybridengine.resharder",
+           "workers.megatron.hf_checkpoint"]
+_context = mp.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+
+
 def _entry(rank, world_size, init_file, fn, args):
     os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # torch was imported before the fork: the variable alone comes too late
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -24,7 +34,8 @@ def _entry(rank, world_size, init_file, fn, args):
 def run_in_processes(fn, world_size: int, *args) -> None:
     """``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raises if any fails."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args), nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args), nprocs=world_size,
+                           join=True, start_method="forkserver")
 
 
 def _cases(rank, world_size, fn, cases, done_dir):
