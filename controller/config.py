@@ -431,9 +431,9 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     from the policy; ``reward_spec`` those of the reward model; ``cluster`` (the Ray cluster's nodes)
     the check that the job's pools fit it.
     """
-    from hybridengine.cross_pool_plan import plan_cross_pool
-    from hybridengine.layout import ParallelLayout
-    from hybridengine.reshard_plan import (
+    from hybridengine.cross_pool.plan import plan_cross_pool
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import (
         GenerationLayout,
         ReshardLayoutError,
         plan_reshard,

@@ -14,7 +14,7 @@ from controller.runtime.process_exit import exit_process
 
 # The processes fork from one server process per pytest process that has imported these once (a spawned
 # process would import torch, megatron-core and transformers afresh: seconds each, on every call).
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "safetensors.torch", "hybridengine.resharder",
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "safetensors.torch", "hybridengine.reshard.resharder",
            "workers.megatron.hf_checkpoint"]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

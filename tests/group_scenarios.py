@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from controller import CallTimeoutError, RemoteWorkerError, ResourcePool, WorkerDiedError, WorkerGroup
 from controller.runtime.process_exit import exit_process
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 from workers import BaseWorker, DataProto, Dispatch, DispatchError, RankCall, register, register_dispatch_mode
 
 

@@ -13,7 +13,7 @@ from controller.config import (
     config_to_dict,
     load_config,
 )
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 
-from hybridengine.cross_pool_plan import cross_pool_generation_layouts, plan_cross_pool
-from hybridengine.layout import ParallelLayout
-from hybridengine.reshard_plan import GenerationLayout, ReshardLayoutError
+from hybridengine.cross_pool.plan import cross_pool_generation_layouts, plan_cross_pool
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError
 
 M = 40320  # 8!: every shard and slice size below is a whole number of bytes
 

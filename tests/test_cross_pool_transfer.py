@@ -14,10 +14,10 @@ from dist_utils import run_cases_in_processes, run_in_processes
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
-from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model, segment_bytes
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import GenerationLayout
+from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model, segment_bytes
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import GenerationLayout
 
 
 def _worker(rank, world_size, path, train_dims, gen_dims, gen_dp, method, expect_method, bucket_bytes, store_port=None):

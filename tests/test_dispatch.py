@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybridengine.layout import ParallelLayout
-from hybridengine.reshard_plan import GenerationLayout, GenerationMesh
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.plan import GenerationLayout, GenerationMesh
 from workers import DataProto, Dispatch, DispatchError, GroupView, RankCall, register, register_dispatch_mode
 from workers.dispatch import get_dispatch_rule
 from workers.register import registered_methods

@@ -8,17 +8,17 @@ import itertools
 import pytest
 import torch
 
-from hybridengine.gather_schedule import gather_schedule
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
+from hybridengine.reshard.schedule import gather_schedule
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
-from hybridengine.param_catalogue import ShardKind
-from hybridengine.reshard_plan import GenerationLayout, legal_generation_layouts, plan_reshard
-from hybridengine.resharder import (default_bucket_bytes, expected_bytes_received, generation_sources,
+from hybridengine.model.catalogue import ShardKind
+from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard
+from hybridengine.reshard.resharder import (default_bucket_bytes, expected_bytes_received, generation_sources,
                                     in_place_min_bytes)
 from hybridengine.device import CollectiveProfile
-from hybridengine.stage_params import stage_params
-from hybridengine.tp_layout import join_tp_shards
+from hybridengine.model.catalogue import stage_params
+from hybridengine.model.tp_layout import join_tp_shards
 
 
 def _spec(tie=False, qkv_bias=False, layers=4):

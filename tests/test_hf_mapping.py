@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybridengine.hf_mapping import cut_shard, hf_source, merge_shards
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.hf_mapping import cut_shard, hf_source, merge_shards
+from hybridengine.model.spec import ModelSpec
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM", vocab_size=16, hidden_size=8, ffn_hidden_size=12, num_layers=4,

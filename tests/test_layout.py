@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 
 
 def test_rank_order_is_megatrons_tp_then_dp_then_pp():

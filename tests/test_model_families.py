@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hybridengine.model_spec import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfigError, ModelSpec
+from hybridengine.model.spec import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfigError, ModelSpec
 from tiny_models import make_llama3, make_qwen3
 
 

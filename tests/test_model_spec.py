@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hybridengine.model_spec import ModelConfigError, ModelSpec
+from hybridengine.model.spec import ModelConfigError, ModelSpec
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,

@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hybridengine.hf_mapping import cut_shard, hf_source, merge_shards
-from hybridengine.model_spec import ModelConfigError, ModelSpec
-from hybridengine.param_catalogue import ShardKind, lookup, stage_params
-from hybridengine.vllm_layout import to_vllm_shard
+from hybridengine.model.hf_mapping import cut_shard, hf_source, merge_shards
+from hybridengine.model.spec import ModelConfigError, ModelSpec
+from hybridengine.model.catalogue import ShardKind, lookup, stage_params
+from hybridengine.model.vllm_layout import to_vllm_shard
 from test_hf_mapping import full_checkpoint, hf_tensors
 
 # Qwen3-like: head_dim 64 with hidden 128 and 4 heads (4 * 64 != 128), q/k norm, 301-token vocabulary.

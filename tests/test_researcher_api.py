@@ -8,7 +8,7 @@ import torch
 
 from controller.rl.auto_layout import AutoLayout, apply_device_map, auto_generation_tp, auto_layout, parameter_count
 from controller.rl.step_metrics import kl_metrics, phase_lines
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from dist_utils import run_cases_in_processes, run_in_processes
-from hybridengine.hf_mapping import cut_shard, hf_source
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_baselines import BASELINES
-from hybridengine.reshard_plan import GenerationLayout, plan_reshard
-from hybridengine.generation_export import generation_to_hf
-from hybridengine.resharder import Resharder, expected_bytes_received
-from hybridengine.stage_params import stage_params
-from hybridengine.transport import TorchTransport
+from hybridengine.model.hf_mapping import cut_shard, hf_source
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.baselines import BASELINES
+from hybridengine.reshard.plan import GenerationLayout, plan_reshard
+from hybridengine.reshard.generation_export import generation_to_hf
+from hybridengine.reshard.resharder import Resharder, expected_bytes_received
+from hybridengine.model.catalogue import stage_params
+from hybridengine.reshard.transport import TorchTransport
 from tiny_models import make_llama
 
 
@@ -132,7 +132,7 @@ class RecordingTransport(TorchTransport):
 
 def _in_place_worker(rank, world_size, path, train_dims, gen_dims, dtype):
     from hybridengine.device import CollectiveProfile
-    from hybridengine.param_catalogue import ShardKind
+    from hybridengine.model.catalogue import ShardKind
 
     spec = ModelSpec.from_pretrained(path)
     train = ParallelLayout(*train_dims)

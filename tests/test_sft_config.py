@@ -44,7 +44,7 @@ def test_every_problem_is_listed_before_launch():
 
 
 def test_a_model_that_cannot_take_the_layout_or_the_length_is_refused(tmp_path):
-    from hybridengine.model_spec import ModelSpec
+    from hybridengine.model.spec import ModelSpec
     from tiny_models import make_llama
 
     spec = ModelSpec.from_pretrained(make_llama(tmp_path / "m", heads=4, kv_heads=2))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hybridengine.hf_mapping import cut_shard, hf_source
-from hybridengine.stage_params import stage_params
-from hybridengine.vllm_layout import to_vllm_shard
+from hybridengine.model.hf_mapping import cut_shard, hf_source
+from hybridengine.model.catalogue import stage_params
+from hybridengine.model.vllm_layout import to_vllm_shard
 from test_hf_mapping import SPEC, full_checkpoint
 
 

@@ -40,16 +40,16 @@ if os.environ.get(MMAP_ENV) is None:  # allocations above 64 KiB come from mmap 
 import torch  # noqa: E402
 
 from hybridengine.device import kernel_devices, reset_peak_memory, peak_memory, synchronize  # noqa: E402
-from hybridengine.hf_mapping import FC1  # noqa: E402
-from hybridengine.model_spec import ModelSpec  # noqa: E402
+from hybridengine.model.hf_mapping import FC1  # noqa: E402
+from hybridengine.model.spec import ModelSpec  # noqa: E402
 from hybridengine.ops.advantage_scan import (  # noqa: E402
     discounted_returns, discounted_returns_reference, gae_scan, gae_scan_reference,
 )
 from hybridengine.ops.library import kernels_on, kernels_reason  # noqa: E402
 from hybridengine.ops.linear_log_prob import linear_log_prob_entropy  # noqa: E402
 from hybridengine.ops.log_prob import log_prob_entropy, log_prob_entropy_reference  # noqa: E402
-from hybridengine.tp_layout import join_into  # noqa: E402
-from hybridengine.vllm_layout import qkv_group_major_to_vllm  # noqa: E402
+from hybridengine.model.tp_layout import join_into  # noqa: E402
+from hybridengine.model.vllm_layout import qkv_group_major_to_vllm  # noqa: E402
 
 MiB = 2**20
 

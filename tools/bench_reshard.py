@@ -39,13 +39,13 @@ sys.path.insert(0, str(ROOT))
 
 from hybridengine.device import (CollectiveProfile, current_memory, device_for_local_rank,  # noqa: E402
                                  dist_backend, peak_memory, reset_peak_memory, synchronize)
-from hybridengine.layout import ParallelLayout  # noqa: E402
-from hybridengine.model_spec import ModelSpec  # noqa: E402
-from hybridengine.reshard_baselines import BASELINES  # noqa: E402
-from hybridengine.reshard_plan import GenerationLayout, legal_generation_layouts, plan_reshard  # noqa: E402
-from hybridengine.resharder import Resharder  # noqa: E402
-from hybridengine.stage_params import stage_params  # noqa: E402
-from hybridengine.transport import TorchTransport  # noqa: E402
+from hybridengine.parallel.layout import ParallelLayout  # noqa: E402
+from hybridengine.model.spec import ModelSpec  # noqa: E402
+from hybridengine.reshard.baselines import BASELINES  # noqa: E402
+from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard  # noqa: E402
+from hybridengine.reshard.resharder import Resharder  # noqa: E402
+from hybridengine.model.catalogue import stage_params  # noqa: E402
+from hybridengine.reshard.transport import TorchTransport  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 MODELS = {

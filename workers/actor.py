@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hybridengine.reshard_plan import GenerationLayout
+from hybridengine.reshard.plan import GenerationLayout
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from hybridengine.device import peak_memory
-from hybridengine.layout import ParallelLayout
-from hybridengine.reshard_plan import GenerationMesh
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.plan import GenerationMesh
 from workers.dispatch import Dispatch
 from workers.register import register
 

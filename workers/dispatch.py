@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from hybridengine.layout import ParallelLayout
-from hybridengine.reshard_plan import GenerationMesh
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.plan import GenerationMesh
 from workers.data_proto import DataProto
 
 __all__ = [

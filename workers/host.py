@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridengine.device import device_for_local_rank, dist_backend
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 from workers.base_worker import BaseWorker, WorkerContext, bind_context, unbind_context
 
 __all__ = ["WorkerHost", "Reply", "free_port", "node_ip_address"]

@@ -34,7 +34,7 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
     ``data_source`` must have a scorer. ``cluster`` (the Ray cluster's nodes)
     adds the check that the job's pools fit it.
     """
-    from hybridengine.model_spec import ModelSpec
+    from hybridengine.model.spec import ModelSpec
     from workers.reward.hf_reward_model import check_reward_checkpoint
     from workers.reward.reward_model import megatron_spec_or_none
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridengine.model_spec import ModelConfigError, ModelSpec
+from hybridengine.model.spec import ModelConfigError, ModelSpec
 
 __all__ = ["FIT_FRACTION", "AutoLayout", "apply_device_map", "auto_generation_tp", "auto_layout", "device_map_layouts",
            "parameter_count", "role_bytes"]

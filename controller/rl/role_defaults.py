@@ -17,7 +17,7 @@ from pathlib import Path
 
 from controller.errors import ConfigError
 from controller.models.builtin import value_model_from_policy
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
 

@@ -3,7 +3,7 @@
 With ``register_placement("rollout", ...)`` (``trainer.placement.rollout``) generation runs on its own
 processes. The actor's ranks and the rollout's form one standalone process group (hosted here, at a TCP
 store on the controller's node), and the 3D-HybridEngine's cross-pool plan
-(``hybridengine.cross_pool_plan``) feeds each generation rank exactly its shard from the training ranks
+(``hybridengine.cross_pool.plan``) feeds each generation rank exactly its shard from the training ranks
 that hold its parts, point-to-point or down a broadcast chain. The weights travel when the rollout's copy
 is older than the actor's: before the first generation, after every actor update, after a resume.
 """

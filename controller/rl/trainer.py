@@ -293,7 +293,7 @@ class RLTrainer:
     def check(self) -> None:
         """ConfigError listing every problem of the config, its pools as declared (``register_placement``
         included), the policy's and the reward model's checkpoints; nothing starts."""
-        from hybridengine.model_spec import ModelSpec
+        from hybridengine.model.spec import ModelSpec
         from workers.reward.reward_model import megatron_spec_or_none
 
         placement = {}

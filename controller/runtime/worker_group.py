@@ -19,7 +19,7 @@ from typing import Any
 from controller.errors import CallTimeoutError, HostLostError, RemoteWorkerError, WorkerDiedError
 from controller.runtime.hosts import FutureCalls, RankCalls
 from controller.runtime.resource_pool import ResourcePool
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 from workers.base_worker import BaseWorker
 from workers.dispatch import GroupView, get_dispatch_rule
 from workers.host import Reply

@@ -82,7 +82,7 @@ _RL_ONLY = ("val_before_train", "placement", "mode", "max_staleness", "partial_r
 
 def check_sft_config(config: SFTConfig, model_spec=None) -> None:
     """Raise ConfigError listing every problem (``model_spec``: the model's ModelSpec, for its checks)."""
-    from hybridengine.layout import ParallelLayout
+    from hybridengine.parallel.layout import ParallelLayout
 
     problems: list[str] = []
     data, trainer, engine = config.data, config.trainer, config.actor.engine

@@ -26,7 +26,7 @@ def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> 
     """The model checkpoint and the encoded examples, checked against the config; before any process."""
     from transformers import AutoTokenizer
 
-    from hybridengine.model_spec import ModelSpec
+    from hybridengine.model.spec import ModelSpec
 
     run_dir = Path(config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

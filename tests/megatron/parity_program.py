@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from controller import ResourcePool, WorkerGroup
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 from controller.runtime.process_exit import exit_process

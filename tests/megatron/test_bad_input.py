@@ -7,7 +7,7 @@ import pytest
 from tiny_models import make_llama
 from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.hf_checkpoint import CheckpointError
-from hybridengine.model_spec import ModelConfigError
+from hybridengine.model.spec import ModelConfigError
 from workers.megatron.preflight import check_training_setup, mini_batch_plan
 
 

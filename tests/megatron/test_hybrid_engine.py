@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
-from hybridengine.hf_mapping import cut_shard, hf_source
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import GenerationLayout, plan_reshard
-from hybridengine.resharder import expected_bytes_received
-from hybridengine.stage_params import stage_params
+from hybridengine.model.hf_mapping import cut_shard, hf_source
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import GenerationLayout, plan_reshard
+from hybridengine.reshard.resharder import expected_bytes_received
+from hybridengine.model.catalogue import stage_params
 from tiny_models import make_llama
 from workers.megatron.hf_checkpoint import HFCheckpointReader
 

@@ -9,10 +9,10 @@ import torch
 from torch.library import opcheck
 
 from hybridengine.device import kernel_devices
-from hybridengine.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
+from hybridengine.model.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
 from hybridengine.ops import library
 from hybridengine.ops.copy_blocks import Block, copy_blocks, copy_blocks_reference
-from hybridengine.tp_layout import Piece, join_blocks, join_tp_shards
+from hybridengine.model.tp_layout import Piece, join_blocks, join_tp_shards
 
 DEVICES = [d for d in kernel_devices() if library.kernels_on(d)]
 

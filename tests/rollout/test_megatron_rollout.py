@@ -19,11 +19,11 @@ from dist_utils import run_in_processes
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import GenerationLayout, plan_reshard
-from hybridengine.resharder import Resharder
-from hybridengine.transport import TorchTransport
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import GenerationLayout, plan_reshard
+from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.transport import TorchTransport
 from workers.rollout.batch import GenerationRequest
 from workers.rollout.sampling import SamplingConfig
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers import DataProto
 from workers.rollout import PromptError, RolloutConfig, SamplingConfig
 from workers.rollout.batch import (

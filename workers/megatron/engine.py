@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridengine.device import prepare_megatron
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers.base_worker import BaseWorker
 from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint

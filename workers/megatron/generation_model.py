@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hybridengine.device import prepare_megatron
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import ReshardPlan
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import ReshardPlan
 from workers.megatron.model import gpt_config, gpt_model
 from workers.megatron.parallel import ensure_rng_states, ensure_scratch_buffer
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridengine.hf_mapping import cut_shard, hf_source, merge_shards
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.hf_mapping import cut_shard, hf_source, merge_shards
+from hybridengine.model.spec import ModelSpec
 
 __all__ = ["CheckpointError", "HFCheckpointReader", "load_hf_shard", "export_hf_shard", "write_hf_index"]
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model
-from hybridengine.reshard_baselines import BASELINES, RESHARD_METHODS
-from hybridengine.reshard_plan import GenerationLayout, plan_reshard
-from hybridengine.resharder import Resharder
-from hybridengine.transport import TorchTransport
+from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model
+from hybridengine.reshard.baselines import BASELINES, RESHARD_METHODS
+from hybridengine.reshard.plan import GenerationLayout, plan_reshard
+from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.transport import TorchTransport
 from workers.megatron.engine import MegatronEngine
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]

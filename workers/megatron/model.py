@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine.device import accelerator_available
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from workers.megatron.rope import install_rope
 
 __all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "ValueHead"]

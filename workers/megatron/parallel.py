@@ -7,7 +7,7 @@ object that communicates (the GPTModel, DDP, the optimizer, the schedule,
 the gradient finalizer) as a ``ProcessGroupCollection``. So two training
 grids live in one process: an actor at TP2 and a reward model at TP1 on the
 same two processes each have their own groups. Groups are created with
-local synchronization (``hybridengine.process_groups``), so only the pool's
+local synchronization (``hybridengine.parallel.process_groups``), so only the pool's
 members take part, and a rank set two grids share is one group.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridengine.device import prepare_megatron
-from hybridengine.layout import ParallelLayout
-from hybridengine.process_groups import group_ranks, subgroup
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.parallel.process_groups import group_ranks, subgroup
 
 __all__ = ["MegatronGroups", "ensure_rng_states", "ensure_scratch_buffer", "training_groups"]
 

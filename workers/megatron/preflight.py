@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from hybridengine.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout
 from workers.megatron.config import EngineConfig
 from workers.megatron.hf_checkpoint import HFCheckpointReader
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 
 __all__ = ["check_training_setup", "mini_batch_plan"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 
 __all__ = ["rope_inv_freq", "install_rope"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridengine.model_spec import ModelConfigError, ModelSpec
+from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, as_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridengine.reshard_baselines import RESHARD_METHODS
+from hybridengine.reshard.baselines import RESHARD_METHODS
 from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
 from workers.rollout.sampling import SamplingConfig
@@ -28,7 +28,7 @@ class RolloutConfig:
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # how the actor's weights reach the generation layout: "micro_dp" (the 3D-HybridEngine) or a baseline
-    # it is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard_baselines)
+    # it is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard.baselines)
     reshard_method: str = "micro_dp"
     release_training: bool = True  # free the actor's training shards while the generation buffer exists
     pad_token_id: int | None = None  # None: the tokenizer's

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from hybridengine.device import prepare_megatron
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import ReshardPlan
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import ReshardPlan
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.sampling import SamplingConfig
 

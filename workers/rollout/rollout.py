@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import GenerationLayout, GenerationMesh, plan_reshard
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import GenerationLayout, GenerationMesh, plan_reshard
 from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
@@ -320,7 +320,7 @@ class Rollout(BaseWorker):
     @register(Dispatch.ONE_TO_ALL)
     def connect_training_pool(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
         """Join the weight link from the actor's pool (the controller calls the actor's side at once)."""
-        from hybridengine.cross_pool_transfer import CrossPoolTransfer, plan_for_model
+        from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model
 
         if self.training is None:
             raise RuntimeError("this rollout shares the actor's processes and reshards in place; it has no "

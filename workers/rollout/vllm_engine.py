@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from hybridengine.device import accelerator_available
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import ReshardPlan
-from hybridengine.param_catalogue import ShardKind, stage_params
-from hybridengine.vllm_layout import to_vllm_shard
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import ReshardPlan
+from hybridengine.model.catalogue import ShardKind, stage_params
+from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridengine.model_spec import real_vocab_rows
+from hybridengine.model.spec import real_vocab_rows
 
 __all__ = ["megatron_vocab_rows", "regroup_vocab_rows"]
 

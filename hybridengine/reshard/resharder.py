@@ -36,14 +36,14 @@ from typing import Sequence
 import torch
 
 from hybridengine.device import CollectiveProfile, collective_profile
-from hybridengine.gather_schedule import GatherSchedule, GatherUnit, gather_schedule
-from hybridengine.model_spec import ModelSpec
-from hybridengine.param_catalogue import ShardKind
-from hybridengine.reshard_plan import ReshardPlan
-from hybridengine.stage_params import StageParam, stage_params
+from hybridengine.reshard.schedule import GatherSchedule, GatherUnit, gather_schedule
+from hybridengine.model.spec import ModelSpec
+from hybridengine.model.catalogue import ShardKind
+from hybridengine.reshard.plan import ReshardPlan
+from hybridengine.model.catalogue import StageParam, stage_params
 from hybridengine.ops.copy_blocks import copy_blocks, whole_block
-from hybridengine.tp_layout import Piece, join_blocks, split_tp_shard
-from hybridengine.transport import Transport
+from hybridengine.model.tp_layout import Piece, join_blocks, split_tp_shard
+from hybridengine.reshard.transport import Transport
 
 __all__ = ["GenParamSource", "bucket_blocks", "bucket_sources", "default_bucket_bytes", "generation_sources",
            "in_place_min_bytes", "Resharder", "expected_bytes_received"]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import ReshardPlan
-from hybridengine.resharder import generation_sources
-from hybridengine.stage_params import stage_params
-from hybridengine.tp_layout import join_tp_shards, split_tp_shard
-from hybridengine.transport import Transport
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import ReshardPlan
+from hybridengine.reshard.resharder import generation_sources
+from hybridengine.model.catalogue import stage_params
+from hybridengine.model.tp_layout import join_tp_shards, split_tp_shard
+from hybridengine.reshard.transport import Transport
 
 __all__ = ["full_allgather", "tp_pp_gather", "BASELINES", "RESHARD_METHODS"]
 
@@ -97,5 +97,5 @@ def tp_pp_gather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str
 
 
 BASELINES = {"full_allgather": full_allgather, "tp_pp_gather": tp_pp_gather}
-# Every way to reach the generation layout: the micro-DP gather (hybridengine.resharder) and the baselines.
+# Every way to reach the generation layout: the micro-DP gather (hybridengine.reshard.resharder) and the baselines.
 RESHARD_METHODS = ("micro_dp", *BASELINES)

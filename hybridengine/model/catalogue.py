@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 
 __all__ = [
     "ShardKind", "CatalogueEntry", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",

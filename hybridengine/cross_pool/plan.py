@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from hybridengine.layout import MeshCoordinate, ParallelLayout
-from hybridengine.reshard_plan import (
+from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout
+from hybridengine.reshard.plan import (
     GenerationLayout,
     RankPlan,
     ReshardLayoutError,
@@ -153,7 +153,7 @@ class CrossPoolPlan:
     @cached_property
     def colocated(self) -> ReshardPlan:
         """The colocated plan of one training replica (k replicas for a slice pair): the segments' order and
-        each generation parameter's pieces come from it (``hybridengine.cross_pool_transfer``)."""
+        each generation parameter's pieces come from it (``hybridengine.cross_pool.transfer``)."""
         return plan_reshard(ParallelLayout(self.train.tp, self.train.pp, _slices(self.train, self.gen) or 1), self.gen)
 
     def colocated_rank(self, gen_tp: int, gen_pp: int) -> int:

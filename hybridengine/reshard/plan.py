@@ -24,7 +24,7 @@ from typing import Callable
 
 from functools import cached_property
 
-from hybridengine.layout import MeshCoordinate, ParallelLayout
+from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout
 
 __all__ = [
     "GenerationLayout", "GenerationMesh", "ReshardLayoutError", "RankPlan", "ReshardPlan", "legal_generation_layouts",

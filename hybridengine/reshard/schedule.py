@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hybridengine.ops.copy_blocks import Block, whole_block
-from hybridengine.param_catalogue import ShardKind
-from hybridengine.tp_layout import Piece, join_blocks
+from hybridengine.model.catalogue import ShardKind
+from hybridengine.model.tp_layout import Piece, join_blocks
 
 __all__ = ["SendPiece", "GatherUnit", "GatherSchedule", "gather_schedule"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.model_spec import ModelSpec
+from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks, whole_block
-from hybridengine.param_catalogue import ShardKind, stage_params
+from hybridengine.model.catalogue import ShardKind, stage_params
 
 __all__ = ["qkv_group_major_to_vllm", "to_vllm_shard"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.hf_mapping import REPLICATED, hf_source, merge_shards
-from hybridengine.model_spec import ModelSpec
-from hybridengine.reshard_plan import ReshardPlan
-from hybridengine.stage_params import stage_params
-from hybridengine.transport import Transport
+from hybridengine.model.hf_mapping import REPLICATED, hf_source, merge_shards
+from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.plan import ReshardPlan
+from hybridengine.model.catalogue import stage_params
+from hybridengine.reshard.transport import Transport
 
 __all__ = ["generation_to_hf"]
 

@@ -18,7 +18,7 @@ Layouts (megatron-core local spec):
     rows on import; export drops them, so the HF tensors come back bit-exact.
 
 Which HF tensors make up which megatron parameter, and the shard shapes,
-come from the parameter catalogue (``hybridengine.param_catalogue``).
+come from the parameter catalogue (``hybridengine.model.catalogue``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from hybridengine.model_spec import ModelSpec
-from hybridengine.param_catalogue import ShardKind, lookup
+from hybridengine.model.spec import ModelSpec
+from hybridengine.model.catalogue import ShardKind, lookup
 
 __all__ = ["ParamSource", "hf_source", "cut_shard", "merge_shards", "Reader",
            "VOCAB_ROWS", "REPLICATED", "QKV", "COLUMNS", "FC1"]

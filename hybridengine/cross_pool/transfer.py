@@ -24,13 +24,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridengine.cross_pool_plan import CrossPoolPlan, Route, plan_cross_pool
-from hybridengine.layout import ParallelLayout
-from hybridengine.model_spec import ModelSpec
+from hybridengine.cross_pool.plan import CrossPoolPlan, Route, plan_cross_pool
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
-from hybridengine.reshard_plan import GenerationLayout
-from hybridengine.resharder import GenParamSource, bucket_blocks, bucket_sources, generation_sources
-from hybridengine.tp_layout import split_tp_shard
+from hybridengine.reshard.plan import GenerationLayout
+from hybridengine.reshard.resharder import GenParamSource, bucket_blocks, bucket_sources, generation_sources
+from hybridengine.model.tp_layout import split_tp_shard
 
 __all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink", "plan_for_model", "segment_bytes"]
 

@@ -13,8 +13,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hybridengine.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
-from hybridengine.param_catalogue import ShardKind
+from hybridengine.model.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
+from hybridengine.model.catalogue import ShardKind
 from hybridengine.ops.copy_blocks import Block, copy_blocks, whole_block
 
 __all__ = ["Piece", "join_blocks", "join_into", "join_tp_shards", "split_tp_shard"]
