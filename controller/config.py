@@ -438,6 +438,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         ReshardLayoutError,
         plan_reshard,
     )
+    from hybridengine.reshard.weight_plan import plan_weights
 
     problems: list[str] = []
     alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data
@@ -522,8 +523,13 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                 problems.append(f"rollout: {exc}")
     elif actor_layout is not None:
         try:
-            plan_reshard(actor_layout, gen)
-        except ReshardLayoutError as exc:
+            if model_spec is None:
+                plan_reshard(actor_layout, gen)
+            else:  # the actor's shards, padded as its engine pads them, planned into the generation layout
+                actor = config.actor.engine
+                plan_weights(model_spec.with_padded_vocab(actor.make_vocab_size_divisible_by, actor.tensor_parallel),
+                             actor_layout, gen)
+        except ValueError as exc:  # ReshardLayoutError, or a split the model's heads do not allow
             problems.append(f"rollout: {exc}")
     if model_spec is not None:
         longest = rollout.max_model_len

@@ -14,7 +14,8 @@ from dist_utils import run_cases_in_processes, run_in_processes
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
-from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model, segment_bytes
+from hybridengine.cross_pool.plan import plan_for_model, segment_bytes
+from hybridengine.cross_pool.transfer import CrossPoolTransfer
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import GenerationLayout

@@ -14,11 +14,11 @@ from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
 from hybridengine.model.catalogue import ShardKind
 from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard
-from hybridengine.reshard.resharder import (default_bucket_bytes, expected_bytes_received, generation_sources,
+from hybridengine.reshard.weight_plan import (default_bucket_bytes, expected_bytes_received, generation_sources,
                                     in_place_min_bytes)
 from hybridengine.device import CollectiveProfile
 from hybridengine.model.catalogue import stage_params
-from hybridengine.model.tp_layout import join_tp_shards
+from hybridengine.model.geometry import join_tp_shards
 
 
 def _spec(tie=False, qkv_bias=False, layers=4):
@@ -107,7 +107,7 @@ def test_every_gather_pair_builds_the_joined_shards_at_the_bound(model, in_place
                 pieces = [members[m][name] for m, name in zip(s.members, s.train_names)]
                 at = schedule.offsets[s.param.name]
                 got = buffer[at: at + s.param.numel].view(s.param.shape)
-                assert torch.equal(got, join_tp_shards(s.param.kind, pieces)), (train, gen, s.param.name)
+                assert torch.equal(got, join_tp_shards(s.param.geometry, pieces)), (train, gen, s.param.name)
             assert schedule.staging_numel() * 4 <= (4 << 10) // 2  # rows of large parameters are cut apart
 
 

@@ -93,7 +93,7 @@ def test_generation_buffer_sources_for_a_pipeline_merge():
     """TP2xPP2 -> TP1xPP1: the one generation stage takes layers 0-1 from stage-0 members and 2-3 from stage-1
     members, TP shards in TP order, a replicated norm from one member only."""
     from hybridengine.model.spec import ModelSpec
-    from hybridengine.reshard.resharder import expected_bytes_received, generation_sources
+    from hybridengine.reshard.weight_plan import expected_bytes_received, generation_sources
 
     spec = ModelSpec("LlamaForCausalLM", 64, 16, 32, 4, 4, 2, 4, 1e-6, 1e4, 64, False, False)
     plan = plan_reshard(ParallelLayout(2, 2, 1), GenerationLayout(1, 1))

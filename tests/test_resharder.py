@@ -11,7 +11,8 @@ from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.baselines import BASELINES
 from hybridengine.reshard.plan import GenerationLayout, plan_reshard
 from hybridengine.reshard.generation_export import generation_to_hf
-from hybridengine.reshard.resharder import Resharder, expected_bytes_received
+from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.weight_plan import WeightPlan, expected_bytes_received
 from hybridengine.model.catalogue import stage_params
 from hybridengine.reshard.transport import TorchTransport
 from tiny_models import make_llama
@@ -37,7 +38,7 @@ def _worker(rank, world_size, path, train_dims, gen_dims, bucket_bytes):
     expected = shard_from_checkpoint(path, spec, gen_dims[0], gen_dims[1], me.gen_tp_rank, me.gen_pp_rank)
 
     transport = TorchTransport()
-    resharder = Resharder(spec, plan, rank, params, transport, bucket_bytes=bucket_bytes)
+    resharder = Resharder(WeightPlan(spec, plan), rank, params, transport, bucket_bytes=bucket_bytes)
     got = resharder.to_generation()
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -73,7 +74,7 @@ def _worker(rank, world_size, path, train_dims, gen_dims, bucket_bytes):
 
     for name, baseline in BASELINES.items():
         t = TorchTransport()
-        out = baseline(spec, plan, rank, params, t)
+        out = baseline(WeightPlan(spec, plan), rank, params, t)
         for key, tensor in expected.items():
             assert torch.equal(out[key], tensor), (name, rank, key)
         assert t.bytes_received >= received, (name, rank, t.bytes_received, received)
@@ -145,7 +146,7 @@ def _in_place_worker(rank, world_size, path, train_dims, gen_dims, dtype):
                                                                 me.gen_pp_rank).items()}
     transport = RecordingTransport()
     # A link with no fixed cost: every parameter the layout allows is gathered in place.
-    resharder = Resharder(spec, plan, rank, params, transport, profile=CollectiveProfile(1e-12, 1e9, 1e9))
+    resharder = Resharder(WeightPlan(spec, plan), rank, params, transport, profile=CollectiveProfile(1e-12, 1e9, 1e9))
     for attempt in range(2):
         transport.outputs.clear()
         got = resharder.to_generation(release_training=attempt == 1)

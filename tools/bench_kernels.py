@@ -40,7 +40,7 @@ if os.environ.get(MMAP_ENV) is None:  # allocations above 64 KiB come from mmap 
 import torch  # noqa: E402
 
 from hybridengine.device import kernel_devices, reset_peak_memory, peak_memory, synchronize  # noqa: E402
-from hybridengine.model.hf_mapping import FC1  # noqa: E402
+from hybridengine.model.catalogue import FC1, lookup  # noqa: E402
 from hybridengine.model.spec import ModelSpec  # noqa: E402
 from hybridengine.ops.advantage_scan import (  # noqa: E402
     discounted_returns, discounted_returns_reference, gae_scan, gae_scan_reference,
@@ -48,8 +48,7 @@ from hybridengine.ops.advantage_scan import (  # noqa: E402
 from hybridengine.ops.library import kernels_on, kernels_reason  # noqa: E402
 from hybridengine.ops.linear_log_prob import linear_log_prob_entropy  # noqa: E402
 from hybridengine.ops.log_prob import log_prob_entropy, log_prob_entropy_reference  # noqa: E402
-from hybridengine.model.tp_layout import join_into  # noqa: E402
-from hybridengine.model.vllm_layout import qkv_group_major_to_vllm  # noqa: E402
+from hybridengine.model.geometry import join_into  # noqa: E402
 
 MiB = 2**20
 
@@ -201,7 +200,8 @@ def reshard_cases(device, shapes, repeat):
         qkv_rows = (heads + 2 * groups) * spec.head_dim // tp
         qkv = torch.randn(qkv_rows, hidden, generator=g).to(device)
         case = f"qkv [{qkv_rows}, {hidden}] tp={tp}"
-        rows.append(compare("reshard", case, device, "copy_blocks", lambda: qkv_group_major_to_vllm(qkv, spec, tp),
+        qkv_geometry = lookup("decoder.layers.0.self_attention.linear_qkv.weight", spec, 0, 1).geometry
+        rows.append(compare("reshard", case, device, "copy_blocks", lambda: qkv_geometry.stacked(qkv, 0),
                             "torch cat", lambda: _qkv_torch(qkv, spec, tp), repeat))
         shards = [torch.randn(2 * ffn // tp, hidden, generator=g).to(device) for _ in range(2)]
         out = torch.empty(4 * ffn // tp, hidden, device=device)

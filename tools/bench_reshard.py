@@ -42,7 +42,8 @@ from hybridengine.device import (CollectiveProfile, current_memory, device_for_l
 from hybridengine.parallel.layout import ParallelLayout  # noqa: E402
 from hybridengine.model.spec import ModelSpec  # noqa: E402
 from hybridengine.reshard.baselines import BASELINES  # noqa: E402
-from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard  # noqa: E402
+from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts  # noqa: E402
+from hybridengine.reshard.weight_plan import plan_weights  # noqa: E402
 from hybridengine.reshard.resharder import Resharder  # noqa: E402
 from hybridengine.model.catalogue import stage_params  # noqa: E402
 from hybridengine.reshard.transport import TorchTransport  # noqa: E402
@@ -138,8 +139,8 @@ def inner(args) -> None:
     dtype = DTYPES[args.dtype]
     spec = spec_of(args.model)
     train, gen = parse_pair(args.pair)
-    spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel)
-    plan = plan_reshard(train, gen)
+    weights = plan_weights(spec, train, gen)
+    plan = weights.layout
     coord = train.coordinate(rank)
     torch.manual_seed(rank)
     params = {p.name: torch.randn(p.shape).to(device=device, dtype=dtype)
@@ -155,7 +156,7 @@ def inner(args) -> None:
     runners = {}
     for method in args.methods:
         if method.startswith("micro_dp"):
-            resharder = Resharder(spec, plan, rank, params, transport,
+            resharder = Resharder(weights, rank, params, transport,
                                   bucket_bytes=args.bucket_mb << 20 if args.bucket_mb else None, profile=profile)
             if resharder.schedule is not None:
                 schedule = {"bucket_bytes": resharder.bucket_bytes, "buffer_elements": resharder.schedule.numel,
@@ -165,7 +166,7 @@ def inner(args) -> None:
                                lambda r=resharder, keep=keep: r.to_training(offload=keep))
         else:
             holder = {}
-            runners[method] = (lambda b=BASELINES[method], h=holder: h.setdefault("w", b(spec, plan, rank, params, transport)),
+            runners[method] = (lambda b=BASELINES[method], h=holder: h.setdefault("w", b(weights, rank, params, transport)),
                                lambda h=holder: h.clear())
     # The plain all-gather of one generation shard over the same micro-DP communicator, for scale.
     reference = None

@@ -216,6 +216,10 @@ class Actor(_LogProbRole):
         loss = agg_loss(-log_prob, mb["response_mask"], "token-mean", normalizer)
         return loss, {"loss": loss.detach()}
 
+    def weight_source(self) -> HybridBridge:
+        """What a colocated rollout takes its weights from (``workers.rollout.weight_sync.WeightSource``)."""
+        return self.hybrid
+
     @register(Dispatch.ONE_TO_ALL)
     def to_generation(
         self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp", release_training: bool = False

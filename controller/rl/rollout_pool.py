@@ -82,4 +82,6 @@ class RolloutWeightLink:
             "weight_transfer/bytes_sent": max(s["weight_transfer/bytes_sent"] for s in sent),
             "timing_s/weight_sync": max(r["timing_s/weight_sync"] for r in received),
             "weight_sync/bytes": sum(r["weight_sync/bytes"] for r in received),
+            "timing_s/weight_update": max(r["timing_s/weight_update"] for r in received),
+            "weight_update/bytes_received": max(r["weight_update/bytes_received"] for r in received),
         }

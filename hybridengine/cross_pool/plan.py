@@ -41,10 +41,12 @@ way); broadcast wins with many generation replicas fed by few training ones.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Sequence
 
+from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout
 from hybridengine.reshard.plan import (
     GenerationLayout,
@@ -53,10 +55,11 @@ from hybridengine.reshard.plan import (
     ReshardPlan,
     plan_reshard,
 )
+from hybridengine.reshard.weight_plan import GenParamSource, WeightPlan, bucket_blocks, bucket_sources
 
 __all__ = [
-    "CROSS_POOL_METHODS", "CrossPoolPlan", "LinkBytes", "Route", "Segment", "cross_pool_generation_layouts",
-    "plan_cross_pool",
+    "CROSS_POOL_METHODS", "Bucket", "CrossPoolPlan", "LinkBytes", "Route", "Segment", "cross_pool_generation_layouts",
+    "plan_cross_pool", "plan_for_model", "segment_bytes", "shard_buckets",
 ]
 
 CROSS_POOL_METHODS = ("auto", "p2p", "broadcast")
@@ -256,3 +259,70 @@ def plan_cross_pool(train: ParallelLayout, gen: GenerationLayout, gen_dp: int, m
               f"(units of segment_bytes); {method} chosen")
     chosen = candidates[method][1]
     return CrossPoolPlan(train, gen, gen_dp, method, reason, chosen.segments, chosen.routes)
+
+
+# ---------------------------------------------------------------- for one model
+
+def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
+    """Generation shard (gen_tp, gen_pp)'s parameters and their pieces, as the colocated plan joins them."""
+    return WeightPlan(spec, plan.colocated).sources(plan.colocated_rank(gen_tp, gen_pp))
+
+
+def _piece_shape(source: GenParamSource, index: int, slices: int) -> tuple[int, ...]:
+    """The shape of member ``index``'s piece of ``source``: its training shard, or (sliced) the generation shape."""
+    return tuple(source.param.shape) if slices > 1 else tuple(source.train_shapes[index])
+
+
+def _segment_sizes(sources: Sequence[GenParamSource], segments: int, slices: int) -> tuple[int, ...]:
+    """Elements each segment (micro-DP member) contributes to ``sources``."""
+    sizes = [0] * segments
+    for s in sources:
+        for i, m in enumerate(s.members):
+            sizes[m] += math.prod(_piece_shape(s, i, slices))
+    return tuple(sizes)
+
+
+def segment_bytes(spec: ModelSpec, plan: CrossPoolPlan, element_size: int):
+    """``(gen_tp, gen_pp, position) -> bytes`` of one segment for ``spec`` (replicated norms travel once)."""
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def size(gen_tp: int, gen_pp: int, position: int) -> int:
+        if (gen_tp, gen_pp) not in cache:
+            segments = plan.shard_segments(gen_tp, gen_pp)
+            cache[(gen_tp, gen_pp)] = _segment_sizes(_shard_sources(spec, plan, gen_tp, gen_pp), len(segments),
+                                                     segments[0].slices)
+        return cache[(gen_tp, gen_pp)][position] * element_size
+
+    return size
+
+
+def plan_for_model(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout, gen_dp: int,
+                   element_size: int, method: str = "auto") -> CrossPoolPlan:
+    """``plan_cross_pool`` deciding between the methods on ``spec``'s exact segment sizes."""
+    rough = plan_cross_pool(train, gen, gen_dp, "p2p")
+    return plan_cross_pool(train, gen, gen_dp, method, segment_bytes(spec, rough, element_size))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    sources: tuple[GenParamSource, ...]
+    sizes: tuple[int, ...]  # elements of each segment's message
+    blocks: tuple  # the copies that lay the segments' messages into the flat generation buffer
+
+
+def shard_buckets(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int, element_size: int,
+                  bucket_bytes: int) -> list[Bucket]:
+    """Generation shard (gen_tp, gen_pp)'s parameters in buckets of about ``bucket_bytes``: per bucket, what
+    each segment's message holds and how the messages are laid into the flat generation buffer (each
+    parameter a view of it, in the generation stage's order)."""
+    segments = plan.shard_segments(gen_tp, gen_pp)
+    buckets = bucket_sources(_shard_sources(spec, plan, gen_tp, gen_pp), element_size, bucket_bytes)
+    slices = segments[0].slices
+    offsets, offset = {}, 0  # where each generation parameter starts in the flat buffer
+    for s in (s for b in buckets for s in b):
+        offsets[s.param.name] = offset
+        offset += s.param.numel
+    # A slice is already the generation shard: one piece, copied whole.
+    return [Bucket(tuple(b), _segment_sizes(b, len(segments), slices),
+                   tuple(bucket_blocks(b, offsets, len(segments), lambda source, i: _piece_shape(source, i, slices))))
+            for b in buckets]

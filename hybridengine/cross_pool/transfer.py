@@ -17,22 +17,17 @@ training parameters are only read.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.cross_pool.plan import CrossPoolPlan, Route, plan_cross_pool
-from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.cross_pool.plan import Bucket, CrossPoolPlan, Route, shard_buckets
+from hybridengine.model.geometry import split_tp_shard
 from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
-from hybridengine.reshard.plan import GenerationLayout
-from hybridengine.reshard.resharder import GenParamSource, bucket_blocks, bucket_sources, generation_sources
-from hybridengine.model.tp_layout import split_tp_shard
 
-__all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink", "plan_for_model", "segment_bytes"]
+__all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink"]
 
 
 class GroupLink:
@@ -62,52 +57,6 @@ class StandaloneLink:
         return self.group.recv([tensor], peer, tag)
 
 
-def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
-    return generation_sources(spec, plan.colocated, plan.colocated_rank(gen_tp, gen_pp))
-
-
-def _piece_shape(source: GenParamSource, index: int, slices: int) -> tuple[int, ...]:
-    """The shape of member ``index``'s piece of ``source``: its training shard, or (sliced) the generation shape."""
-    return tuple(source.param.shape) if slices > 1 else tuple(source.train_shapes[index])
-
-
-def _segment_sizes(sources: Sequence[GenParamSource], segments: int, slices: int) -> tuple[int, ...]:
-    """Elements each segment (micro-DP member) contributes to ``sources``."""
-    sizes = [0] * segments
-    for s in sources:
-        for i, m in enumerate(s.members):
-            sizes[m] += math.prod(_piece_shape(s, i, slices))
-    return tuple(sizes)
-
-
-def segment_bytes(spec: ModelSpec, plan: CrossPoolPlan, element_size: int):
-    """``(gen_tp, gen_pp, position) -> bytes`` of one segment for ``spec`` (replicated norms travel once)."""
-    cache: dict[tuple[int, int], list[int]] = {}
-
-    def size(gen_tp: int, gen_pp: int, position: int) -> int:
-        if (gen_tp, gen_pp) not in cache:
-            segments = plan.shard_segments(gen_tp, gen_pp)
-            cache[(gen_tp, gen_pp)] = _segment_sizes(_shard_sources(spec, plan, gen_tp, gen_pp), len(segments),
-                                                     segments[0].slices)
-        return cache[(gen_tp, gen_pp)][position] * element_size
-
-    return size
-
-
-def plan_for_model(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout, gen_dp: int,
-                   element_size: int, method: str = "auto") -> CrossPoolPlan:
-    """``plan_cross_pool`` deciding between the methods on ``spec``'s exact segment sizes."""
-    rough = plan_cross_pool(train, gen, gen_dp, "p2p")
-    return plan_cross_pool(train, gen, gen_dp, method, segment_bytes(spec, rough, element_size))
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    sources: tuple[GenParamSource, ...]
-    sizes: tuple[int, ...]  # elements of each segment's message
-    blocks: tuple  # the copies that lay the segments' messages into the flat generation buffer
-
-
 class CrossPoolTransfer:
     """One rank's side of a cross-pool plan; build once, call ``send`` (training) or ``receive`` (generation) each step.
 
@@ -127,29 +76,16 @@ class CrossPoolTransfer:
         self.link = link if link is not None else GroupLink()
         self.train_ranks, self.gen_ranks = list(train_ranks), list(gen_ranks)
         self.bytes_sent = self.bytes_received = 0
-        self._buckets: dict[tuple[int, int], list[_Bucket]] = {}
+        self._buckets: dict[tuple[int, int], list[Bucket]] = {}
         self.buffer: torch.Tensor | None = None
         self.weights: dict[str, torch.Tensor] = {}
 
     # ----------------------------------------------------------- shared shape
-    def buckets(self, gen_tp: int, gen_pp: int, element_size: int) -> list[_Bucket]:
-        """Generation shard (gen_tp, gen_pp)'s parameters in buckets of about ``bucket_bytes``; both sides agree."""
+    def buckets(self, gen_tp: int, gen_pp: int, element_size: int) -> list[Bucket]:
+        """Generation shard (gen_tp, gen_pp)'s buckets (``cross_pool.plan.shard_buckets``); both sides agree."""
         key = (gen_tp, gen_pp)
         if key not in self._buckets:
-            segments = self.plan.shard_segments(gen_tp, gen_pp)
-            buckets = bucket_sources(_shard_sources(self.spec, self.plan, gen_tp, gen_pp), element_size,
-                                     self.bucket_bytes)
-            slices = segments[0].slices
-            offsets, offset = {}, 0  # where each generation parameter starts in the flat buffer
-            for s in (s for b in buckets for s in b):
-                offsets[s.param.name] = offset
-                offset += s.param.numel
-            # A slice is already the generation shard: one piece, copied whole.
-            shaped = [_Bucket(tuple(b), _segment_sizes(b, len(segments), slices),
-                              tuple(bucket_blocks(b, offsets, len(segments),
-                                                  lambda source, i: _piece_shape(source, i, slices))))
-                      for b in buckets]
-            self._buckets[key] = shaped
+            self._buckets[key] = shard_buckets(self.spec, self.plan, gen_tp, gen_pp, element_size, self.bucket_bytes)
         return self._buckets[key]
 
     def _tag(self, route: Route, bucket: int) -> int:
@@ -176,13 +112,13 @@ class CrossPoolTransfer:
             for work, _ in pending:
                 work.wait()
 
-    def _segment_message(self, route: Route, bucket: _Bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _segment_message(self, route: Route, bucket: Bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
         seg = self.plan.shard_segments(route.gen_tp, route.gen_pp)[route.position]
         pieces = []
         for s in bucket.sources:
             for m, name in zip(s.members, s.train_names):
                 if m == route.position:
-                    pieces.append(split_tp_shard(s.param.kind, params[name], seg.slices, seg.slice_index).reshape(-1))
+                    pieces.append(split_tp_shard(s.param.geometry, params[name], seg.slices, seg.slice_index).reshape(-1))
         if not pieces:
             return next(iter(params.values())).new_empty(0)
         return torch.cat(pieces)

@@ -1,8 +1,10 @@
-"""One table of every megatron parameter of a pipeline stage: shard kind, shard shape, HF names, vLLM name.
+"""One table of every megatron parameter of a pipeline stage: shard geometry, shard shape, HF names, vLLM name.
 
-The HF mapping (``hf_mapping``), the resharder and its baselines
-(``stage_params``), and the vLLM layout (``vllm_layout``) all read this
+The HF mapping (``hf_mapping``), the resharder and its baselines, the
+cross-pool transfer and the vLLM layout (``vllm_layout``) all read this
 table, so a new family (q/k norm, a padded vocabulary) is one edit here.
+How each parameter splits over TP ranks is data, a ``ShardGeometry``
+(``hybridengine.model.geometry``), from which every cut and join follows.
 Which layers a stage holds comes from ``ModelSpec.layers_of_stage`` only.
 
 Names follow megatron-core's local layer spec; decoder-layer entries carry
@@ -19,16 +21,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from hybridengine.model.geometry import ShardGeometry
 from hybridengine.model.spec import ModelSpec
 
 __all__ = [
-    "ShardKind", "CatalogueEntry", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
+    "ShardKind", "ShardGeometry", "CatalogueEntry", "REPLICATED", "COLUMNS", "FC1", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
     "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup",
 ]
 
 
 class ShardKind(str, Enum):
-    """How the TP shards of one parameter join (a str, so ``kind == "qkv"`` keeps working)."""
+    """The names of the built-in shard geometries (a str, so ``kind == "qkv"`` keeps working)."""
 
     VOCAB_ROWS = "vocab_rows"  # rows of the (padded) vocabulary, contiguous per TP rank
     REPLICATED = "replicated"  # the same tensor on every TP rank
@@ -41,16 +44,36 @@ class ShardKind(str, Enum):
 
 
 Shape = Callable[[ModelSpec, int], tuple[int, ...]]  # (spec, tp) -> the shard's shape
+Geometry = Callable[[ModelSpec], ShardGeometry]
+
+REPLICATED = ShardGeometry(ShardKind.REPLICATED, dim=None)
+COLUMNS = ShardGeometry(ShardKind.COLUMNS, dim=1)
+FC1 = ShardGeometry(ShardKind.FC1, dim=0, parts=(1, 1), interleave="shard")  # [gate_r; up_r]
+
+
+def _qkv(s: ModelSpec) -> ShardGeometry:
+    """Per query group: its query heads, its key head, its value head."""
+    d = s.head_dim
+    return ShardGeometry(ShardKind.QKV, dim=0, parts=(s.num_attention_heads // s.num_query_groups * d, d, d))
+
+
+def _vocab(s: ModelSpec) -> ShardGeometry:
+    """Rows of the padded vocabulary; the rows past the real vocabulary are padding."""
+    return ShardGeometry(ShardKind.VOCAB_ROWS, dim=0, real_units=s.vocab_size)
 
 
 @dataclass(frozen=True)
 class CatalogueEntry:
     suffix: str  # megatron name (after "decoder.layers.{i}." for layer parameters)
-    kind: ShardKind
-    hf_names: tuple[str, ...]  # HF tensors it is made of (after "model.layers.{i}." for layer parameters)
+    geometry: Geometry  # how it splits over TP ranks
+    hf_names: tuple[str, ...]  # HF tensors it is made of, its parts (after "model.layers.{i}." for layer parameters)
     vllm_name: str | None  # vLLM's (fused) name; None where vLLM has no such tensor (a value head)
     shape: Shape
     present: Callable[[ModelSpec], bool] = lambda spec: True
+
+
+def _same(geometry: ShardGeometry) -> Geometry:
+    return lambda spec: geometry
 
 
 def _qkv_rows(s: ModelSpec, t: int) -> int:
@@ -62,26 +85,26 @@ def _has_qk_norm(s: ModelSpec) -> bool:
 
 
 LAYER_ENTRIES: tuple[CatalogueEntry, ...] = (
-    CatalogueEntry("input_layernorm.weight", ShardKind.REPLICATED, ("input_layernorm.weight",),
+    CatalogueEntry("input_layernorm.weight", _same(REPLICATED), ("input_layernorm.weight",),
                    "input_layernorm.weight", lambda s, t: (s.hidden_size,)),
-    CatalogueEntry("self_attention.linear_qkv.weight", ShardKind.QKV,
+    CatalogueEntry("self_attention.linear_qkv.weight", _qkv,
                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
                    "self_attn.qkv_proj.weight", lambda s, t: (_qkv_rows(s, t), s.hidden_size)),
-    CatalogueEntry("self_attention.linear_qkv.bias", ShardKind.QKV,
+    CatalogueEntry("self_attention.linear_qkv.bias", _qkv,
                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                    "self_attn.qkv_proj.bias", lambda s, t: (_qkv_rows(s, t),), lambda s: s.qkv_bias),
     # Qwen3: one RMSNorm weight of head_dim shared by every query (key) head, so replicated.
-    CatalogueEntry("self_attention.q_layernorm.weight", ShardKind.REPLICATED, ("self_attn.q_norm.weight",),
+    CatalogueEntry("self_attention.q_layernorm.weight", _same(REPLICATED), ("self_attn.q_norm.weight",),
                    "self_attn.q_norm.weight", lambda s, t: (s.head_dim,), _has_qk_norm),
-    CatalogueEntry("self_attention.k_layernorm.weight", ShardKind.REPLICATED, ("self_attn.k_norm.weight",),
+    CatalogueEntry("self_attention.k_layernorm.weight", _same(REPLICATED), ("self_attn.k_norm.weight",),
                    "self_attn.k_norm.weight", lambda s, t: (s.head_dim,), _has_qk_norm),
-    CatalogueEntry("self_attention.linear_proj.weight", ShardKind.COLUMNS, ("self_attn.o_proj.weight",),
+    CatalogueEntry("self_attention.linear_proj.weight", _same(COLUMNS), ("self_attn.o_proj.weight",),
                    "self_attn.o_proj.weight", lambda s, t: (s.hidden_size, s.num_attention_heads * s.head_dim // t)),
-    CatalogueEntry("pre_mlp_layernorm.weight", ShardKind.REPLICATED, ("post_attention_layernorm.weight",),
+    CatalogueEntry("pre_mlp_layernorm.weight", _same(REPLICATED), ("post_attention_layernorm.weight",),
                    "post_attention_layernorm.weight", lambda s, t: (s.hidden_size,)),
-    CatalogueEntry("mlp.linear_fc1.weight", ShardKind.FC1, ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    CatalogueEntry("mlp.linear_fc1.weight", _same(FC1), ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                    "mlp.gate_up_proj.weight", lambda s, t: (2 * s.ffn_hidden_size // t, s.hidden_size)),
-    CatalogueEntry("mlp.linear_fc2.weight", ShardKind.COLUMNS, ("mlp.down_proj.weight",),
+    CatalogueEntry("mlp.linear_fc2.weight", _same(COLUMNS), ("mlp.down_proj.weight",),
                    "mlp.down_proj.weight", lambda s, t: (s.hidden_size, s.ffn_hidden_size // t)),
 )
 _LAYER_BY_SUFFIX = {e.suffix: e for e in LAYER_ENTRIES}
@@ -104,17 +127,17 @@ def _vocab_shape(s: ModelSpec, t: int) -> tuple[int, ...]:
 def _stage_entry(name: str, spec: ModelSpec) -> CatalogueEntry:
     """The entries outside the decoder layers; the output layer depends on the head and on tying."""
     if name == EMBEDDING:
-        return CatalogueEntry(EMBEDDING, ShardKind.VOCAB_ROWS, ("model.embed_tokens.weight",),
+        return CatalogueEntry(EMBEDDING, _vocab, ("model.embed_tokens.weight",),
                               "model.embed_tokens.weight", _vocab_shape)
     if name == FINAL_NORM:
-        return CatalogueEntry(FINAL_NORM, ShardKind.REPLICATED, ("model.norm.weight",), "model.norm.weight",
+        return CatalogueEntry(FINAL_NORM, _same(REPLICATED), ("model.norm.weight",), "model.norm.weight",
                               lambda s, t: (s.hidden_size,))
     if name == OUTPUT_LAYER:
         if spec.is_value_model:
-            return CatalogueEntry(OUTPUT_LAYER, ShardKind.REPLICATED, ("score.weight",), None,
+            return CatalogueEntry(OUTPUT_LAYER, _same(REPLICATED), ("score.weight",), None,
                                   lambda s, t: (s.num_labels, s.hidden_size))
         hf = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-        return CatalogueEntry(OUTPUT_LAYER, ShardKind.VOCAB_ROWS, (hf,), "lm_head.weight", _vocab_shape)
+        return CatalogueEntry(OUTPUT_LAYER, _vocab, (hf,), "lm_head.weight", _vocab_shape)
     raise KeyError(name)
 
 
@@ -122,10 +145,11 @@ def _stage_entry(name: str, spec: ModelSpec) -> CatalogueEntry:
 class StageParam:
     name: str  # megatron name, layers numbered locally within the stage
     shape: tuple[int, ...]  # the shard's shape at this TP size
-    kind: ShardKind  # how TP shards join
+    kind: str  # its geometry's name (a ShardKind for the built-in ones)
     layer: int | None = None  # global layer index, None for embedding / final norm / output layer
     hf_names: tuple[str, ...] = field(default=(), compare=False)  # HF tensors, global layer index
     vllm_name: str | None = field(default=None, compare=False)  # vLLM's name, global layer index
+    geometry: ShardGeometry | None = field(default=None, compare=False)  # how TP shards are cut and join
 
     @property
     def numel(self) -> int:
@@ -135,8 +159,9 @@ class StageParam:
 def _param(entry: CatalogueEntry, spec: ModelSpec, tp: int, name: str, layer: int | None) -> StageParam:
     prefix_hf = "" if layer is None else f"model.layers.{layer}."
     vllm = None if entry.vllm_name is None else prefix_hf + entry.vllm_name
-    return StageParam(name, entry.shape(spec, tp), entry.kind, layer,
-                      tuple(prefix_hf + n for n in entry.hf_names), vllm)
+    geometry = entry.geometry(spec)
+    return StageParam(name, entry.shape(spec, tp), geometry.kind, layer,
+                      tuple(prefix_hf + n for n in entry.hf_names), vllm, geometry)
 
 
 def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> list[StageParam]:

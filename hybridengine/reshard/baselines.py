@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.model.spec import ModelSpec
-from hybridengine.reshard.plan import ReshardPlan
-from hybridengine.reshard.resharder import generation_sources
 from hybridengine.model.catalogue import stage_params
-from hybridengine.model.tp_layout import join_tp_shards, split_tp_shard
+from hybridengine.model.geometry import join_tp_shards, split_tp_shard
 from hybridengine.reshard.transport import Transport
+from hybridengine.reshard.weight_plan import WeightPlan
 
 __all__ = ["full_allgather", "tp_pp_gather", "BASELINES", "RESHARD_METHODS"]
 
 FullModel = dict[tuple[int, str], torch.Tensor]  # (training stage, name) -> TP-joined tensor
 
 
-def _cut_generation_shard(spec: ModelSpec, plan: ReshardPlan, rank: int, full: FullModel) -> dict[str, torch.Tensor]:
-    me = plan.ranks[rank]
+def _cut_generation_shard(plan: WeightPlan, rank: int, full: FullModel) -> dict[str, torch.Tensor]:
+    me = plan.layout.ranks[rank]
     out = {}
-    for source in generation_sources(spec, plan, rank):
+    for source in plan.sources(rank):
         tensor = full[(source.stage, source.train_names[0])]
-        out[source.param.name] = split_tp_shard(source.param.kind, tensor, plan.gen.tensor_parallel, me.gen_tp_rank).clone()
+        out[source.param.name] = split_tp_shard(source.param.geometry, tensor, plan.gen.tensor_parallel,
+                                                me.gen_tp_rank).clone()
     return out
 
 
@@ -45,8 +44,8 @@ def _split_flat(flat: torch.Tensor, params) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_allgather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str, torch.Tensor], transport: Transport):
-    train = plan.train
+def full_allgather(plan: WeightPlan, rank: int, params: dict[str, torch.Tensor], transport: Transport):
+    spec, train = plan.spec, plan.train
     world = list(range(train.world_size))
     key = transport.new_group(world)
     catalog = {pp: stage_params(spec, train.tp, train.pp, pp) for pp in range(train.pp)}
@@ -68,12 +67,12 @@ def full_allgather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[s
             shard_flat = torch.cat([parts[train.rank_of(tp, pp, dd)] for dd in range(train.dp)])
             shards.append(_split_flat(shard_flat, stage_catalog))
         for p in stage_catalog:
-            full[(pp, p.name)] = join_tp_shards(p.kind, [s[p.name] for s in shards])
-    return _cut_generation_shard(spec, plan, rank, full)
+            full[(pp, p.name)] = join_tp_shards(p.geometry, [s[p.name] for s in shards])
+    return _cut_generation_shard(plan, rank, full)
 
 
-def tp_pp_gather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str, torch.Tensor], transport: Transport):
-    train = plan.train
+def tp_pp_gather(plan: WeightPlan, rank: int, params: dict[str, torch.Tensor], transport: Transport):
+    spec, train = plan.spec, plan.train
     coord = train.coordinate(rank)
     tp_group = [train.rank_of(t, coord.pp_rank, coord.dp_rank) for t in range(train.tp)]
     pp_group = [train.rank_of(coord.tp_rank, s, coord.dp_rank) for s in range(train.pp)]
@@ -85,7 +84,7 @@ def tp_pp_gather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str
     for p in stage_params(spec, train.tp, train.pp, coord.pp_rank):
         local = params[p.name].contiguous()
         shards = transport.gather_parts(keys[tuple(tp_group)], tp_group, local.reshape(-1), [p.numel] * train.tp)
-        full[(coord.pp_rank, p.name)] = join_tp_shards(p.kind, [s.view(p.shape) for s in shards])
+        full[(coord.pp_rank, p.name)] = join_tp_shards(p.geometry, [s.view(p.shape) for s in shards])
     for stage in range(train.pp):
         for p in stage_params(spec, 1, train.pp, stage):  # TP-joined shapes
             key = (stage, p.name)
@@ -93,7 +92,7 @@ def tp_pp_gather(spec: ModelSpec, plan: ReshardPlan, rank: int, params: dict[str
             if train.pp > 1:
                 transport.broadcast(tensor.contiguous() if stage == coord.pp_rank else tensor, pp_group[stage], keys[tuple(pp_group)])
             full[key] = tensor
-    return _cut_generation_shard(spec, plan, rank, full)
+    return _cut_generation_shard(plan, rank, full)
 
 
 BASELINES = {"full_allgather": full_allgather, "tp_pp_gather": tp_pp_gather}

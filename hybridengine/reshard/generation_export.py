@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.model.hf_mapping import REPLICATED, hf_source, merge_shards
+from hybridengine.model.hf_mapping import hf_source, merge_shards
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import ReshardPlan
 from hybridengine.model.catalogue import stage_params
@@ -30,7 +30,7 @@ def generation_to_hf(
         if param.name == "output_layer.weight" and spec.tie_word_embeddings and not spec.is_value_model:
             continue  # HF keeps one tied tensor, the embedding
         local = weights[param.name]
-        if param.kind == REPLICATED or gen.tensor_parallel == 1:
+        if param.geometry.replicated or gen.tensor_parallel == 1:
             shards = [local]
         else:
             parts = transport.all_gather(local.contiguous().reshape(-1), keys[my_group])

@@ -36,129 +36,13 @@ from typing import Sequence
 import torch
 
 from hybridengine.device import CollectiveProfile, collective_profile
-from hybridengine.reshard.schedule import GatherSchedule, GatherUnit, gather_schedule
-from hybridengine.model.spec import ModelSpec
-from hybridengine.model.catalogue import ShardKind
-from hybridengine.reshard.plan import ReshardPlan
-from hybridengine.model.catalogue import StageParam, stage_params
+from hybridengine.model.geometry import split_tp_shard
 from hybridengine.ops.copy_blocks import copy_blocks, whole_block
-from hybridengine.model.tp_layout import Piece, join_blocks, split_tp_shard
+from hybridengine.reshard.schedule import GatherSchedule, GatherUnit
 from hybridengine.reshard.transport import Transport
+from hybridengine.reshard.weight_plan import WeightPlan, default_bucket_bytes, in_place_min_bytes
 
-__all__ = ["GenParamSource", "bucket_blocks", "bucket_sources", "default_bucket_bytes", "generation_sources",
-           "in_place_min_bytes", "Resharder", "expected_bytes_received"]
-
-
-@dataclass(frozen=True)
-class GenParamSource:
-    param: StageParam  # the generation parameter (name local to the generation stage)
-    stage: int  # the training pipeline stage that holds its pieces
-    members: tuple[int, ...]  # micro-DP positions that contribute a piece, in TP order
-    train_names: tuple[str, ...]  # the piece's training parameter name on each of those members
-    train_shapes: tuple[tuple[int, ...], ...]
-
-
-def _training_stage_and_name(spec: ModelSpec, plan: ReshardPlan, gen_param: StageParam) -> tuple[int, str]:
-    train = plan.train
-    if gen_param.layer is not None:
-        stage, local = spec.stage_of_layer(gen_param.layer, train.pp)
-        suffix = gen_param.name.split(".", 3)[3]
-        return stage, f"decoder.layers.{local}.{suffix}"
-    if gen_param.name.startswith("embedding."):
-        return 0, gen_param.name
-    return train.pp - 1, gen_param.name
-
-
-def generation_sources(spec: ModelSpec, plan: ReshardPlan, rank: int) -> list[GenParamSource]:
-    """For each parameter of ``rank``'s generation shard, which micro-DP members hold its pieces."""
-    me = plan.ranks[rank]
-    gen = plan.gen
-    train_shapes: dict[tuple[int, str], tuple[int, ...]] = {}
-    for pp in range(plan.train.pp):
-        for p in stage_params(spec, plan.train.tp, plan.train.pp, pp):
-            train_shapes[(pp, p.name)] = p.shape
-    sources = []
-    for param in stage_params(spec, gen.tensor_parallel, gen.pipeline_parallel, me.gen_pp_rank):
-        stage, train_name = _training_stage_and_name(spec, plan, param)
-        members = tuple(sorted(
-            (m for m, (tp, pp) in enumerate(me.source_shards) if pp == stage), key=lambda m: me.source_shards[m][0]
-        ))
-        if param.kind == ShardKind.REPLICATED:
-            members = members[:1]  # identical on every TP rank: one copy is enough
-        sources.append(GenParamSource(param, stage, members, (train_name,) * len(members),
-                                      (train_shapes[(stage, train_name)],) * len(members)))
-    return sources
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, element_size: int) -> int:
-    """What a gather plan must move to ``rank``: every piece its micro-DP peers hold, once.
-
-    A replicated tensor (a norm) is held whole by every member of its stage: where no stages merge, each
-    member takes its own copy and nothing moves; across a merge its first holder sends it to the group.
-    """
-    if plan.kind == "slice":
-        return 0
-    me = plan.ranks[rank]
-    one_stage = len({pp for _, pp in me.source_shards}) == 1
-    return element_size * sum(
-        _numel(shape) for s in generation_sources(spec, plan, rank)
-        if not (one_stage and s.param.kind == ShardKind.REPLICATED)
-        for m, shape in zip(s.members, s.train_shapes) if m != me.micro_dp_index
-    )
-
-
-def bucket_sources(sources: Sequence[GenParamSource], element_size: int, bucket_bytes: int) -> list[list[GenParamSource]]:
-    """``sources`` in order, cut into buckets of at most ``bucket_bytes`` of generation parameters (a larger
-    parameter alone in its own)."""
-    buckets, current, size = [], [], 0
-    for s in sources:
-        nbytes = s.param.numel * element_size
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(s)
-        size += nbytes
-    return buckets + ([current] if current else [])
-
-
-def bucket_blocks(bucket: Sequence[GenParamSource], offsets: dict[str, int], members: int,
-                  piece_shape=lambda source, i: source.train_shapes[i]) -> list:
-    """The block copies that join a bucket's pieces into the flat generation buffer at ``offsets``.
-
-    Member m's pieces lie one after another in its flat part, in the bucket's order; ``piece_shape(source,
-    i)`` is the shape of ``source``'s i-th piece (its training shard by default).
-    """
-    cursor, blocks = [0] * members, []
-    for s in bucket:
-        pieces = []
-        for i, m in enumerate(s.members):
-            shape = tuple(piece_shape(s, i))
-            pieces.append(Piece(m, cursor[m], shape))
-            cursor[m] += _numel(shape)
-        blocks += join_blocks(s.param.kind, pieces, offsets[s.param.name], s.param.shape)
-    return blocks
-
-
-def default_bucket_bytes(profile: CollectiveProfile, group_size: int) -> int:
-    """A bucket whose transfer takes about 16 collective latencies (the fixed cost is then ~6%), in whole MiB,
-    between 4 and 64 MiB (the fixed bucket it replaces: peak memory stays where it was)."""
-    if group_size < 2:
-        return 4 << 20
-    received_share = (group_size - 1) / group_size
-    target = 16 * profile.latency_s * profile.link_bytes_per_s / received_share
-    return int(min(max(target, 4 << 20), 64 << 20)) >> 20 << 20
-
-
-def in_place_min_bytes(profile: CollectiveProfile) -> int:
-    """Below this, a parameter's own collective costs more than the staging copy it would save."""
-    return int(profile.latency_s * profile.copy_bytes_per_s)
+__all__ = ["Resharder"]
 
 
 @dataclass(frozen=True)
@@ -176,22 +60,22 @@ class Resharder:
 
     def __init__(
         self,
-        spec: ModelSpec,
-        plan: ReshardPlan,
+        plan: WeightPlan,
         rank: int,
         training_params: dict[str, torch.Tensor],
         transport: Transport,
         bucket_bytes: int | None = None,
         profile: CollectiveProfile | None = None,
     ) -> None:
-        """``bucket_bytes``: the staging budget per step of the gather (two units in flight share it);
-        ``None`` sizes it from ``profile`` (default: ``hybridengine.device.collective_profile()``)."""
-        self.spec, self.plan, self.rank, self.transport = spec, plan, rank, transport
+        """``plan``: the model's reshard plan (``weight_plan.plan_weights``); ``bucket_bytes``: the staging
+        budget per step of the gather (two units in flight share it); ``None`` sizes it from ``profile``
+        (default: ``hybridengine.device.collective_profile()``)."""
+        self.weight_plan, self.plan, self.spec = plan, plan.layout, plan.spec
+        self.rank, self.transport = rank, transport
         self.profile = profile or collective_profile()
-        self.bucket_bytes = bucket_bytes or default_bucket_bytes(self.profile, plan.micro_dp_size)
-        me = plan.ranks[rank]
-        own_stage = plan.train.coordinate(rank).pp_rank
-        expected = {p.name: p.shape for p in stage_params(spec, plan.train.tp, plan.train.pp, own_stage)}
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(self.profile, self.plan.micro_dp_size)
+        me = self.plan.ranks[rank]
+        expected = {p.name: p.shape for p in plan.training_params(rank)}
         got = {name: tuple(t.shape) for name, t in training_params.items()}
         if got != expected:
             missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
@@ -199,9 +83,9 @@ class Resharder:
             raise ValueError(f"training parameters do not match the model spec: missing {missing[:3]}, "
                              f"unexpected {extra[:3]}, wrong shapes {wrong[:3]}")
         self.params = training_params
-        self.sources = generation_sources(spec, plan, rank)
+        self.sources = plan.sources(rank)
         # Every rank of the world creates every micro-DP group, in the same order.
-        self.group_keys = {group: transport.new_group(group) for group in plan.micro_dp_groups}
+        self.group_keys = {group: transport.new_group(group) for group in self.plan.micro_dp_groups}
         self.my_group = me.micro_dp_group
         self.my_index = me.micro_dp_index
         self.buffer: torch.Tensor | None = None
@@ -209,11 +93,10 @@ class Resharder:
         self._keep_staging = False  # kept between transitions only while the buffer is kept
         self.weights: dict[str, torch.Tensor] = {}
         self.released: dict[int, int] = {}  # id(training parameter) -> its storage bytes, while released
-        self.schedule: GatherSchedule | None = None
-        if plan.kind == "gather":
-            element = next(iter(training_params.values())).element_size()
-            self.schedule = gather_schedule(self.sources, me.source_shards, element, self.bucket_bytes,
-                                            in_place_min_bytes(self.profile))
+        element = next(iter(training_params.values())).element_size()
+        self.schedule: GatherSchedule | None = plan.schedule(rank, element, self.bucket_bytes,
+                                                             in_place_min_bytes(self.profile))
+        if self.schedule is not None:
             self.offsets = self.schedule.offsets
             self._units = self._bind(self.schedule)
 
@@ -336,11 +219,11 @@ class Resharder:
             if s.stage != own_stage:
                 continue
             gen_tensor = self.weights[s.param.name]
-            if s.param.kind == ShardKind.REPLICATED:  # the same on every TP rank, whichever member sent it
+            if s.param.geometry.replicated:  # the same on every TP rank, whichever member sent it
                 yield self.params[s.train_names[0]], gen_tensor
             else:
                 position = s.members.index(self.my_index)
-                yield self.params[s.train_names[0]], split_tp_shard(s.param.kind, gen_tensor, len(s.members), position)
+                yield self.params[s.train_names[0]], split_tp_shard(s.param.geometry, gen_tensor, len(s.members), position)
 
     def _check_releasable(self) -> None:
         storages = {p.untyped_storage().data_ptr() for p in self.params.values()}
@@ -370,7 +253,7 @@ class Resharder:
     def _slice(self) -> dict[str, torch.Tensor]:
         me = self.plan.ranks[self.rank]
         return {
-            s.param.name: split_tp_shard(s.param.kind, self.params[s.train_names[0]], me.slices, me.slice_index)
+            s.param.name: split_tp_shard(s.param.geometry, self.params[s.train_names[0]], me.slices, me.slice_index)
             for s in self.sources
         }
 

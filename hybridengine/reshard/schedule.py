@@ -28,7 +28,7 @@ loop over a few precomputed units with no per-parameter work.
 
 Every member sends each byte it owns at most once, and no member sends a
 byte that another member of the group also sends: each rank receives exactly
-what ``resharder.expected_bytes_received`` counts, the lower bound.
+what ``weight_plan.expected_bytes_received`` counts, the lower bound.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hybridengine.ops.copy_blocks import Block, whole_block
-from hybridengine.model.catalogue import ShardKind
-from hybridengine.model.tp_layout import Piece, join_blocks
+from hybridengine.model.geometry import Piece, join_blocks
 
 __all__ = ["SendPiece", "GatherUnit", "GatherSchedule", "gather_schedule"]
 
@@ -152,7 +151,7 @@ def _placements(source, offset: int, d_g: int) -> list[list[tuple[SendPiece, lis
     runs: list[list[tuple[SendPiece, list[Block]]]] = [[] for _ in range(d_g)]
     name, shape = source.train_names[0], source.train_shapes[0]
     pieces = [Piece(m, 0, shape) for m in source.members]  # a replicated tensor: its first holder only
-    blocks = join_blocks(source.param.kind, pieces, offset, source.param.shape)
+    blocks = join_blocks(source.param.geometry, pieces, offset, source.param.shape)
     for m in source.members:
         mine = [b for b in blocks if b.source == m]
         if all(b.rows == 1 or b.src_stride == b.cols == b.dst_stride for b in mine):
@@ -177,7 +176,7 @@ def gather_schedule(sources: Sequence, source_shards: Sequence[tuple[int, int]],
                     bucket_bytes: int, in_place_min_bytes: int) -> GatherSchedule:
     """The schedule of one micro-DP group (the same on each of its members).
 
-    ``sources``: the generation parameters (``resharder.generation_sources``);
+    ``sources``: the generation parameters (``weight_plan.generation_sources``);
     ``source_shards``: (tp, pp) of each member's training shard. Work of at
     least ``in_place_min_bytes`` goes in place where the layout allows; staged
     units hold at most ``bucket_bytes // 2`` each (two are in flight).
@@ -193,7 +192,7 @@ def gather_schedule(sources: Sequence, source_shards: Sequence[tuple[int, int]],
     local: list[tuple[SendPiece, int]] = []
     one_stage = len({pp for _, pp in source_shards}) == 1
     for twins in by_key.values():
-        if one_stage and twins[0].param.kind == ShardKind.REPLICATED:
+        if one_stage and twins[0].param.geometry.replicated:
             (s,) = twins
             offsets[s.param.name] = offset
             local.append((SendPiece(s.train_names[0], 0, s.param.numel), offset))

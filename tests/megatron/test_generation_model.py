@@ -13,6 +13,7 @@ from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import GenerationLayout, plan_reshard
 from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.weight_plan import WeightPlan
 from hybridengine.reshard.transport import TorchTransport
 
 
@@ -36,7 +37,7 @@ def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
         plan = plan_reshard(train, GenerationLayout(*gen_dims))
         coord = train.coordinate(rank)
         params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
-        resharder = Resharder(spec, plan, rank, params, TorchTransport())
+        resharder = Resharder(WeightPlan(spec, plan), rank, params, TorchTransport())
         weights = resharder.to_generation()
         groups = {}
         model = build_generation_model(spec, plan, rank, weights, groups)

@@ -8,7 +8,7 @@ from hybridengine.model.hf_mapping import cut_shard, hf_source
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import GenerationLayout, plan_reshard
-from hybridengine.reshard.resharder import expected_bytes_received
+from hybridengine.reshard.weight_plan import expected_bytes_received
 from hybridengine.model.catalogue import stage_params
 from tiny_models import make_llama
 from workers.megatron.hf_checkpoint import HFCheckpointReader

@@ -9,12 +9,15 @@ import torch
 from torch.library import opcheck
 
 from hybridengine.device import kernel_devices
-from hybridengine.model.hf_mapping import COLUMNS, FC1, QKV, REPLICATED, VOCAB_ROWS
+from hybridengine.model.catalogue import COLUMNS, FC1, REPLICATED, ShardGeometry, ShardKind
 from hybridengine.ops import library
 from hybridengine.ops.copy_blocks import Block, copy_blocks, copy_blocks_reference
-from hybridengine.model.tp_layout import Piece, join_blocks, join_tp_shards
+from hybridengine.model.geometry import Piece, join_blocks, join_tp_shards
 
 DEVICES = [d for d in kernel_devices() if library.kernels_on(d)]
+# Row-joined geometries of the catalogue's kinds, with shards of one unit (a query group of 1 + 1 + 1 rows).
+VOCAB_ROWS = ShardGeometry(ShardKind.VOCAB_ROWS, dim=0, real_units=100)
+QKV = ShardGeometry(ShardKind.QKV, dim=0, parts=(1, 1, 1))
 
 
 def strided_blocks():
@@ -52,7 +55,7 @@ def shards_for(kind, count):
     return [torch.randn(rows, 5, generator=g) for _ in range(count)]
 
 
-@pytest.mark.parametrize("kind", [VOCAB_ROWS, QKV, COLUMNS, FC1, REPLICATED])
+@pytest.mark.parametrize("kind", [VOCAB_ROWS, QKV, COLUMNS, FC1, REPLICATED], ids=lambda g: g.kind)
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_join_blocks_equal_torch_cat_joins(kind, count):
     shards = shards_for(kind, count)

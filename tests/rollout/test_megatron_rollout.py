@@ -23,6 +23,7 @@ from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import GenerationLayout, plan_reshard
 from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.weight_plan import WeightPlan
 from hybridengine.reshard.transport import TorchTransport
 from workers.rollout.batch import GenerationRequest
 from workers.rollout.sampling import SamplingConfig
@@ -95,11 +96,11 @@ def _run_case(rank, path, train, gen, full):
         plan = plan_reshard(train, gen)
         coord = train.coordinate(rank)
         params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
-        resharder = Resharder(spec, plan, rank, params, TorchTransport())
+        resharder = Resharder(WeightPlan(spec, plan), rank, params, TorchTransport())
         weights = resharder.to_generation()
         groups = {}
         generator = MegatronGenerator(spec, plan, rank, groups, eos_token_id=255, pad_token_id=0, decode=_toy_decode)
-        generator.set_weights(weights)
+        generator.update_weights(weights)
         storage = resharder.buffer.untyped_storage()
         start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
         for name, p in generator.model.named_parameters():  # zero copy: parameters live in the reshard buffer
@@ -184,7 +185,7 @@ def _check_ends(rank, spec, plan, groups, weights, prompts, refs):
     n = len(refs[0])
     eos = refs[1][3]  # the 4th greedy token of prompt 1
     generator = MegatronGenerator(spec, plan, rank, groups, eos_token_id=eos, pad_token_id=0, decode=_toy_decode)
-    generator.set_weights(weights)
+    generator.update_weights(weights)
     requests = [GenerationRequest(p, None) for p in prompts]
     out = generator.generate(requests, SamplingConfig(max_new_tokens=n, greedy=True))
     for ref, c in zip(refs, out):
@@ -229,12 +230,12 @@ def _check_weight_updates(hf, generator, weights, refs, n):
     greedy = SamplingConfig(max_new_tokens=n, greedy=True, ignore_eos=True)
     params = dict(generator.model.named_parameters())
     pointers = {k: p.data_ptr() for k, p in params.items()}
-    generator.set_weights(weights)  # the same tensors: nothing to do
+    generator.update_weights(weights)  # the same tensors: nothing to do
     assert {k: p.data_ptr() for k, p in params.items()} == pointers
 
     fc2 = "decoder.layers.1.mlp.linear_fc2.weight"
     weights[fc2].mul_(2.0)  # a training step writing into the shared buffer
-    generator.set_weights(weights)
+    generator.update_weights(weights)
     out = [c.token_ids for c in generator.generate(requests, greedy)]
     with hf.scaled("model.layers.1.mlp.down_proj.weight", 2.0):
         expected = [hf.greedy(p, n) for p in PROMPTS]
@@ -243,24 +244,24 @@ def _check_weight_updates(hf, generator, weights, refs, n):
 
     proj = "decoder.layers.2.self_attention.linear_proj.weight"
     fresh = {**weights, proj: weights[proj] * 0.5}
-    generator.set_weights(fresh)
+    generator.update_weights(fresh)
     assert params[proj].data_ptr() == fresh[proj].data_ptr()
     out = [c.token_ids for c in generator.generate(requests, greedy)]
     with hf.scaled("model.layers.2.self_attn.o_proj.weight", 0.5):
         expected = [hf.greedy(p, n) for p in PROMPTS]
     assert out == expected and out != refs, (out, expected, refs)
-    generator.set_weights(weights)  # back onto the reshard buffer
+    generator.update_weights(weights)  # back onto the reshard buffer
     assert params[proj].data_ptr() == weights[proj].data_ptr()
     assert [c.token_ids for c in generator.generate(requests, greedy)] == refs
 
     # Released, the model holds nothing of the buffer; installed again, it generates as before.
-    generator.release_weights()
+    generator.release()
     assert all(p.numel() == 0 for p in generator.model.parameters())
-    generator.set_weights(weights)
+    generator.update_weights(weights)
     assert {k: p.data_ptr() for k, p in params.items()} == pointers
     assert [c.token_ids for c in generator.generate(requests, greedy)] == refs
     with pytest.raises(ValueError, match=r"linear_fc2\.weight: new weight is \(3, 3\) torch.float32 on cpu, the model"):
-        generator.set_weights({**weights, fc2: torch.zeros(3, 3)})
+        generator.update_weights({**weights, fc2: torch.zeros(3, 3)})
 
 
 def _worker(rank, world_size, path, cases, out_dir):
@@ -343,6 +344,6 @@ def test_rejects_bad_settings(model):
         generator.generate([GenerationRequest((1, 2), None), GenerationRequest((), None)], SamplingConfig())
     with pytest.raises(ValueError, match=r"request 0: prompt token ids \[300\] are outside the vocabulary"):
         generator.generate([GenerationRequest((1, 300), None)], SamplingConfig())
-    with pytest.raises(RuntimeError, match="before set_weights"):
+    with pytest.raises(RuntimeError, match="before update_weights"):
         generator.generate([GenerationRequest((1, 2), None)], SamplingConfig())
     assert generator.generate([], SamplingConfig()) == []

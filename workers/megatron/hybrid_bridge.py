@@ -1,5 +1,6 @@
 """The actor's side of the 3D-HybridEngine: reshard its training shards for generation, and back; or send
-them to a rollout on a pool of its own."""
+them to a rollout on a pool of its own. A colocated rollout sees it as its ``WeightSource``
+(``workers.rollout.weight_sync``): the model, the training layout and dtype, and the two transitions."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from typing import Any
 
 import torch
 
-from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model
+from hybridengine.cross_pool.plan import plan_for_model
+from hybridengine.cross_pool.transfer import CrossPoolTransfer
 from hybridengine.reshard.baselines import BASELINES, RESHARD_METHODS
-from hybridengine.reshard.plan import GenerationLayout, plan_reshard
+from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
+from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
@@ -29,6 +32,19 @@ class HybridBridge:
         self.weights: dict[str, torch.Tensor] = {}
         self.cross_pool: CrossPoolTransfer | None = None
 
+    @property
+    def spec(self):
+        """The model as the training shards are cut (vocabulary padded as the engine pads it)."""
+        return self.engine.spec
+
+    @property
+    def layout(self):
+        return self.engine.layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.engine.module().parameters()).dtype
+
     def _training_params(self) -> dict[str, torch.Tensor]:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
 
@@ -36,22 +52,20 @@ class HybridBridge:
         """Build this rank's generation weights; collective over all ranks. Returns timing and bytes."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
-        self.engine.spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel)
+        weights = plan_weights(self.engine.spec, self.engine.layout, gen)
         self.to_training()  # at most one generation state at a time; restores released shards
-        plan = plan_reshard(self.engine.layout, gen)
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
         if method == "micro_dp":
             if gen not in self.resharders:
-                self.resharders[gen] = Resharder(
-                    self.engine.spec, plan, rank, self._training_params(), self.transport, self.bucket_bytes
-                )
+                self.resharders[gen] = Resharder(weights, rank, self._training_params(), self.transport,
+                                                 self.bucket_bytes)
             start = time.perf_counter()
             self.weights = self.resharders[gen].to_generation(release_training=release_training)
         else:
             start = time.perf_counter()
-            self.weights = BASELINES[method](self.engine.spec, plan, rank, self._training_params(), self.transport)
-        me = plan.ranks[rank]
+            self.weights = BASELINES[method](weights, rank, self._training_params(), self.transport)
+        me = weights.layout.ranks[rank]
         return {
             "timing_s/reshard": time.perf_counter() - start,
             "reshard/bytes_received": self.transport.bytes_received - before,

@@ -8,18 +8,18 @@ from typing import Any
 from hybridengine.reshard.baselines import RESHARD_METHODS
 from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
+from workers.rollout.generator import registered_generators
 from workers.rollout.sampling import SamplingConfig
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutConfig"]
-
-ROLLOUT_ENGINES = ("vllm", "megatron")
+__all__ = ["RolloutConfig"]
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """The rollout: which generation engine, its layout and limits, and the default sampling."""
 
-    # "vllm", or "megatron" (megatron-core's static inference engine on the resharded weights, zero copy)
+    # "vllm", "megatron" (megatron-core's static inference engine on the resharded weights, zero copy), or an
+    # engine registered with workers.rollout.generator.register_generator
     engine: str = "vllm"
     tensor_parallel: int = 1  # generation TP (t_g); must be reachable from the actor's layout
     pipeline_parallel: int = 1  # generation PP (p_g); vLLM runs 1
@@ -53,8 +53,8 @@ class RolloutConfig:
         problems = []
         if self.device_map not in (None, "auto"):
             problems.append(f"device_map {self.device_map!r} is not one of ('auto', None)")
-        if self.engine not in ROLLOUT_ENGINES:
-            problems.append(f"engine {self.engine!r} is not one of {ROLLOUT_ENGINES}")
+        if self.engine not in registered_generators():
+            problems.append(f"engine {self.engine!r} is not one of {registered_generators()}")
         if self.truncation not in TRUNCATION_MODES:
             problems.append(f"truncation {self.truncation!r} is not one of {TRUNCATION_MODES}")
         if self.reshard_method not in RESHARD_METHODS:

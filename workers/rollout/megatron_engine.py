@@ -31,10 +31,12 @@ consulted.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,21 +45,36 @@ from hybridengine.device import prepare_megatron
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import ReshardPlan
 from workers.rollout.batch import Completion, GenerationRequest
+from workers.rollout.generator import GeneratorBase, GeneratorContext
 from workers.rollout.sampling import SamplingConfig
 
 __all__ = ["MegatronGenerator"]
 
 
-class MegatronGenerator:
+class MegatronGenerator(GeneratorBase):
     """One rank's share of a generation replica, generating with megatron's static engine.
 
     ``generate`` is collective over this rank's generation TP x PP group:
     every rank of the group passes the same requests and gets the same
     completions back (all ranks sample identically, as megatron's engine
-    expects). ``set_weights`` must have been called once before, on every
+    expects). ``update_weights`` must have been called once before, on every
     rank of the world (the first call creates the generation process groups,
-    which is collective over the world).
+    which is collective over the world). The model's parameters are views of
+    the tensors it is given (``borrows_weights``), so nothing is copied; it
+    has no checkpoint loader of its own (``loads_checkpoint`` False).
     """
+
+    borrows_weights = True
+    loads_checkpoint = False
+
+    @classmethod
+    def from_context(cls, context: GeneratorContext) -> "MegatronGenerator":
+        if not context.weights_pushed:
+            raise ValueError("the megatron rollout generates from the actor's weights; colocate it with an "
+                             "actor (actor_role), give it a pool of its own fed by the actor (training=...), "
+                             "or use engine='vllm'")
+        return cls(context.spec, context.plan, context.rank, {}, eos_token_id=context.eos_token_id,
+                   pad_token_id=context.pad_token_id, decode=context.decode)
 
     def __init__(
         self,
@@ -99,14 +116,19 @@ class MegatronGenerator:
         self._layout: dict[str, tuple] = {}  # parameter name -> (shape, dtype, device) of the installed shard
 
     # ------------------------------------------------------------------ weights
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Install this rank's generation shard (what ``Resharder.to_generation`` returned).
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Install this rank's generation shard (what ``Resharder.to_generation`` returned); nothing is copied.
 
         The first call builds the model (collective over the world); later
         calls re-bind parameters whose tensor changed (``param.data = tensor``,
         no copy) and do nothing for tensors that are already installed.
         Names, shapes, dtypes and devices must stay those of the first shard.
         """
+        start = time.perf_counter()
+        self._install(weights)
+        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": 0}
+
+    def _install(self, weights: dict[str, torch.Tensor]) -> None:
         if self.model is None:
             from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
                 GPTInferenceWrapper,
@@ -154,12 +176,12 @@ class MegatronGenerator:
             if (param.data_ptr(), param.shape, param.stride()) != (tensor.data_ptr(), tensor.shape, tensor.stride()):
                 param.data = tensor
 
-    def release_weights(self) -> None:
+    def release(self) -> None:
         """Let go of the installed tensors (parameters become empty), so their buffer can be freed.
 
         The model's parameters are views into the reshard buffer and keep it
         alive; call this before the hybrid engine drops the buffer (its
-        ``to_training``), and ``set_weights`` again before the next generate.
+        ``to_training``), and ``update_weights`` again before the next generate.
         """
         if self.model is None:
             return
@@ -167,8 +189,8 @@ class MegatronGenerator:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def close(self) -> None:
-        """Release the weights and the model; a later ``set_weights`` builds it again (collectively)."""
-        self.release_weights()
+        """Release the weights and the model; a later ``update_weights`` builds it again (collectively)."""
+        self.release()
         self.model, self._controller, self._layout = None, None, {}
 
     # --------------------------------------------------------------- generation
@@ -201,7 +223,7 @@ class MegatronGenerator:
         if not requests:
             return []
         if self.model is None:
-            raise RuntimeError("MegatronGenerator.generate before set_weights: install the generation weights first")
+            raise RuntimeError("MegatronGenerator.generate before update_weights: install the generation weights first")
         from megatron.core.inference.engines.static_engine import StaticInferenceEngine
         from megatron.core.inference.inference_request import InferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams

@@ -1,19 +1,17 @@
-"""Rollout: the role that turns prompts into responses, on vLLM or on megatron's inference engine.
+"""Rollout: the role that turns prompts into responses, on any registered generation engine.
 
-Colocated with the actor (same processes, ``actor_role``), each call
-reshards the actor's current weights into the generation layout through the
-3D-HybridEngine and generates from them:
+The engine is a ``Generator`` (``workers.rollout.generator``: vLLM, megatron's
+static inference engine, or one a user registers); the weights reach it
+through a ``WeightSync`` (``workers.rollout.weight_sync``), chosen once:
 
-* vLLM: the generation shard is copied into this rank's vLLM engine in
-  vLLM's per-rank layout, then the generation buffer is dropped (vLLM keeps
-  its own copy: what that costs is reported as ``weight_sync/bytes`` and
-  ``timing_s/weight_sync``).
-* megatron: a generation-layout GPTModel whose parameters are views into the
-  generation buffer (zero copy) runs megatron-core's static inference engine;
-  the buffer is dropped after generation.
-
-Without an actor (``actor_role=None``) the vLLM engine serves the weights of
-``model_path`` as they are.
+* colocated with the actor (same processes, ``actor_role``): before each
+  generation the actor's weights are resharded into the generation layout
+  through the 3D-HybridEngine and pushed into the engine (vLLM copies them
+  and the buffer is dropped at once; megatron generates on views of it, zero
+  copy, and the buffer is dropped after generation);
+* on a pool of its own (``training=...``): the trainer pushes the weights
+  across pools when the rollout's copy is stale (``receive_weights``);
+* neither: the engine serves ``model_path`` as loaded.
 
 Batches are split over generation replicas (``GenerationMesh``): every rank
 of one generation TP x PP group sees the same prompts.
@@ -22,14 +20,13 @@ of one generation TP x PP group sees the same prompts.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.model.spec import ModelSpec
+from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.plan import GenerationLayout, GenerationMesh, plan_reshard
 from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
@@ -49,10 +46,10 @@ from workers.rollout.batch import (
 )
 from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
+from workers.rollout.generator import GeneratorContext, build_generator
+from workers.rollout.weight_sync import CrossPoolSync, weight_sync_for
 
 __all__ = ["Rollout"]
-
-VLLM_VOCAB_PADDING = 64
 
 
 class Rollout(BaseWorker):
@@ -71,58 +68,32 @@ class Rollout(BaseWorker):
             raise ValueError("a rollout on its own pool (training=...) takes its weights from the actor's pool, "
                              "not from a colocated actor: give actor_role=None")
         self.training = dict(training) if training is not None else None
-        self.cross_pool = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.tokenizer.pad_token_id
         self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
         check_special_tokens(self.pad_token_id, self.eos_token_id, model_path)
-        self.actor = self.peer(actor_role) if actor_role is not None else None
-        if self.actor is not None:
-            # The actor's spec: its vocabulary padding is what the resharded shards carry.
-            self.spec = spec = self.actor.engine.spec
-            spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
-        elif self.training is not None:  # the shards that arrive are padded as the actor's engine pads
-            self.spec = spec = spec.with_padded_vocab(self.training["make_vocab_size_divisible_by"],
-                                                      self.training["tensor_parallel"])
-            spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
-        if cfg.engine == "vllm":
-            # vLLM pads the vocabulary to a multiple of 64 itself (its DEFAULT_VOCAB_PADDING_SIZE) and splits that.
-            spec.with_padded_vocab(VLLM_VOCAB_PADDING, 1).check_layout(
-                cfg.tensor_parallel, cfg.pipeline_parallel)
+        source = self.peer(actor_role).weight_source() if actor_role is not None else None
         self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel)
-        if self.actor is not None:
-            train = self.actor.engine.layout
-            dtype = next(self.actor.engine.module().parameters()).dtype
-        else:
-            if cfg.engine == "megatron" and self.training is None:
-                raise ValueError("the megatron rollout generates from the actor's weights; colocate it with an "
-                                 "actor (actor_role), give it a pool of its own fed by the actor (training=...), "
-                                 "or use engine='vllm'")
-            # Standalone or fed across pools: the generation grid is the whole pool, each rank its own shard.
+        if source is not None:  # the shards arrive cut and padded as the actor's engine cuts them
+            self.spec = spec = source.spec
+            train, dtype = source.layout, source.dtype
+        else:  # standalone or fed across pools: the generation grid is the whole pool, each rank its own shard
+            if self.training is not None:  # the shards that arrive are padded as the actor's engine pads them
+                self.spec = spec = spec.with_padded_vocab(self.training["make_vocab_size_divisible_by"],
+                                                          self.training["tensor_parallel"])
             train = ParallelLayout.for_world(self.world_size, cfg.tensor_parallel, cfg.pipeline_parallel)
             dtype = PRECISIONS[self.training["precision"]] if self.training is not None else torch.float32
+        if source is not None or self.training is not None:  # (a checkpoint served as loaded: its engine pads it)
+            spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         self.dtype = dtype
         self.plan = plan_reshard(train, self.gen)  # refuses an unreachable layout, listing the legal ones
         self.set_layout(GenerationMesh(train, self.gen))
-        if cfg.engine == "vllm":
-            from workers.rollout.vllm_engine import VLLMGenerator
-
-            self.generator = VLLMGenerator(
-                model_path, spec, self.plan, self.rank, dtype=dtype, max_model_len=cfg.max_model_len,
-                eos_token_id=self.eos_token_id, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
-                seed=cfg.seed, dummy_weights=self.actor is not None or self.training is not None,
-                enforce_eager=cfg.enforce_eager,
-                # Only a rollout sharing the actor's devices frees them between rollouts: one fed across pools
-                # (or serving its own checkpoint) keeps its weights, which a level-2 sleep would discard.
-                sleep_between_rollouts=cfg.sleep_between_rollouts and self.actor is not None,
-            )
-        else:
-            from workers.rollout.megatron_engine import MegatronGenerator
-
-            self.generator = MegatronGenerator(
-                spec, self.plan, self.rank, {}, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                decode=self._decode,
-            )
+        self.weight_sync = weight_sync_for(
+            source, self.training, spec=spec, gen=self.gen, gen_dp=self.plan.gen_dp, rank=self.rank, dtype=dtype,
+            device=self.device, method=cfg.reshard_method, release_training=cfg.release_training)
+        self.generator = build_generator(cfg.engine, GeneratorContext(
+            model_path, spec, self.plan, self.rank, dtype, cfg, self.eos_token_id, self.pad_token_id, self._decode,
+            weights_pushed=source is not None or self.training is not None, colocated=source is not None))
         self.agent = None
         if cfg.agent is not None:  # multi-turn conversations (workers.rollout.agent)
             from workers.rollout.agent import AgentLoop, ChatFormat
@@ -148,10 +119,11 @@ class Rollout(BaseWorker):
         cfg = self.config
         start = time.perf_counter()
         sampling = cfg.sampling.updated(prompts.meta_info.get("sampling"))
-        if sampling.max_new_tokens > cfg.sampling.max_new_tokens and cfg.engine == "vllm":
-            raise ValueError(f"max_new_tokens {sampling.max_new_tokens} exceeds the {cfg.sampling.max_new_tokens} "
-                             f"the vLLM engine was built for (its max_model_len); raise sampling.max_new_tokens in "
-                             f"the rollout config")
+        built_for = self.generator.max_new_tokens
+        if built_for is not None and sampling.max_new_tokens > built_for:
+            raise ValueError(f"max_new_tokens {sampling.max_new_tokens} exceeds the {built_for} the {cfg.engine} "
+                             f"engine was built for (its max_model_len); raise sampling.max_new_tokens in the "
+                             f"rollout config")
         first_index = self.layout.coordinate(self.rank).dp_rank * len(prompts)
         if self.agent is not None:
             return self._generate_conversations(prompts, sampling, first_index, start)
@@ -194,16 +166,8 @@ class Rollout(BaseWorker):
         if min(limits) < 1:
             raise ValueError(f"row {limits.index(min(limits))} is already {width} tokens long: nothing is left to generate")
 
-        def generate() -> list[Completion]:
-            completions: list[Completion | None] = [None] * len(requests)
-            for limit in sorted(set(limits), reverse=True):
-                rows = [i for i, lim in enumerate(limits) if lim == limit]
-                for i, done in zip(rows, self.generator.generate([requests[i] for i in rows],
-                                                                 replace(sampling, max_new_tokens=limit))):
-                    completions[i] = done
-            return completions
-
-        completions, metrics = self._on_current_weights(generate)
+        completions, metrics = self._on_current_weights(
+            lambda: self.generator.generate_chunk(requests, sampling, limits))
         for i, completion in enumerate(completions):  # a stop string begun in an earlier call ends the response
             before = responses[i, :lengths[i]].tolist()
             if (keep := stop_in_continuation(before, completion.token_ids, sampling.stop, self._decode)) is not None:
@@ -222,19 +186,15 @@ class Rollout(BaseWorker):
         return self._with_metrics(out, metrics, start, tokens=sum(len(c.token_ids) for c in completions))
 
     def _on_current_weights(self, generate) -> tuple[Any, dict[str, Any]]:
-        """``generate()`` on the actor's weights as they are now (resharded in, released after), timed."""
-        cfg = self.config
+        """``generate()`` on the policy's weights as they are now (pulled in first where the rollout pulls
+        them, let go of after), timed."""
         metrics: dict[str, Any] = {}
-        if self.actor is not None:
-            metrics.update(self._weights_from_actor())
+        if not self.weight_sync.pushed:
+            metrics.update(self.weight_sync.update(self.generator))
         gen_start = time.perf_counter()
         out = generate()
         metrics["timing_s/gen"] = time.perf_counter() - gen_start
-        if self.actor is not None and cfg.engine == "megatron":
-            self.generator.release_weights()  # let go of the buffer's views, so the buffer can be freed
-            metrics.update(self.actor.hybrid.to_training())
-        if cfg.engine == "vllm":
-            self.generator.sleep()
+        metrics.update(self.weight_sync.done(self.generator))
         return out, metrics
 
     @staticmethod
@@ -300,63 +260,25 @@ class Rollout(BaseWorker):
         metrics.update(agent_metrics(results))
         return self._with_metrics(batch, metrics, start)
 
-    def _weights_from_actor(self) -> dict[str, Any]:
-        cfg = self.config
-        hybrid = self.actor.hybrid
-        metrics = dict(hybrid.to_generation(self.gen, cfg.reshard_method, cfg.release_training))
-        if cfg.engine == "vllm":
-            metrics.update(self.generator.sync_weights(hybrid.weights))
-            metrics.update(hybrid.to_training())  # vLLM holds its own copy; the buffer can go now
-        else:
-            start = time.perf_counter()
-            self.generator.set_weights(hybrid.weights)  # views into the buffer: nothing is copied
-            metrics["timing_s/weight_sync"] = time.perf_counter() - start
-            metrics["weight_sync/bytes"] = 0
-        for key in ("gen_tp_rank", "gen_pp_rank", "gen_dp_rank"):
-            metrics.pop(key, None)
-        return metrics
-
     # ------------------------------------------------------- on a pool of its own
     @register(Dispatch.ONE_TO_ALL)
     def connect_training_pool(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
         """Join the weight link from the actor's pool (the controller calls the actor's side at once)."""
-        from hybridengine.cross_pool.transfer import CrossPoolTransfer, plan_for_model
-
-        if self.training is None:
-            raise RuntimeError("this rollout shares the actor's processes and reshards in place; it has no "
-                               "training pool to connect to")
-        t = self.training
-        train = ParallelLayout(t["tensor_parallel"], t["pipeline_parallel"], t["data_parallel"])
-        element = torch.empty((), dtype=self.dtype).element_size()
-        plan = plan_for_model(self.spec, train, self.gen, self.plan.gen_dp, element, method)
-        self.cross_pool = CrossPoolTransfer.standalone(self.spec, plan, train.world_size + self.rank, host, port,
-                                                       timeout_s)
-        return {"method": plan.method, "reason": plan.reason}
+        if not isinstance(self.weight_sync, CrossPoolSync):
+            raise RuntimeError("this rollout has no training pool to connect to: it shares the actor's processes "
+                               "and reshards in place, or serves its own checkpoint")
+        return self.weight_sync.connect(host, port, method, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict[str, Any]:
         """Take the actor's current weights, this rank's generation shard, into the engine; times and bytes."""
-        if self.cross_pool is None:
-            raise RuntimeError("no training pool is connected: call connect_training_pool first")
-        before, start = self.cross_pool.bytes_received, time.perf_counter()
-        weights = self.cross_pool.receive(self.rank, self.dtype, self.device)
-        metrics = {"timing_s/weight_transfer": time.perf_counter() - start,
-                   "weight_transfer/bytes": self.cross_pool.bytes_received - before,
-                   "weight_transfer/bound_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
-        if self.config.engine == "vllm":
-            metrics.update(self.generator.sync_weights(weights))
-            self.cross_pool.release()  # vLLM holds its own copy
-        else:
-            self.generator.set_weights(weights)  # views of the transfer's buffer, kept until the next weights
-            metrics.update({"timing_s/weight_sync": 0.0, "weight_sync/bytes": 0})
-        return metrics
+        return self.weight_sync.update(self.generator)
 
     @register(Dispatch.ONE_TO_ALL)
     def disconnect_training_pool(self) -> None:
         """Drop the weight link (with the actor's side, at the same time)."""
-        if self.cross_pool is not None:
-            self.cross_pool.close()
-            self.cross_pool = None
+        if isinstance(self.weight_sync, CrossPoolSync):
+            self.weight_sync.close()
 
     def close(self) -> None:
         if self.agent is not None:

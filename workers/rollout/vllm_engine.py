@@ -30,6 +30,7 @@ from hybridengine.reshard.plan import ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
+from workers.rollout.generator import GeneratorBase, GeneratorContext
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments
 from workers.rollout.vocab_rows import megatron_vocab_rows, regroup_vocab_rows
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 # The engine runs inside the worker process, and vLLM's external launcher requires a deterministic
 # in-process core.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this itself (DEFAULT_VOCAB_PADDING_SIZE)
 
 
 def vllm_rank_permutation(plan: ReshardPlan) -> list[int]:
@@ -82,8 +85,29 @@ def _permuted_groups(perm: list[int]):
         vllm_ps.init_model_parallel_group = original
 
 
-class VLLMGenerator:
-    """This rank's vLLM engine at the generation layout of ``plan``."""
+class VLLMGenerator(GeneratorBase):
+    """This rank's vLLM engine at the generation layout of ``plan``: it copies the weights it is given into
+    its own tensors (``borrows_weights`` False) and can serve a checkpoint as loaded."""
+
+    borrows_weights = False
+    loads_checkpoint = True
+
+    @classmethod
+    def from_context(cls, context: GeneratorContext) -> "VLLMGenerator":
+        cfg, gen = context.config, context.plan.gen
+        # vLLM splits its own padded vocabulary (a multiple of 64) over the generation TP ranks.
+        context.spec.with_padded_vocab(VLLM_VOCAB_PADDING, 1).check_layout(gen.tensor_parallel, gen.pipeline_parallel)
+        generator = cls(
+            context.model_path, context.spec, context.plan, context.rank, dtype=context.dtype,
+            max_model_len=cfg.max_model_len, eos_token_id=context.eos_token_id, kv_cache_bytes=cfg.kv_cache_bytes,
+            max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, dummy_weights=context.weights_pushed,
+            enforce_eager=cfg.enforce_eager,
+            # Only a rollout sharing the actor's devices frees them between rollouts: one fed across pools
+            # (or serving its own checkpoint) keeps its weights, which a level-2 sleep would discard.
+            sleep_between_rollouts=cfg.sleep_between_rollouts and context.colocated,
+        )
+        generator.max_new_tokens = cfg.sampling.max_new_tokens  # max_model_len was sized for it
+        return generator
 
     def __init__(
         self,
@@ -156,7 +180,7 @@ class VLLMGenerator:
             p.vllm_name for p in stage_params(spec, t_g, 1, 0) if p.kind == ShardKind.VOCAB_ROWS]
 
     # ----------------------------------------------------------------- weights
-    def sync_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Load this rank's generation shard (megatron names, generation layout) into the engine."""
         start = time.perf_counter()
         if self.asleep:
@@ -204,11 +228,17 @@ class VLLMGenerator:
             completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length"))
         return completions
 
-    def sleep(self) -> None:
-        """Free the KV cache and weights until the next sync (GPU; nothing to free on CPU)."""
+    def release(self) -> None:
+        """Free the KV cache and weights until the next update (GPU; nothing to free on CPU)."""
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
+
+    def resume(self) -> None:
+        """Take the weights' and KV cache's memory back now (the next update or generation would)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Shut the engine down. vLLM's teardown also ends torch.distributed in this process, so this

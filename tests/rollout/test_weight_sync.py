@@ -1,0 +1,158 @@
+"""The one weight-sync interface, both ways, in real gloo processes: a colocated sync (the actor's hybrid bridge
+reshards in place) and a cross-pool sync (the actor's pool sends, the rollout's pool receives) each bring the
+generation shard into a generator through ``WeightSync.update`` / ``done``. The shards must equal the same
+slices read straight from the HF checkpoint, each rank must receive its bound, and both must report the same
+weight-update metrics. Generators that copy and that borrow the weights are both driven."""
+
+import pytest
+import torch
+
+from dist_utils import run_cases_in_processes
+from test_resharder import shard_from_checkpoint
+from tiny_models import make_llama
+
+COMMON = {"timing_s/weight_update", "weight_update/bytes_received", "timing_s/weight_sync", "weight_sync/bytes"}
+
+
+class _Params:
+    """The engine's module as the hybrid bridge reads it: named parameters."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def parameters(self):
+        return iter(self.params.values())
+
+
+class _Engine:
+    """What the hybrid bridge reads of a megatron engine: the model, the layout, the parameters, the rank."""
+
+    def __init__(self, spec, layout, params, rank):
+        from types import SimpleNamespace
+
+        self.spec, self.layout, self._module = spec, layout, _Params(params)
+        self.groups = SimpleNamespace(grid_rank=rank)
+
+    def module(self):
+        return self._module
+
+
+def _recording_generator(borrows: bool):
+    from workers.rollout.generator import GeneratorBase
+
+    class Recording(GeneratorBase):
+        """Keeps what it is given: a copy, or (borrowing) the tensors themselves."""
+
+        borrows_weights = borrows
+
+        def __init__(self):
+            self.weights, self.released = None, 0
+
+        def update_weights(self, weights):
+            self.weights = dict(weights) if borrows else {k: v.clone() for k, v in weights.items()}
+            copied = 0 if borrows else sum(v.numel() * v.element_size() for v in weights.values())
+            return {"timing_s/weight_sync": 0.0, "weight_sync/bytes": copied}
+
+        def generate(self, requests, sampling):
+            raise NotImplementedError
+
+        def release(self):
+            self.released += 1
+
+    return Recording()
+
+
+def _colocated(rank, world_size, path):
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import GenerationLayout
+    from hybridengine.reshard.weight_plan import plan_weights
+    from workers.megatron.hybrid_bridge import HybridBridge
+    from workers.rollout.weight_sync import ColocatedSync, weight_sync_for
+
+    spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 2), GenerationLayout(1, 1)
+    coord = train.coordinate(rank)
+    params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+    before = {k: v.clone() for k, v in params.items()}
+    bridge = HybridBridge(_Engine(spec, train, params, rank))
+    plan = plan_weights(spec, train, gen)
+    me = plan.layout.ranks[rank]
+    expected = shard_from_checkpoint(path, spec, 1, 1, me.gen_tp_rank, me.gen_pp_rank)
+    sync = weight_sync_for(bridge, None, spec=spec, gen=gen, gen_dp=plan.layout.gen_dp, rank=rank,
+                           dtype=torch.float32, device="cpu")
+    assert isinstance(sync, ColocatedSync) and not sync.pushed
+    for borrows in (False, True):
+        generator = _recording_generator(borrows)
+        metrics = sync.update(generator)
+        assert COMMON <= set(metrics), sorted(metrics)
+        assert metrics["weight_update/bytes_received"] == plan.expected_bytes(rank, 4) > 0
+        assert list(generator.weights) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(generator.weights[name], tensor), (rank, borrows, name)
+        assert bool(bridge.weights) == borrows  # a copying engine lets the buffer go at once
+        sync.done(generator)
+        assert generator.released == 1 and bridge.weights == {}
+        for name, tensor in before.items():  # the training shards are whole again
+            assert torch.equal(params[name], tensor), (rank, name)
+
+
+def _cross_pool(rank, world_size, path, port):
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import GenerationLayout
+    from workers.megatron.hybrid_bridge import HybridBridge
+    from workers.rollout.weight_sync import CrossPoolSync, weight_sync_for
+
+    spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1), GenerationLayout(1, 1)
+    if rank < 2:  # the actor's pool
+        coord = train.coordinate(rank)
+        params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+        bridge = HybridBridge(_Engine(spec, train, params, rank))
+        bridge.connect_generation_pool("127.0.0.1", port, gen, 2, "auto", timeout_s=60)
+        for _ in range(2):  # one push per generator below
+            assert bridge.send_to_generation_pool()["weight_transfer/bytes_sent"] > 0
+        bridge.cross_pool.close()
+        return
+    training = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
+                "make_vocab_size_divisible_by": None, "precision": "fp32"}
+    sync = weight_sync_for(None, training, spec=spec, gen=gen, gen_dp=2, rank=rank - 2, dtype=torch.float32,
+                           device="cpu")
+    assert isinstance(sync, CrossPoolSync) and sync.pushed
+    sync.connect("127.0.0.1", port, "auto", timeout_s=60)
+    expected = shard_from_checkpoint(path, spec, 1, 1, 0, 0)
+    shard_bytes = sum(t.numel() * 4 for t in expected.values())
+    for borrows in (False, True):
+        generator = _recording_generator(borrows)
+        metrics = sync.update(generator)
+        assert COMMON <= set(metrics), sorted(metrics)
+        assert metrics["weight_update/bytes_received"] == shard_bytes  # exactly the shard: the bound
+        assert list(generator.weights) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(generator.weights[name], tensor), (rank, borrows, name)
+        assert (sync.transfer.buffer is not None) == borrows  # a borrowing engine keeps the transfer's buffer
+        assert sync.done(generator) == {} and generator.released == 0  # the weights stay until the next push
+    sync.close()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("weight_sync") / "llama", heads=8, kv_heads=4)
+
+
+def test_colocated_and_cross_pool_syncs_go_through_one_interface(llama):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    outcomes = run_cases_in_processes(_sync_case, 4, {"colocated": ("colocated", str(llama), store.port),
+                                                      "cross_pool": ("cross_pool", str(llama), store.port)})
+    assert outcomes == {"colocated": None, "cross_pool": None}, outcomes
+
+
+def _sync_case(rank, world_size, which, path, port):
+    if which == "colocated":
+        _colocated(rank, world_size, path)
+    else:
+        _cross_pool(rank, world_size, path, port)
