@@ -22,7 +22,6 @@ import atexit
 import os
 import sys
 import threading
-import weakref
 from typing import NoReturn
 
 __all__ = ["exit_process", "fast_exit_enabled"]
@@ -35,14 +34,11 @@ def fast_exit_enabled() -> bool:
 def _skip_operator_unregistering() -> None:
     """Turn off the exit-time finalizers of torch's operator libraries (the process is ending: nothing
     will call those operators again, and unregistering them one by one is most of the teardown)."""
-    library = sys.modules.get("torch.library")
-    deregister = getattr(library, "_del_library", None)
-    if deregister is None:
+    if "torch.library" not in sys.modules:  # torch was never imported: no library to unregister
         return
-    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
-        info = finalizer.peek()
-        if info is not None and info[1] is deregister:
-            finalizer.atexit = False
+    from hybridengine.device.torch_compat import skip_operator_unregistering
+
+    skip_operator_unregistering()
 
 
 def exit_process(code: int) -> NoReturn:

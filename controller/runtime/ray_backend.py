@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from controller.errors import HostLostError
 from controller.runtime.hosts import CallOutcome, HostSet, RankCalls, map_failure
 from controller.runtime.placement import ClusterNode, PlacementError, describe_cluster, fit_pools
+from controller.runtime.ray_compat import actor_id_hex
 from workers.console import console_env, verbose_console
 from workers.data_proto import DataProto
 from workers.host import Reply, WorkerHost
@@ -205,7 +206,7 @@ class RayHostSet(HostSet):
                         self.placement_groups[0], placement_group_bundle_index=node_index),
                 )
                 self.actors.append(_RemoteHost.options(**options).remote(rank, self.world_size, local_rank))
-        self.actor_ranks = {actor._actor_id.hex(): rank for rank, actor in enumerate(self.actors)}
+        self.actor_ranks = {actor_id_hex(actor): rank for rank, actor in enumerate(self.actors)}
         self.last_keys: list[str | None] = [None] * self.world_size  # the key each actor's call_again repeats
         # Where each rank runs first (the actors answer as soon as they are up), then the rendezvous.
         self.rank_nodes = [address for address, _ in ray.get([a.node.remote() for a in self.actors],

@@ -2,6 +2,8 @@
 
 CUDA with NCCL where a GPU is visible, CPU with gloo otherwise. Nothing else
 in the project names a device type or a backend; it asks this module.
+``torch_compat`` holds torch's patches, the CPU path's emulation of
+``torch.cuda`` among them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ __all__ = [
     "device_type",
     "dist_backend",
     "device_for_local_rank",
-    "prepare_megatron",
     "reset_peak_memory",
     "peak_memory",
     "current_memory",
@@ -113,12 +114,12 @@ def collective_profile() -> CollectiveProfile:
 
 
 def defer_compile_on_cpu() -> None:
-    """On the CPU path, torch.compile resolves its backend at first use (see cpu_compat.defer_torch_compile):
+    """On the CPU path, torch.compile resolves its backend at first use (see torch_compat.defer_torch_compile):
     importing megatron-core then skips inductor, about two seconds per process. A no-op with CUDA."""
     if not accelerator_available():
-        from hybridengine.device import cpu_compat
+        from hybridengine.device import torch_compat
 
-        cpu_compat.defer_torch_compile()
+        torch_compat.defer_torch_compile()
 
 
 def kernel_devices() -> list[torch.device]:
@@ -145,22 +146,6 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def prepare_megatron() -> None:
-    """Make megatron-core usable in this process and thread (a no-op with CUDA).
-
-    On a CPU torch build this applies the compatibility patches once per
-    process and enters the CUDA-to-CPU tensor-factory mode in the calling
-    thread; call it in every thread that runs megatron code.
-    """
-    if accelerator_available():
-        return
-    from hybridengine.device import cpu_compat
-
-    cpu_compat.install()
-    cpu_compat.restore_timing_events()  # vLLM, built in the same process, swaps in its own
-    cpu_compat.enter_thread()
 
 
 def _on_accelerator(device: torch.device | None) -> bool:

@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from hybridengine.device.torch_compat import has_kernel_for
+
 __all__ = ["DISABLE_ENV", "kernels_available", "kernels_on", "kernels_reason"]
 
 DISABLE_ENV = "HYBRIDFLOW_DISABLE_OPS"
@@ -55,4 +57,4 @@ def kernels_on(device: torch.device) -> bool:
         return False
     if device.type == "cpu":
         return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key("hybridflow::logit_stats", device.type.upper())
+    return has_kernel_for("hybridflow::logit_stats", device.type.upper())

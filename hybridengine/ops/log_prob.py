@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from hybridengine.device.torch_compat import all_gather_single
 from hybridengine.ops.library import kernels_available, kernels_on
 
 __all__ = [
@@ -146,15 +147,11 @@ if kernels_available():
     torch.library.register_autograd("hybridflow::log_prob_entropy", _backward, setup_context=_setup_context)
 
 
-# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases have only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 # ----------------------------------------------------------------- public API
 def all_gather_stats(stats: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     gathered = stats.new_empty((world * stats.shape[0], *stats.shape[1:]))
-    _all_gather_single(gathered, stats.contiguous(), group=group)
+    all_gather_single(gathered, stats.contiguous(), group=group)
     return gathered.view(world, *stats.shape)
 
 

@@ -18,10 +18,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "TorchTransport"]
+from hybridengine.device.torch_compat import all_gather_single
 
-# torch 2.10 renamed all_gather_into_tensor (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["Transport", "TorchTransport"]
 
 
 class Transport(abc.ABC):
@@ -100,7 +99,7 @@ class TorchTransport(Transport):
         if out.numel() != own.numel() * len(group_key):
             raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected {len(group_key)} x {own.numel()}")
         self.bytes_received += own.numel() * own.element_size() * (len(group_key) - 1)
-        return _all_gather_single(out, own, group=self._groups[group_key], async_op=async_op)
+        return all_gather_single(out, own, group=self._groups[group_key], async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any, async_op: bool = False):
         if len(group_key) == 1:

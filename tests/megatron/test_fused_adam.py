@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from workers.megatron.engine import fuse_cpu_adam
+from workers.megatron.megatron_compat import fuse_cpu_adam
 
 
 def _params(seed: int):

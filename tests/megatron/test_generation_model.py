@@ -21,11 +21,11 @@ def _worker(rank, world_size, path, train_dims, gen_dims, out_dir):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from hybridengine.device import prepare_megatron
     from workers.megatron.generation_model import (
         build_generation_model,
         generation_logits,
     )
+    from workers.megatron.megatron_compat import prepare_megatron
 
     prepare_megatron()
     train = ParallelLayout(*train_dims)
@@ -127,8 +127,8 @@ def test_rejects_a_non_monotonic_generation_group():
 
 
 def _mismatch_worker(rank, world_size, path):
-    from hybridengine.device import prepare_megatron
     from workers.megatron.generation_model import build_generation_model
+    from workers.megatron.megatron_compat import prepare_megatron
 
     prepare_megatron()
     spec = ModelSpec.from_pretrained(path)

@@ -265,7 +265,7 @@ def _check_weight_updates(hf, generator, weights, refs, n):
 
 
 def _worker(rank, world_size, path, cases, out_dir):
-    from hybridengine.device import prepare_megatron
+    from workers.megatron.megatron_compat import prepare_megatron
 
     prepare_megatron()
     results = {}

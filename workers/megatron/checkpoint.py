@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from workers.megatron.megatron_compat import fork_checkpoint_results_queue, synchronize_chained_steps
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointNotFound"]
 
 LATEST = "latest"
@@ -147,7 +149,7 @@ def _load_optimizer(engine, state: Any) -> None:
             for param, step in steps.items():
                 inner.state[param]["step"] = step.clone()
     if len(optimizers) > 1:
-        engine.optimizer._synchronize_steps()
+        synchronize_chained_steps(engine.optimizer)
 
 
 def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
@@ -164,19 +166,6 @@ def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
     return state
 
 
-def _forked_results_queue() -> None:
-    """megatron's torch_dist writer collects its writer processes' results through a manager queue,
-    which it starts, once per process, from the spawn context: a fresh interpreter, 2.4 s of a 2.8 s
-    first save of the tiny model on this CPU. The writers themselves are forked, and this save waits
-    for them, so a manager forked from here serves the same queue (0.4 s for that save)."""
-    import multiprocessing
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:  # not made yet (and the name still megatron's)
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-
-
 def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] | None = None) -> Path:
     """Collective: save the engine's state as ``root/step_<step>``; returns that path."""
     from megatron.core import dist_checkpointing
@@ -190,7 +179,7 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: megatron takes a non-empty directory for an interrupted save
     dist.barrier(group=pool)
-    _forked_results_queue()
+    fork_checkpoint_results_queue()
     dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")

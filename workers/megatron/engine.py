@@ -24,12 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridengine.device import prepare_megatron
 from hybridengine.parallel.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
 from workers.megatron.lr_schedule import build_lr_scheduler
+from workers.megatron.megatron_compat import fuse_cpu_adam, prepare_megatron, return_hidden_states
 from workers.megatron.model import build_gpt_stage
 from workers.megatron.micro_batches import (
     MicroBatch,
@@ -48,22 +48,6 @@ __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.mega
 # (micro-batch, model output on the last stage) -> (loss, statistics)
 StepFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-
-def fuse_cpu_adam(optimizer) -> None:
-    """Step torch's Adam over CPU parameters with its fused kernel.
-
-    Without apex or transformer-engine megatron wraps torch's Adam, whose default on CPU is the
-    per-tensor loop (about 4x slower over SmolLM2's 135M parameters; on CUDA it is already the
-    multi-tensor path). The flag is set before every step because ``load_state_dict`` restores the
-    param groups as they were saved. Fused and looped Adam agree to float rounding.
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in adam.param_groups:
-            if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
-                group["fused"], group["foreach"] = True, False
 
 class MegatronEngine:
     def __init__(
@@ -251,10 +235,7 @@ class MegatronEngine:
         """
         if self.groups.pp_rank != self.layout.pp - 1:
             return
-        layer = self.module().output_layer
-        # An instance attribute shadows ColumnParallelLinear.forward; GPTModel
-        # then transposes what it gets ([S, B, H]) to [B, S, H] as it would the logits.
-        layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+        return_hidden_states(self.module().output_layer)
         self.output_deferred = True
 
     def output_weight(self) -> torch.Tensor:

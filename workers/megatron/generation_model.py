@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridengine.device import prepare_megatron
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import ReshardPlan
+from workers.megatron.megatron_compat import ensure_scratch_buffer, prepare_megatron
 from workers.megatron.model import gpt_config, gpt_model
-from workers.megatron.parallel import ensure_rng_states, ensure_scratch_buffer
+from workers.megatron.parallel import ensure_rng_states
 
 __all__ = ["build_generation_model", "generation_logits", "generation_process_groups"]
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridengine.device import prepare_megatron
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.parallel.process_groups import group_ranks, subgroup
+from workers.megatron.megatron_compat import ensure_scratch_buffer, prepare_megatron
 
-__all__ = ["MegatronGroups", "ensure_rng_states", "ensure_scratch_buffer", "training_groups"]
+__all__ = ["MegatronGroups", "ensure_rng_states", "training_groups"]
 
 
 @dataclass(frozen=True)
@@ -49,19 +49,6 @@ class MegatronGroups:
     def is_first(self) -> bool:
         """Grid rank 0: the one that writes what the whole grid writes once."""
         return self.grid_rank == 0
-
-
-def ensure_scratch_buffer() -> None:
-    """megatron's process-wide scratch memory, which its TP layers and attention draw on whatever the grid.
-
-    ``initialize_model_parallel`` would set it along with the global grid this project never uses, so it
-    is set here, once per process (megatron has no public setter for it alone). It is grid-free: a pool
-    of reusable tensors keyed by name.
-    """
-    from megatron.core import parallel_state as ps
-
-    if ps._GLOBAL_MEMORY_BUFFER is None:
-        ps._set_global_memory_buffer()
 
 
 def ensure_rng_states(tp_rank: int, seed: int = 1) -> None:

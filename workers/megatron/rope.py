@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.model.spec import ModelSpec
+from workers.megatron.megatron_compat import llama3_scaled_inv_freq, replace_rotary_inv_freq
 
 __all__ = ["rope_inv_freq", "install_rope"]
 
@@ -25,12 +26,9 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    # A plain function in all but name: it reads nothing from the instance.
-    return RotaryEmbedding._apply_scaling(None, inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-                                          high_freq_factor=scaling.high_freq_factor,
-                                          original_max_position_embeddings=scaling.original_max_position_embeddings)
+    return llama3_scaled_inv_freq(inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+                                  high_freq_factor=scaling.high_freq_factor,
+                                  original_max_position_embeddings=scaling.original_max_position_embeddings)
 
 
 def install_rope(model: torch.nn.Module, spec: ModelSpec) -> None:
@@ -43,7 +41,4 @@ def install_rope(model: torch.nn.Module, spec: ModelSpec) -> None:
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None:
         raise RuntimeError("the GPT stage has no rotary_pos_emb; Llama 3.x RoPE scaling needs position_embedding_type 'rope'")
-    rotary.inv_freq = rope_inv_freq(spec).to(rotary.inv_freq.device)
-    cached = getattr(type(rotary).forward, "cache_clear", None)  # megatron memoizes forward per sequence length
-    if cached is not None:
-        cached()
+    replace_rotary_inv_freq(rotary, rope_inv_freq(spec))

@@ -30,20 +30,23 @@ consulted.
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.device import prepare_megatron
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import ReshardPlan
+from workers.megatron.megatron_compat import (
+    prepare_megatron,
+    quiet_static_engine,
+    rollout_controller_class,
+    static_engine_without_reseed,
+)
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.generator import GeneratorBase, GeneratorContext
 from workers.rollout.sampling import SamplingConfig
@@ -149,7 +152,7 @@ class MegatronGenerator(GeneratorBase):
                 padded_vocab_size=self.spec.vocab_rows,  # megatron gathers the logits of every row, padding too
             )
             wrapper = GPTInferenceWrapper(model, config, _new_context(1, 1), pg_collection=model.pg_collection)
-            self._controller = _rollout_controller_class()(
+            self._controller = rollout_controller_class(_RolloutSampling)(
                 wrapper, _TokenizerShim(self.eos_token_id), pp_group=model.pg_collection.pp
             )
             self.model = model
@@ -250,9 +253,8 @@ class MegatronGenerator(GeneratorBase):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*static engine will be deprecated.*")
                 engine = StaticInferenceEngine(self._controller, max_batch_size=batch, legacy=True)
-            # The legacy engine reseeds the global RNG at every generate() unless random_seed is falsy.
-            engine.random_seed = None
-            with _quiet_progress_bar():
+            static_engine_without_reseed(engine)  # else it reseeds the global RNG at every generate()
+            with quiet_static_engine():
                 engine.generate(inference_requests=megatron_requests)
             return [self._controller.completion(i) for i in range(len(requests))]
         finally:
@@ -340,8 +342,8 @@ class _RolloutSampling:
     this mixin only swaps its sampling step and adds end conditions. Every
     row's drawn tokens and log-probs are recorded here, since megatron keeps
     neither an EOS token nor log-probs of the processed distribution.
-    ``_rollout_controller_class`` combines the two (megatron is imported
-    only when a generator is built).
+    ``megatron_compat.rollout_controller_class`` combines the two (megatron
+    is imported only when a generator is built).
     """
 
     def start(self, requests: list[GenerationRequest], sampling: SamplingConfig, unseeded_seed: int | None,
@@ -460,31 +462,5 @@ class _RolloutSampling:
         return Completion(token_ids=row.tokens[:end], log_probs=row.log_probs[:end], finish_reason=reason)
 
 
-@functools.cache
-def _rollout_controller_class() -> type:
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
-
-    return type("RolloutController", (_RolloutSampling, TextGenerationController), {})
-
-
 def _model_device(controller) -> torch.device:
     return next(controller.inference_wrapped_model.model.parameters()).device
-
-
-@contextmanager
-def _quiet_progress_bar():
-    """megatron's static engine draws a tqdm bar per generate() on every rank; silence it for the call."""
-    from megatron.core.inference.engines import static_engine
-
-    original = static_engine.tqdm
-
-    def quiet(*args, **kwargs):
-        return original(*args, **{**kwargs, "disable": True})
-
-    static_engine.tqdm = quiet
-    try:
-        yield
-    finally:
-        static_engine.tqdm = original

@@ -14,7 +14,8 @@ Each engine's ranks agree on a random token over their own generation TP
 group; ``unique_segment_names`` prefixes the names with it while vLLM builds
 its groups, and ``unlink_segments`` removes the names when the engine closes
 (the ranks' mappings stay valid until they exit). Without vLLM's CPU
-communicator (another vLLM version, a GPU build) both do nothing.
+communicator (a build without it) both do nothing; the wrapper of vLLM's
+naming is ``vllm_compat.shm_group_names``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from workers.rollout.vllm_compat import shm_group_names
 
 __all__ = ["agree_token", "unique_segment_names", "unlink_segments"]
 
@@ -38,34 +41,17 @@ def agree_token(group: dist.ProcessGroup, group_ranks: list[int]) -> str:
     return f"hybridflow{int(value.item()):x}"
 
 
-def _shm_class():
-    try:
-        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
-    except ImportError:
-        return None
-    return _CPUSHMDistributed if callable(getattr(_CPUSHMDistributed, "make_group_name", None)) else None
-
-
 @contextlib.contextmanager
 def unique_segment_names(token: str):
     """While vLLM builds its groups: every CPU shared-memory group name starts with ``token``."""
-    shm = _shm_class()
-    if shm is None:
-        yield
-        return
-    original = shm.__dict__["make_group_name"]
-    name_of = original.__func__ if isinstance(original, staticmethod) else original
 
-    def make_group_name(communicator) -> str:
+    def rename(name: str) -> str:
         # vLLM's own part starts with VLLM_DIST_IDENT, "//" under the external launcher: shm_open drops the
         # leading slashes of a name but refuses one inside it.
-        return token + name_of(communicator).replace("/", "")
+        return token + name.replace("/", "")
 
-    shm.make_group_name = staticmethod(make_group_name)
-    try:
+    with shm_group_names(rename):
         yield
-    finally:
-        shm.make_group_name = original
 
 
 def unlink_segments(token: str) -> list[str]:

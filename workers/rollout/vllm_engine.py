@@ -16,7 +16,6 @@ vocabulary split into vLLM's (``workers.rollout.vocab_rows``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -32,6 +31,7 @@ from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.generator import GeneratorBase, GeneratorContext
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.vllm_compat import permuted_groups, shutdown_engine
 from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments
 from workers.rollout.vocab_rows import megatron_vocab_rows, regroup_vocab_rows
 
@@ -67,22 +67,6 @@ def check_vllm_head_dim(spec: ModelSpec) -> None:
     if spec.head_dim not in supported:
         raise ValueError(f"head dimension {spec.head_dim} cannot run on vLLM's CPU attention; supported head "
                          f"dimensions: {supported} (use the megatron rollout for this model)")
-
-
-@contextlib.contextmanager
-def _permuted_groups(perm: list[int]):
-    import vllm.distributed.parallel_state as vllm_ps
-
-    original = vllm_ps.init_model_parallel_group
-
-    def init_group(group_ranks, *args, **kwargs):
-        return original([[perm[r] for r in group] for group in group_ranks], *args, **kwargs)
-
-    vllm_ps.init_model_parallel_group = init_group
-    try:
-        yield
-    finally:
-        vllm_ps.init_model_parallel_group = original
 
 
 class VLLMGenerator(GeneratorBase):
@@ -148,7 +132,7 @@ class VLLMGenerator(GeneratorBase):
         # Shared-memory segment names of this engine's own (vllm_cpu_shm.py): no other engine on the machine
         # opens them, and a killed one's leftovers never collide with them.
         self._shm_token = agree_token(self._tp_group, self._tp_ranks)
-        with _permuted_groups(vllm_rank_permutation(plan)), unique_segment_names(self._shm_token):
+        with permuted_groups(vllm_rank_permutation(plan)), unique_segment_names(self._shm_token):
             self.llm = LLM(
                 model=model_path,
                 tensor_parallel_size=plan.gen.tensor_parallel,
@@ -243,5 +227,5 @@ class VLLMGenerator(GeneratorBase):
     def close(self) -> None:
         """Shut the engine down. vLLM's teardown also ends torch.distributed in this process, so this
         runs last, when the worker host shuts down."""
-        self.llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(self.llm)
         unlink_segments(self._shm_token)  # the names only: the segments go when the last rank unmaps them

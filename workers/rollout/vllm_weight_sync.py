@@ -11,8 +11,8 @@ layer (on CPU it repacks linear weights for oneDNN) before the result is
 copied into the engine's original tensors. No rank ever holds more than its
 shard plus one layer in checkpoint format.
 
-These are vLLM internals (pinned vLLM version); ``tests/rollout`` keeps a
-regression test that fails if they change.
+These are vLLM internals (``workers.rollout.vllm_compat.layerwise_reload``
+checks them); ``tests/rollout`` keeps a regression test that fails if they change.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import time
 from typing import Any
 
 import torch
+
+from workers.rollout.vllm_compat import layerwise_reload
 
 __all__ = ["ShardLoadError", "VLLMShardLoader"]
 
@@ -97,16 +99,6 @@ class VLLMShardLoader:
         shard's embedding / output rows cover; it must be the range vLLM's
         vocab-parallel layers hold on this rank.
         """
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _layerwise_process,
-            get_layerwise_info,
-        )
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
-
         start = time.perf_counter()
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
@@ -121,19 +113,13 @@ class VLLMShardLoader:
             module_name, _, param_name = name.rpartition(".")
             by_layer.setdefault(module_name, []).append((param_name, tensor))
         copied = 0
-        initialize_layerwise_reload(model)
-        try:
+        with layerwise_reload(model, self.model_runner.model_config) as materialized:
             for module_name, tensors in by_layer.items():
                 layer = model.get_submodule(module_name)
-                info = get_layerwise_info(layer)
-                materialize_layer(layer, info)
-                rows = _vocab_rows(layer)
-                for param_name, tensor in tensors:
-                    target = getattr(layer, param_name)
-                    copied += _copy_into(f"{module_name}.{param_name}", target, tensor, rows, vocab_range)
-                info.loaded_weights = []
-                _layerwise_process(layer, info)  # post-load processing, then copy into the kernel tensors
-        finally:
-            finalize_layerwise_reload(model, self.model_runner.model_config)
+                with materialized(layer):  # then post-load processing, and the copy into the kernel tensors
+                    rows = _vocab_rows(layer)
+                    for param_name, tensor in tensors:
+                        target = getattr(layer, param_name)
+                        copied += _copy_into(f"{module_name}.{param_name}", target, tensor, rows, vocab_range)
         _reprocess_tied_layers(model, set(by_layer))
         return {"bytes": copied, "seconds": time.perf_counter() - start}

@@ -1,0 +1,146 @@
+"""Every patch of vLLM, and every use of its private names (the guard: ``hybridengine.compat``).
+
+Used by the vLLM rollout: ``permuted_groups`` while its engine is built
+(``vllm_engine``), ``layerwise_reload`` / ``materialized_layer`` at each weight
+sync (``vllm_weight_sync``), ``shm_group_names`` for the CPU shared-memory
+segments' names (``vllm_cpu_shm``) and ``shutdown_engine`` at close.
+``VLLM.patches`` says why each patch exists and when it can go. vLLM is
+imported only when a patch is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Callable, Iterator
+
+from hybridengine.compat import LibraryShim, Patch
+
+__all__ = ["VLLM", "layerwise_reload", "permuted_groups", "shm_group_names", "shutdown_engine"]
+
+VLLM = LibraryShim(
+    "vLLM",
+    distributions=("vllm", "vllm-cpu"),
+    written_for=("0.32",),
+    module=__name__,
+    patches=[
+        Patch("permuted_groups",
+              why="vLLM derives its tensor-parallel groups as consecutive blocks of the world's ranks; "
+                  "parallel_state.init_model_parallel_group sees them through the permutation that makes them "
+                  "the hybrid engine's (strided) generation TP groups.",
+              remove_when="vLLM's external launcher takes the ranks of its tensor-parallel groups."),
+        Patch("layerwise_reload",
+              why="the weight sync loads each rank's shard as is through vLLM's private layerwise reload steps "
+                  "(reload.layerwise._layerwise_process, get_layerwise_info, reload.meta.materialize_layer); "
+                  "its reload_weights takes full checkpoint tensors.",
+              remove_when="vLLM can reload weights from per-rank shards through a public call."),
+        Patch("shm_group_names",
+              why="vLLM's CPU communicator (_CPUSHMDistributed.make_group_name) names a TP group's shared-memory "
+                  "segments the same for every engine on a machine; the names get a prefix of the engine's own.",
+              remove_when="vLLM names those segments per engine under the external launcher.",
+              optional=True),
+        Patch("engine_shutdown",
+              why="LLM has no close(); its engine core (llm.llm_engine.engine_core) is shut down directly.",
+              remove_when="vLLM's LLM has a public shutdown."),
+    ],
+)
+VLLM.check_version()
+
+
+@contextlib.contextmanager
+@VLLM.applies("permuted_groups")
+def permuted_groups(perm: list[int]) -> Iterator[None]:
+    """While active, vLLM's rank i in every group it creates stands for world rank ``perm[i]``."""
+    parallel_state = VLLM.import_module("vllm.distributed.parallel_state", patch="permuted_groups")
+    original = VLLM.require(parallel_state, "init_model_parallel_group", patch="permuted_groups")
+
+    def init_group(group_ranks, *args, **kwargs):
+        return original([[perm[r] for r in group] for group in group_ranks], *args, **kwargs)
+
+    parallel_state.init_model_parallel_group = init_group
+    try:
+        yield
+    finally:
+        parallel_state.init_model_parallel_group = original
+
+
+class _LayerwiseReload:
+    """vLLM's layerwise reload steps, looked up once (every name checked before the model is touched)."""
+
+    def __init__(self) -> None:
+        patch = "layerwise_reload"
+        reload = VLLM.import_module("vllm.model_executor.model_loader.reload", patch=patch)
+        layerwise = VLLM.import_module("vllm.model_executor.model_loader.reload.layerwise", patch=patch)
+        meta = VLLM.import_module("vllm.model_executor.model_loader.reload.meta", patch=patch)
+        self.initialize = VLLM.require(reload, "initialize_layerwise_reload", patch=patch)
+        self.finalize = VLLM.require(reload, "finalize_layerwise_reload", patch=patch)
+        self.get_info = VLLM.require(layerwise, "get_layerwise_info", patch=patch)
+        self.process = VLLM.require(layerwise, "_layerwise_process", patch=patch)
+        self.materialize = VLLM.require(meta, "materialize_layer", patch=patch)
+
+
+@contextlib.contextmanager
+@VLLM.applies("layerwise_reload")
+def layerwise_reload(model: Any, model_config: Any) -> Iterator[Callable[[Any], contextlib.AbstractContextManager]]:
+    """A layerwise reload of ``model``: yields ``materialized``, and finalizes the reload at exit.
+
+    Within ``with materialized(layer):`` the layer's parameters are in
+    checkpoint format (per-rank shapes), to be filled in; at the end of the
+    block vLLM's post-load processing runs on it (on CPU it repacks linear
+    weights for oneDNN) and the result is copied into the engine's tensors.
+    """
+    steps = _LayerwiseReload()
+    steps.initialize(model)
+    try:
+        yield functools.partial(_materialized_layer, steps)
+    finally:
+        steps.finalize(model, model_config)
+
+
+@contextlib.contextmanager
+def _materialized_layer(steps: _LayerwiseReload, layer: Any) -> Iterator[None]:
+    """``layer`` materialized in checkpoint format for the block; processed and copied back after it."""
+    info = steps.get_info(layer)
+    steps.materialize(layer, info)
+    yield
+    VLLM.require(info, "loaded_weights", patch="layerwise_reload")
+    info.loaded_weights = []  # no buffered weights for it to load: the shard was copied in directly
+    steps.process(layer, info)  # post-load processing, then copy into the kernel tensors
+
+
+@contextlib.contextmanager
+@VLLM.applies("shm_group_names")
+def shm_group_names(rename: Callable[[str], str]) -> Iterator[None]:
+    """While active, vLLM's CPU communicator names a group's shared-memory segments ``rename(its own name)``.
+
+    Does nothing where vLLM has no CPU communicator module (a build without it: nothing to rename).
+    """
+    patch = "shm_group_names"
+    try:
+        cpu_communicator = importlib.import_module("vllm.distributed.device_communicators.cpu_communicator")
+    except ImportError:
+        yield
+        return
+    shm = VLLM.optional(cpu_communicator, "_CPUSHMDistributed", patch=patch)
+    if shm is None or not callable(VLLM.optional(shm, "make_group_name", patch=patch)):
+        yield
+        return
+    original = shm.__dict__["make_group_name"]
+    name_of = original.__func__ if isinstance(original, staticmethod) else original
+
+    def make_group_name(communicator) -> str:
+        return rename(name_of(communicator))
+
+    shm.make_group_name = staticmethod(make_group_name)
+    try:
+        yield
+    finally:
+        shm.make_group_name = original
+
+
+@VLLM.applies("engine_shutdown")
+def shutdown_engine(llm: Any) -> None:
+    """Shut down the engine core of ``llm`` (a ``vllm.LLM``)."""
+    engine = VLLM.require(llm, "llm_engine", patch="engine_shutdown")
+    VLLM.require(engine, "engine_core", patch="engine_shutdown").shutdown()
