@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridengine.model.spec import ModelConfigError, ModelSpec
+from hybridengine.parallel.layout import divisors
 
 __all__ = ["FIT_FRACTION", "AutoLayout", "apply_device_map", "auto_generation_tp", "auto_layout", "device_map_layouts",
            "parameter_count", "role_bytes"]
@@ -55,10 +56,6 @@ def role_bytes(spec: ModelSpec, precision: str, trains: bool) -> int:
     return parameter_count(spec) * table[precision]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def auto_layout(spec: ModelSpec, world_size: int, device_bytes: int, precision: str = "bf16", trains: bool = True,
                 devices_per_node: int | None = None) -> AutoLayout:
     """The smallest TP x PP (TP first) under which one rank's share fits ``FIT_FRACTION`` of a device."""
@@ -66,14 +63,14 @@ def auto_layout(spec: ModelSpec, world_size: int, device_bytes: int, precision: 
     budget = FIT_FRACTION * device_bytes
     node = devices_per_node or world_size
     candidates = []
-    for tp in _divisors(world_size):
+    for tp in divisors(world_size):
         if tp > node:
             continue
         try:
             spec.check_layout(tp, 1)
         except ModelConfigError:
             continue
-        for pp in _divisors(world_size // tp):
+        for pp in divisors(world_size // tp):
             if spec.num_layers % pp == 0:
                 candidates.append((tp * pp, pp, tp))
     candidates.sort()  # smallest model-parallel size, then the fewest pipeline stages (TP first)
@@ -91,7 +88,7 @@ def auto_layout(spec: ModelSpec, world_size: int, device_bytes: int, precision: 
 def auto_generation_tp(spec: ModelSpec, training_tp: int, device_bytes: int, precision: str = "bf16") -> int:
     """The smallest generation TP dividing the training TP whose weights fit half a device."""
     weights = role_bytes(spec, precision, trains=False)
-    for tp in _divisors(training_tp):
+    for tp in divisors(training_tp):
         if weights / tp <= 0.5 * device_bytes:
             return tp
     return training_tp

@@ -47,7 +47,7 @@ from functools import cached_property
 from typing import Callable, Sequence
 
 from hybridengine.model.spec import ModelSpec
-from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout
+from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout, divisors
 from hybridengine.reshard.plan import (
     GenerationLayout,
     RankPlan,
@@ -112,13 +112,9 @@ class LinkBytes:
 def cross_pool_generation_layouts(train: ParallelLayout, max_tp: int = 8) -> list[GenerationLayout]:
     """Every generation (TP, PP) a separate pool can take from ``train`` (any number of replicas each):
     joins (t_g divides t, p_g divides p) first, then slices (t_g = k t up to ``max_tp``, PP 1)."""
-    gather = [GenerationLayout(tg, pg) for pg in _divisors(train.pp) for tg in _divisors(train.tp)]
+    gather = [GenerationLayout(tg, pg) for pg in divisors(train.pp) for tg in divisors(train.tp)]
     sliced = [GenerationLayout(train.tp * k, 1) for k in range(2, max_tp // train.tp + 1)] if train.pp == 1 else []
     return gather + sliced
-
-
-def _divisors(n: int) -> list[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
 
 
 def _slices(train: ParallelLayout, gen: GenerationLayout | None) -> int | None:

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hybridengine.parallel.layout import divisors
+
 __all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling",
            "real_vocab_rows"]
 
@@ -54,10 +56,6 @@ def real_vocab_rows(vocab_rows: int, vocab_size: int, tensor_parallel: int, tp_r
     per_rank = vocab_rows // tensor_parallel
     start = min(tp_rank * per_rank, vocab_size)
     return start, min(start + per_rank, vocab_size)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ class ModelSpec:
         ]
         for what, size in checks:
             if size % tp != 0:
-                valid = [d for d in _divisors(size) if all(s % d == 0 for _, s in checks)]
+                valid = [d for d in divisors(size) if all(s % d == 0 for _, s in checks)]
                 hint = ""
                 if what == "vocab size":
                     hint = (" (the vocabulary is not padded: pick a TP size that divides it, or pad it: "
@@ -191,7 +189,7 @@ class ModelSpec:
         if self.num_layers % pp != 0:
             raise ModelConfigError(
                 f"pipeline_parallel {pp} does not divide the {self.num_layers} layers; "
-                f"valid PP sizes: {_divisors(self.num_layers)}"
+                f"valid PP sizes: {divisors(self.num_layers)}"
             )
 
     def layers_of_stage(self, pp_rank: int, pipeline_parallel: int) -> range:

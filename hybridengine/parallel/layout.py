@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["ParallelLayout", "MeshCoordinate"]
+__all__ = ["ParallelLayout", "MeshCoordinate", "divisors"]
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending: the sizes a dimension of ``n`` splits into evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class MeshCoordinate(NamedTuple):

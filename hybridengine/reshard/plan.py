@@ -24,7 +24,7 @@ from typing import Callable
 
 from functools import cached_property
 
-from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout
+from hybridengine.parallel.layout import MeshCoordinate, ParallelLayout, divisors
 
 __all__ = [
     "GenerationLayout", "GenerationMesh", "ReshardLayoutError", "RankPlan", "ReshardPlan", "legal_generation_layouts",
@@ -45,15 +45,11 @@ class GenerationLayout:
         return f"genTP{self.tensor_parallel}xPP{self.pipeline_parallel}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
-
-
 def legal_generation_layouts(train: ParallelLayout) -> list[GenerationLayout]:
     """Every generation (TP, PP) reachable from ``train``, gather pairs first."""
-    legal = [GenerationLayout(tg, pg) for pg in _divisors(train.pp) for tg in _divisors(train.tp)]
+    legal = [GenerationLayout(tg, pg) for pg in divisors(train.pp) for tg in divisors(train.tp)]
     if train.pp == 1:
-        legal += [GenerationLayout(train.tp * k, 1) for k in _divisors(train.dp) if k > 1]
+        legal += [GenerationLayout(train.tp * k, 1) for k in divisors(train.dp) if k > 1]
     return legal
 
 
