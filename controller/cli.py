@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: train, plot, export, data."""
+"""The ``hybridflow`` command: train, sft, plan, plot, export, data."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from controller.planner.command import add_plan_parser
 from controller.runtime.torchrun_backend import under_torchrun
 from workers.console import configure_console
 
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
     _data_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -177,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args, argv)
     if args.command == "data":
         return _data(args)
+    if args.command == "plan":
+        from controller.planner.command import run_plan
+
+        return run_plan(args)
     return 2
 
 

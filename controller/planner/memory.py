@@ -1,0 +1,237 @@
+"""Memory per device of one role at one layout: model state to the byte, activations and KV cache by formula.
+
+**Model state** follows the training engine (``workers.megatron.engine``) as
+megatron-core lays it out, so it is predicted to the byte:
+
+- weights: the stage's parameters (``hybridengine.model.catalogue.stage_params``
+  at the vocabulary padding the engine uses) in the parameter dtype;
+- gradients: megatron's DDP buffer in fp32 (``grad_reduce_in_fp32``); with the
+  distributed optimizer every parameter starts at a multiple of 64 elements,
+  each bucket ends at a multiple of lcm(DP, 128), the shared embedding of a
+  pipelined tied model is a bucket of its own, and the parameters move into
+  one bf16 (or fp32) buffer of the same length;
+- optimizer: Adam's two fp32 moments per element and a 4-byte step
+  counter per parameter, and for bf16 an fp32 master copy; with the
+  distributed optimizer each DP rank holds the elements of its 1/DP of
+  every bucket only.
+
+Of several pipeline stages the largest is reported (the device that runs out
+first).
+
+**Activations** of one micro-batch per layer are the tensors megatron's
+local layers keep for backward (``layer_activation_bytes``); 1F1B keeps up
+to PP micro-batches in flight on the first stage; full recomputation keeps
+each block's input and one block's activations. **KV cache** per token is
+2 x layers x KV heads per rank x head_dim in the generation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
+from hybridengine.model.spec import ModelSpec
+
+__all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
+           "layer_activation_bytes", "megatron_order", "stage_state", "state_memory", "weight_bytes"]
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_PARAM_ALIGN = 64  # megatron: with the distributed optimizer each parameter starts 128-byte aligned
+_BUCKET_ALIGN = 128
+
+
+def dtype_bytes(precision: str) -> int:
+    if precision not in _DTYPE_BYTES:
+        raise ValueError(f"precision {precision!r} is not one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[precision]
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes one device holds for a role's model state (the largest pipeline stage)."""
+
+    weights: int
+    gradients: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+# megatron-core's local GPT layer registers its parameters in this order (the module's named_parameters()).
+_LAYER_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+                "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+                "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+                "mlp.linear_fc2.weight")
+
+
+def megatron_order(params: list) -> list:
+    """``stage_params``' entries in the order of the megatron module's ``named_parameters()``."""
+    def key(p):
+        if p.name == EMBEDDING:
+            return (0, 0, 0)
+        if p.layer is None:
+            return (2, 0 if p.name != OUTPUT_LAYER else 1, 0)
+        suffix = p.name.split(".", 3)[3]
+        return (1, p.layer, _LAYER_ORDER.index(suffix))
+    return sorted(params, key=key)
+
+
+@lru_cache(maxsize=4096)
+def _stage_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> tuple[tuple[int, bool], ...]:
+    """(numel, is the shared embedding) of each parameter of the stage, in megatron's order."""
+    shared = spec.tie_word_embeddings and not spec.is_value_model and pp > 1
+    return tuple((p.numel, shared and p.name in (EMBEDDING, OUTPUT_LAYER))
+                 for p in megatron_order(stage_params(spec, tp, pp, pp_rank)))
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _buckets(numels: tuple[tuple[int, bool], ...], dp: int, distributed: bool) -> list[list[tuple[int, int]]]:
+    """megatron's buffer: per bucket, the (start, end) of each parameter; the last entry's end is padded by the caller."""
+    buckets: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    start = 0
+    bucket_start = 0
+    ends = []  # each bucket's padded end
+
+    def close(end: int) -> int:
+        nonlocal current, bucket_start
+        padded = _pad(end, math.lcm(dp, _BUCKET_ALIGN)) if distributed else end
+        buckets.append(current)
+        ends.append(padded)
+        current, bucket_start = [], padded
+        return padded
+
+    for numel, shared in reversed(numels):  # megatron fills the buffer in reverse (backprop) order
+        if distributed:
+            start = _pad(start, _PARAM_ALIGN)
+        needs_own = shared and distributed
+        if needs_own and current:
+            start = close(start)
+        current.append((start, start + numel))
+        if needs_own:
+            start = close(start + numel)
+        else:
+            start += numel
+    if current:
+        close(start)
+    return [bucket + [(ends[i], ends[i])] for i, bucket in enumerate(buckets)]  # a sentinel carries the padded end
+
+
+def _owned(bucket: list[tuple[int, int]], bucket_start: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, parameters) of the bucket in DP rank ``dp_rank``'s 1/DP of it."""
+    end = bucket[-1][1]
+    size = (end - bucket_start) // dp
+    lo, hi = bucket_start + dp_rank * size, bucket_start + (dp_rank + 1) * size
+    overlaps = [max(0, min(e, hi) - max(s, lo)) for s, e in bucket[:-1]]
+    return sum(overlaps), sum(1 for o in overlaps if o)
+
+
+def weight_bytes(spec: ModelSpec, tp: int, pp: int, precision: str) -> int:
+    """The largest stage's parameters in ``precision`` (the engine's module, nothing else)."""
+    size = dtype_bytes(precision)
+    return max(sum(n for n, _ in _stage_numels(spec, tp, pp, r)) for r in range(pp)) * size
+
+
+_STEP_COUNTER = 4  # torch's Adam keeps a float32 step counter per parameter it updates
+_MOMENTS = 8  # exp_avg and exp_avg_sq, fp32
+
+
+def stage_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank: int, precision: str, trains: bool,
+                distributed_optimizer: bool = False) -> StateMemory:
+    """The model state of the rank at pipeline stage ``pp_rank`` and DP rank ``dp_rank`` (any TP rank: they hold alike)."""
+    size = dtype_bytes(precision)
+    numels = _stage_numels(spec, tp, pp, pp_rank)
+    count = sum(n for n, _ in numels)
+    if not trains:
+        return StateMemory(count * size)
+    master = 4 if size == 2 else 0  # bf16: an fp32 master copy; fp32: the parameter itself
+    if not distributed_optimizer:
+        return StateMemory(count * size, count * 4, count * (master + _MOMENTS) + len(numels) * _STEP_COUNTER)
+    buckets = _buckets(numels, dp, distributed=True)
+    padded = buckets[-1][-1][1]
+    owned = params = start = 0
+    for bucket in buckets:
+        elements, touched = _owned(bucket, start, dp, dp_rank)
+        owned, params, start = owned + elements, params + touched, bucket[-1][1]
+    return StateMemory(padded * size, padded * 4, owned * (master + _MOMENTS) + params * _STEP_COUNTER)
+
+
+@lru_cache(maxsize=8192)
+def state_memory(spec: ModelSpec, tp: int, pp: int, dp: int, precision: str, trains: bool,
+                 distributed_optimizer: bool = False) -> StateMemory:
+    """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (``spec`` padded
+    as the engine pads it)."""
+    ranks = range(dp) if trains and distributed_optimizer else range(1)
+    return max((stage_state(spec, tp, pp, s, dp, r, precision, trains, distributed_optimizer)
+                for s in range(pp) for r in ranks), key=lambda m: m.total)
+
+
+# ------------------------------------------------------------------ activations and KV
+@dataclass(frozen=True)
+class ActivationShape:
+    micro_batch: int  # sequences per micro-batch
+    seq_len: int  # tokens per sequence (the micro-batch's longest row)
+    precision: str = "bf16"
+    flash_attention: bool = False  # True: no [heads, s, s] scores are kept (GPU attention kernels)
+    recompute: str | None = None  # None, "full" or "selective" (megatron's recompute_granularity)
+    recompute_num_layers: int = 1
+
+
+def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> int:
+    """What one decoder layer keeps for backward for one micro-batch on one TP rank.
+
+    Tokens T = micro-batch x sequence; per TP rank the heads, KV groups and FFN split, the hidden
+    states do not (no sequence parallelism). Kept: the two norms' inputs and outputs (4 T h), the
+    fused QKV output and the rotated q and k, k and v repeated to every query head when grouped,
+    the attention context, fc1's output (gate and up) and SwiGLU's output; without flash attention
+    also the softmax's [heads, s, s] probabilities.
+    """
+    t_tokens = shape.micro_batch * shape.seq_len
+    b = dtype_bytes(shape.precision)
+    heads = spec.num_attention_heads // tp
+    groups = max(spec.num_query_groups // tp, 1)
+    d = spec.head_dim
+    per_token = 4 * spec.hidden_size  # norm inputs and outputs
+    per_token += (heads + 2 * groups) * d  # the fused QKV projection's output
+    per_token += (heads + groups) * d  # q and k after rotary embedding
+    if groups < heads:
+        per_token += 2 * heads * d  # k and v repeated to every query head
+    per_token += heads * d  # the attention context (linear_proj's input)
+    per_token += 3 * spec.ffn_hidden_size // tp  # fc1's output (gate, up) and SwiGLU's output
+    scores = 0
+    if not shape.flash_attention and shape.recompute != "selective":
+        scores = shape.micro_batch * heads * shape.seq_len * shape.seq_len * b
+    return t_tokens * per_token * b + scores
+
+
+def activation_bytes(spec: ModelSpec, tp: int, pp: int, shape: ActivationShape, micro_batches: int,
+                     trains: bool = True) -> int:
+    """The first pipeline stage's activation peak: a training pass under 1F1B, or a forward pass.
+
+    A forward-only pass keeps one layer's working set. Training keeps min(PP, micro-batches)
+    micro-batches in flight on the first stage (1F1B's warm-up), each with every layer of the stage;
+    full recomputation keeps each block's input and recomputes one block at a time.
+    """
+    per_layer = layer_activation_bytes(spec, tp, shape)
+    layers = math.ceil(spec.num_layers / pp)
+    if not trains:
+        return per_layer
+    in_flight = min(pp, micro_batches)
+    if shape.recompute == "full":
+        blocks = math.ceil(layers / shape.recompute_num_layers)
+        block_input = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
+        return in_flight * blocks * block_input + shape.recompute_num_layers * per_layer
+    return in_flight * layers * per_layer
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: int, precision: str = "bf16") -> int:
+    """The KV cache one token takes on one generation TP rank (KV heads are replicated when TP exceeds them)."""
+    groups = max(spec.num_query_groups // tp, 1)
+    return 2 * spec.num_layers * groups * spec.head_dim * dtype_bytes(precision)

@@ -1,0 +1,241 @@
+"""Every way one role can run on ``n`` devices, with its memory and its time per stage.
+
+An ``Option`` is a role at one layout: TP x PP x DP and the micro-batch;
+for the role that generates, also the generation layout the hybrid engine
+reaches from it and how many sequences a generation engine runs at once
+(what its KV cache holds). ``role_options`` lists the options that fit one
+device's memory by themselves, keeping only those no other option beats on
+every stage time and every memory figure (the search combines roles, and a
+dominated option never makes a better combination).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridengine.model.spec import ModelConfigError
+from hybridengine.parallel.layout import ParallelLayout, divisors
+from hybridengine.reshard.plan import legal_generation_layouts
+
+from controller.planner.hardware import Cluster
+from controller.planner.memory import (ActivationShape, activation_bytes, dtype_bytes, kv_bytes_per_token,
+                                       state_memory, weight_bytes)
+from controller.planner.timing import (Efficiency, Link, PassShape, all_gather_time, forward_time, generation_time,
+                                       train_time)
+from controller.planner.workload import RoleWork, Workload
+
+__all__ = ["Option", "Pin", "evaluate_option", "role_options", "links_for"]
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+CONCURRENCY_LEVELS = 6  # generation: the most sequences at once, then halved this many times at most
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What the user fixed for a role (``--pin role.key=value``); None: the planner chooses."""
+
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch: int | None = None
+    gen_tp: int | None = None
+    devices: int | None = None
+    colocate_with: str | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    role: str
+    devices: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    times: tuple[float, float, float]  # seconds in the generation, preparation and training stages
+    resident: int  # bytes held on a device for the whole step (model state)
+    extra: tuple[int, int, int]  # bytes added on a device while it works in each stage (0 when idle)
+    gen_tp: int | None = None
+    gen_pp: int | None = None
+    concurrency: int | None = None  # sequences a generation engine runs at once
+    reshard_bytes: int = 0  # bytes each rank receives to build its generation shard
+    memory: dict = field(default_factory=dict, compare=False)  # the breakdown, for the report
+
+    def dominates(self, other: "Option") -> bool:
+        mine = (*self.times, self.resident, *self.extra)
+        theirs = (*other.times, other.resident, *other.extra)
+        return all(a <= b for a, b in zip(mine, theirs)) and mine != theirs
+
+    @property
+    def layout(self) -> str:
+        text = f"TP{self.tp} PP{self.pp} DP{self.dp} mb{self.micro_batch}"
+        if self.gen_tp is not None:
+            text += f", generation TP{self.gen_tp}" + (f" PP{self.gen_pp}" if self.gen_pp != 1 else "")
+        return text
+
+
+def links_for(cluster: Cluster, ranks: int) -> Link:
+    """The link a group of ``ranks`` consecutive ranks uses: the node's when it fits one node, else the network."""
+    device = cluster.accelerator
+    if ranks <= cluster.devices_per_node:
+        return Link(device.link_bandwidth, device.link_latency)
+    return Link(device.network_bandwidth, device.network_latency)
+
+
+def _legal_layout(work: RoleWork, tp: int, pp: int) -> bool:
+    try:
+        work.padded(tp).check_layout(tp, pp)
+    except ModelConfigError:
+        return False
+    return True
+
+
+def _layouts(work: RoleWork, n: int, cluster: Cluster, pin: Pin) -> list[tuple[int, int]]:
+    found = []
+    for tp in divisors(n):
+        if tp > cluster.devices_per_node or (pin.tp is not None and tp != pin.tp):
+            continue
+        for pp in divisors(n // tp):
+            if (pin.pp is not None and pp != pin.pp) or not _legal_layout(work, tp, pp):
+                continue
+            found.append((tp, pp))
+    return found
+
+
+def _micro_batches(work: RoleWork, workload: Workload, dp: int, pin: Pin) -> list[int]:
+    if work.trains:
+        if work.mini_batch % dp:
+            return []
+        per_rank = work.mini_batch // dp
+    else:
+        per_rank = math.ceil(workload.sequences / dp)
+    choices = MICRO_BATCHES if pin.micro_batch is None else (pin.micro_batch,)
+    return [m for m in choices if m <= per_rank and (not work.trains or per_rank % m == 0)]
+
+
+def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, tp: int,
+                    pp: int, micro_batch: int, gen: tuple[int, int] | None = None,
+                    concurrency: int | None = None) -> Option:
+    """One role at one layout on ``n`` devices: memory and stage times."""
+    device = cluster.accelerator
+    dp = n // (tp * pp)
+    spec = work.padded(tp)
+    seq = workload.seq_len
+    shape = ActivationShape(micro_batch, seq, work.precision, workload.flash_attention, work.recompute,
+                            work.recompute_num_layers)
+    tp_link, dp_link, pp_link = links_for(cluster, tp), links_for(cluster, n), links_for(cluster, tp * pp)
+    memory: dict[str, int] = {}
+    times = [0.0, 0.0, 0.0]
+    extra = [0, 0, 0]
+    if work.role == "rollout":  # generation only, on a pool of its own: weights and KV are its state
+        state_weights = weight_bytes(work.spec, tp, pp, workload.generation_precision)
+        memory["weights"] = state_weights
+    else:
+        state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer)
+        memory.update(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer)
+        state_weights = state.total
+    if work.forward_passes:
+        forward_act = activation_bytes(spec, tp, pp, shape, 1, trains=False)
+        memory["forward activations"] = forward_act
+        extra[1] = forward_act
+        times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch),
+                                                      device, work.precision, tp_link, efficiency, pp_link)
+    if work.trains:
+        steps = work.epochs * max(1, workload.sequences // work.mini_batch)
+        micro = work.mini_batch // dp // micro_batch
+        train_act = activation_bytes(spec, tp, pp, shape, micro, trains=True)
+        memory["training activations"] = train_act
+        extra[2] = train_act
+        times[2] = train_time(spec, tp, pp, dp, PassShape(workload.sequences * work.epochs, seq, micro_batch), steps,
+                              device, work.precision, tp_link, dp_link, efficiency, work.distributed_optimizer,
+                              work.recompute, pp_link)
+    reshard = 0
+    if work.generates:
+        gen_tp, gen_pp = gen
+        replicas = n // (gen_tp * gen_pp)
+        kv = concurrency * seq * kv_bytes_per_token(work.spec, gen_tp, workload.generation_precision)
+        memory["KV cache"] = kv
+        if work.role == "rollout":
+            extra[0] = kv
+        else:
+            gen_shard = weight_bytes(work.spec.with_padded_vocab(work.vocab_multiple, tp), gen_tp, gen_pp,
+                                     workload.generation_precision)
+            released = memory["weights"] if workload.release_training else 0
+            memory["generation weights"] = gen_shard
+            extra[0] = gen_shard + kv - released
+            group = tp * pp // (gen_tp * gen_pp)  # the micro-DP group: ranks whose shards make one generation shard
+            if group > 1:
+                reshard = (group - 1) * gen_shard // group
+                times[0] += all_gather_time(gen_shard, group, links_for(cluster, group), efficiency)
+        times[0] += generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
+                                    workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
+                                    workload.generation_precision)
+    return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
+                  gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory)
+
+
+def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp: int, pin: Pin):
+    if work.role == "rollout":
+        layouts = [(t, 1) for t in divisors(n) if _legal_layout(work, t, 1)]
+        if workload.generation_engine != "vllm":
+            layouts += [(t, p) for t in divisors(n) for p in divisors(n // t) if p > 1 and _legal_layout(work, t, p)]
+    else:
+        layouts = [(g.tensor_parallel, g.pipeline_parallel)
+                   for g in legal_generation_layouts(ParallelLayout.for_world(n, tp, pp))]
+        if workload.generation_engine == "vllm":
+            layouts = [(t, p) for t, p in layouts if p == 1]
+    for gen_tp, gen_pp in layouts:
+        if pin.gen_tp is not None and gen_tp != pin.gen_tp:
+            continue
+        replicas = n // (gen_tp * gen_pp)
+        most = min(math.ceil(workload.sequences / replicas), workload.max_num_seqs)
+        levels = sorted({max(1, most >> k) for k in range(CONCURRENCY_LEVELS)}, reverse=True)
+        for concurrency in levels:
+            yield (gen_tp, gen_pp), concurrency
+
+
+def role_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int,
+                 pin: Pin | None = None, prune: bool = True) -> list[Option]:
+    """Every option of ``work`` on ``n`` devices that fits a device by itself; ``prune``: the undominated ones."""
+    pin = pin or Pin()
+    budget = cluster.accelerator.usable_bytes
+    found: list[Option] = []
+    for tp, pp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1)]:
+        dp = n // (tp * pp)
+        micro_batches = _micro_batches(work, workload, dp, pin) if work.role != "rollout" else [1]
+        for micro in micro_batches:
+            gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
+            for gen, concurrency in gens:
+                if work.role == "rollout":
+                    tp_, pp_ = gen
+                    option = evaluate_option(work, workload, cluster, efficiency, n, tp_, pp_, 1, gen, concurrency)
+                else:
+                    option = evaluate_option(work, workload, cluster, efficiency, n, tp, pp, micro, gen, concurrency)
+                if option.resident + max(0, *option.extra) <= budget:
+                    found.append(option)
+    if not prune:
+        return found
+    return [o for o in found if not any(other.dominates(o) for other in found)]
+
+
+def smallest_footprint(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency,
+                       n: int) -> int | None:
+    """The least a device holds for ``work`` on ``n`` devices over every layout (None: no legal layout)."""
+    best = None
+    for tp, pp in _layouts(work, n, cluster, Pin()) if work.role != "rollout" else [(t, 1) for t in divisors(n)]:
+        dp = n // (tp * pp)
+        micro = [1] if work.role == "rollout" else (_micro_batches(work, workload, dp, Pin())[:1])
+        if not micro:
+            continue
+        if work.generates:  # each generation layout at its fewest sequences at once
+            fewest: dict = {}
+            for gen, concurrency in _generation_choices(work, workload, n, tp, pp, Pin()):
+                fewest[gen] = min(fewest.get(gen, concurrency), concurrency)
+            candidates = [evaluate_option(work, workload, cluster, efficiency, n,
+                                          *(gen if work.role == "rollout" else (tp, pp)), micro[0], gen, concurrency)
+                          for gen, concurrency in fewest.items()]
+            option = min(candidates, key=lambda o: o.resident + max(0, *o.extra))
+        else:
+            option = evaluate_option(work, workload, cluster, efficiency, n, tp, pp, micro[0])
+        need = option.resident + max(0, *option.extra)
+        best = need if best is None else min(best, need)
+    return best

@@ -1,0 +1,178 @@
+"""Time per phase of one role at one layout, from FLOPs, bytes moved and link speeds.
+
+- **Forward passes** (log-probs, values, reference, reward) and **updates**
+  are compute-bound: 2 FLOPs per parameter per token forward, 6 for a
+  training pass (8 with full recomputation), plus attention's 4 s^2 h per
+  sequence per layer forward, at the efficiency ``Efficiency`` states, on
+  the busiest pipeline stage (the last one holds the output layer too); PP
+  adds the sends between stages; TP
+  adds two all-reduces of the hidden states per layer forward (four with
+  backward), PP the 1F1B bubble ((PP - 1) / micro-batches), DP the gradient
+  reduce per optimizer step (and the parameter all-gather of the distributed
+  optimizer), the optimizer step reads and writes its state once.
+- **Generation** is prefill (compute-bound) then one decode step per new
+  token, bound by reading the weights and the KV cache from memory, or by
+  compute when the batch is large; sequences beyond what the KV cache holds
+  wait for a later wave.
+- **Collectives** are ring algorithms: an all-reduce moves 2 (n - 1) / n of
+  the buffer per rank, an all-gather or reduce-scatter (n - 1) / n, each
+  step paying the link's latency. A group within one node uses the node's
+  link, a group across nodes the network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridengine.model.spec import ModelSpec
+
+from controller.planner.hardware import Accelerator
+from controller.planner.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
+
+__all__ = ["Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time", "generation_time",
+           "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time", "transfer_time"]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the device's peak the phases reach (measured on this CPU by ``--calibrate``)."""
+
+    train: float = 0.40  # model FLOPs utilisation of a training pass
+    forward: float = 0.45  # of a forward pass (log-probs, values, reward)
+    prefill: float = 0.45
+    decode_compute: float = 0.30  # decode when compute-bound (large batches)
+    memory: float = 0.75  # of the memory bandwidth, decode and the optimizer step
+    link: float = 0.80  # of a link's bandwidth, collectives
+    step_overhead_s: float = 0.0  # a fixed cost per phase call (dispatch, process start of a call)
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s per direction per rank
+    latency: float  # seconds per step
+
+
+def model_flops_per_token(spec: ModelSpec) -> float:
+    """Forward FLOPs per token of the matmuls (2 per weight), the output layer included."""
+    h, d = spec.hidden_size, spec.head_dim
+    attention = h * (spec.num_attention_heads + 2 * spec.num_query_groups) * d + spec.num_attention_heads * d * h
+    mlp = 3 * h * spec.ffn_hidden_size
+    output = spec.num_labels * h if spec.is_value_model else spec.vocab_size * h
+    return 2.0 * (spec.num_layers * (attention + mlp) + output)
+
+
+def _attention_flops(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs of QK^T and PV for one sequence over every layer (the full square, as computed)."""
+    return 4.0 * spec.num_layers * seq_len * seq_len * spec.num_attention_heads * spec.head_dim
+
+
+def all_reduce_time(nbytes: float, ranks: int, link: Link, efficiency: Efficiency) -> float:
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / (link.bandwidth * efficiency.link) + 2 * (ranks - 1) * link.latency
+
+
+def all_gather_time(nbytes: float, ranks: int, link: Link, efficiency: Efficiency) -> float:
+    """Each rank ends with ``nbytes`` gathered from ``ranks`` equal parts (or sends them: reduce-scatter)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / (link.bandwidth * efficiency.link) + (ranks - 1) * link.latency
+
+
+def transfer_time(nbytes: float, link: Link, efficiency: Efficiency) -> float:
+    return 0.0 if nbytes <= 0 else nbytes / (link.bandwidth * efficiency.link) + link.latency
+
+
+@dataclass(frozen=True)
+class PassShape:
+    sequences: int  # over the whole role (all DP ranks)
+    seq_len: int
+    micro_batch: int
+
+
+def stage_flops_per_token(spec: ModelSpec, pp: int) -> float:
+    """Forward FLOPs per token of the busiest pipeline stage: its layers, and the output layer on the last."""
+    layer = (model_flops_per_token(spec) - _output_flops(spec)) / spec.num_layers
+    busiest = 0.0
+    for stage in range(pp):
+        layers = len(spec.layers_of_stage(stage, pp))
+        busiest = max(busiest, layers * layer + (_output_flops(spec) if stage == pp - 1 else 0.0))
+    return busiest
+
+
+def _output_flops(spec: ModelSpec) -> float:
+    return 2.0 * (spec.num_labels if spec.is_value_model else spec.vocab_size) * spec.hidden_size
+
+
+def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
+               tp_link: Link, efficiency: Efficiency, flops_factor: float, mfu: float, tp_collectives: int,
+               pp_link: Link | None = None) -> float:
+    """One pass on one DP replica: the busiest stage's compute, stretched by the 1F1B bubble, plus TP's
+    all-reduces and PP's sends between stages."""
+    per_rank = math.ceil(shape.sequences / dp)
+    stage = stage_flops_per_token(spec, pp) * per_rank * shape.seq_len
+    attention = _attention_flops(spec, shape.seq_len) * per_rank * math.ceil(spec.num_layers / pp) / spec.num_layers
+    compute = flops_factor * (stage + attention) / (tp * device.flops(precision) * mfu)
+    micro = max(1, math.ceil(per_rank / shape.micro_batch))
+    bubble = (pp - 1) / micro
+    hidden = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(precision)
+    layers = math.ceil(spec.num_layers / pp)
+    tp_comm = micro * layers * tp_collectives * all_reduce_time(hidden, tp, tp_link, efficiency)
+    sends = (tp_collectives // 2) * micro * transfer_time(hidden / tp, pp_link or tp_link, efficiency) if pp > 1 else 0.0
+    return compute * (1 + bubble) + tp_comm + sends + efficiency.step_overhead_s
+
+
+def forward_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
+                 tp_link: Link, efficiency: Efficiency, pp_link: Link | None = None) -> float:
+    """A forward pass over ``shape.sequences`` (log-probs, values, reference, reward)."""
+    return _pass_time(spec, tp, pp, dp, shape, device, precision, tp_link, efficiency, 1.0, efficiency.forward, 2,
+                      pp_link)
+
+
+def optimizer_step_time(param_count_per_rank: float, device: Accelerator, efficiency: Efficiency) -> float:
+    """Adam over the rank's elements: read and write master weights and both moments, read the gradient,
+    write the bf16 weights (about 30 bytes per element)."""
+    return 30 * param_count_per_rank / (device.memory_bandwidth * efficiency.memory)
+
+
+def train_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, optimizer_steps: int,
+               device: Accelerator, precision: str, tp_link: Link, dp_link: Link, efficiency: Efficiency,
+               distributed_optimizer: bool = False, recompute: str | None = None, pp_link: Link | None = None) -> float:
+    """``shape.sequences`` trained (every epoch's) in ``optimizer_steps`` mini-batches."""
+    factor = 4.0 if recompute == "full" else 3.0
+    mini = PassShape(max(1, shape.sequences // optimizer_steps), shape.seq_len, shape.micro_batch)
+    per_mini = _pass_time(spec, tp, pp, dp, mini, device, precision, tp_link, efficiency, factor, efficiency.train,
+                          6 if recompute == "full" else 4, pp_link)
+    stage_elements = weight_bytes(spec, tp, pp, "fp32") / 4
+    grads = stage_elements * 4  # fp32 gradient reduction
+    if distributed_optimizer:  # reduce-scatter the gradients, all-gather the updated parameters
+        dp_comm = (all_gather_time(grads, dp, dp_link, efficiency)
+                   + all_gather_time(stage_elements * dtype_bytes(precision), dp, dp_link, efficiency))
+        owned = stage_elements / dp
+    else:
+        dp_comm = all_reduce_time(grads, dp, dp_link, efficiency)
+        owned = stage_elements
+    return optimizer_steps * (per_mini + dp_comm + optimizer_step_time(owned, device, efficiency))
+
+
+def generation_time(spec: ModelSpec, tp: int, replicas: int, sequences: int, prompt_len: int, response_len: int,
+                    concurrency: int, device: Accelerator, tp_link: Link, efficiency: Efficiency,
+                    precision: str = "bf16") -> float:
+    """``sequences`` generated by ``replicas`` engines of TP ``tp``, each ``concurrency`` sequences at a time."""
+    per_replica = math.ceil(sequences / replicas)
+    waves = math.ceil(per_replica / concurrency)
+    batch = min(per_replica, concurrency)
+    flops_token = model_flops_per_token(spec)
+    peak = device.flops(precision)
+    weights = weight_bytes(spec, tp, 1, precision)
+    kv_token = kv_bytes_per_token(spec, tp, precision)
+    prefill = (flops_token * batch * prompt_len + _attention_flops(spec, prompt_len) * batch / 2) / (
+        tp * peak * efficiency.prefill)
+    context = prompt_len + response_len / 2
+    read = (weights + batch * context * kv_token) / (device.memory_bandwidth * efficiency.memory)
+    compute = flops_token * batch / (tp * peak * efficiency.decode_compute)
+    hidden = batch * spec.hidden_size * dtype_bytes(precision)
+    tp_comm = 2 * spec.num_layers * all_reduce_time(hidden, tp, tp_link, efficiency)
+    decode = response_len * (max(read, compute) + tp_comm)
+    return waves * (prefill + decode) + efficiency.step_overhead_s

@@ -1,0 +1,145 @@
+"""What one RL iteration asks of each model: the planner's view of a job's config.
+
+``job_workload(config)`` reads the typed config tree (``controller.config.RLConfig``)
+and gives the roles that hold a model (actor, critic, reference, reward and
+cost models), what each does in a step (generation, forward passes,
+updates: sequences, lengths, epochs, optimizer steps) and how it stores
+itself (precision, distributed optimizer, recomputation, vocabulary
+padding). Models are read from their ``config.json`` only: a directory with
+no weights plans as well as a full checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hybridengine.model.spec import ModelSpec
+from workers.rollout.agreement import old_log_probs_from_update
+
+__all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "PLANNED_ROLES", "STAGES"]
+
+# The roles the planner places; the rollout follows the actor (the hybrid engine) unless the schedule
+# overlaps generation with training, where it is a role of its own.
+PLANNED_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "cost")
+STAGES = ("generation", "preparation", "training")  # a step's stages, in order (the HybridFlow paper's three)
+
+
+def load_spec(path: str) -> ModelSpec:
+    """A model's spec from its config alone: an HF directory (weights optional) or ``builtin:<name>``."""
+    if path.startswith("builtin:"):
+        from controller.models.builtin import BUILTIN_MODELS
+
+        key = path.removeprefix("builtin:")
+        if key in BUILTIN_MODELS:
+            values = BUILTIN_MODELS[key]
+            return ModelSpec.from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **values},
+                                            f"builtin:{key}")
+        raise ValueError(f"{path!r}: the planner reads built-in models {sorted('builtin:' + k for k in BUILTIN_MODELS)} "
+                         f"or an HF directory with a config.json")
+    from workers.pretrained import resolve_pretrained
+
+    return ModelSpec.from_pretrained(resolve_pretrained(path))
+
+
+@dataclass(frozen=True)
+class RoleWork:
+    """One model's part of a step and how its engine stores it."""
+
+    role: str
+    spec: ModelSpec  # as the checkpoint says (the engine pads the vocabulary for its TP)
+    trains: bool
+    precision: str = "bf16"
+    distributed_optimizer: bool = False
+    recompute: str | None = None
+    recompute_num_layers: int = 1
+    vocab_multiple: int | None = 128  # make_vocab_size_divisible_by
+    forward_passes: int = 0  # forward passes over the step's sequences (log-probs, values, scores)
+    epochs: int = 1  # training passes over the step's sequences
+    mini_batch: int | None = None  # sequences per optimizer step
+    generates: bool = False  # the actor when the rollout follows it, or the rollout on its own pool
+    micro_batch: int = 1  # the config's micro_batch_size (what a plan of the config's own layout uses)
+    tp: int = 1  # the config's TP / PP (what the pre-launch check evaluates; the search chooses its own)
+    pp: int = 1
+
+    def padded(self, tp: int) -> ModelSpec:
+        return self.spec.with_padded_vocab(self.vocab_multiple, tp)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step: the sequences, their lengths, the schedule and every role's work."""
+
+    sequences: int  # prompts x samples per prompt
+    prompt_len: int
+    response_len: int
+    roles: tuple[RoleWork, ...]
+    mode: str = "sync"  # sync, one_step_off or async: the latter two put the rollout on a pool of its own
+    max_num_seqs: int = 256  # sequences one generation engine runs at once at most
+    generation_engine: str = "vllm"
+    generation_precision: str = "bf16"
+    release_training: bool = True  # the actor's training weights are freed while the generation buffer exists
+    flash_attention: bool = True  # GPU attention kernels keep no [heads, s, s] scores
+    generation_tp: int = 1  # the config's rollout layout
+    generation_pp: int = 1
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    def role(self, name: str) -> RoleWork:
+        for work in self.roles:
+            if work.role == name:
+                return work
+        raise KeyError(f"the job has no {name!r} role; it has {[w.role for w in self.roles]}")
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return tuple(w.role for w in self.roles)
+
+
+def job_workload(config, flash_attention: bool = True, load=load_spec) -> Workload:
+    """The planner's view of ``config`` (an RLConfig)."""
+    alg, rollout, trainer = config.algorithm, config.rollout, config.trainer
+    sequences = config.data.batch_size * rollout.sampling.n
+    policy = load(config.actor.model_path or config.model_path)
+    separate_rollout = trainer.mode != "sync" or "rollout" in trainer.placement
+    from_update = old_log_probs_from_update(alg.old_log_prob_source, config.ppo.ppo_epochs,
+                                            config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward)
+    recompute_old = alg.old_log_prob_source != "rollout" and not from_update  # the actor's separate forward
+
+    def engine_fields(section) -> dict:
+        eng = section.engine
+        return dict(precision=eng.precision, recompute=eng.recompute_granularity,
+                    recompute_num_layers=eng.recompute_num_layers, vocab_multiple=eng.make_vocab_size_divisible_by,
+                    micro_batch=eng.micro_batch_size, tp=eng.tensor_parallel, pp=eng.pipeline_parallel)
+
+    roles = [RoleWork("actor", policy, trains=True, distributed_optimizer=config.actor.optim.use_distributed_optimizer,
+                      forward_passes=int(recompute_old), epochs=config.ppo.ppo_epochs,
+                      mini_batch=config.ppo.ppo_mini_batch_size, generates=not separate_rollout,
+                      **engine_fields(config.actor))]
+    if separate_rollout:
+        roles.append(RoleWork("rollout", policy, trains=False, generates=True, vocab_multiple=None))
+    if alg.needs_critic:
+        critic_spec = load(config.critic.model_path) if config.critic.model_path else policy
+        if not critic_spec.is_value_model:
+            critic_spec = dataclasses.replace(critic_spec, num_labels=1)
+        roles.append(RoleWork("critic", critic_spec, trains=True,
+                              distributed_optimizer=config.critic.optim.use_distributed_optimizer, forward_passes=1,
+                              epochs=config.critic_ppo.ppo_epochs, mini_batch=config.critic_ppo.ppo_mini_batch_size,
+                              **engine_fields(config.critic)))
+    needs_ref = alg.use_reference if alg.use_reference is not None else (
+        alg.kl_in_reward or config.ppo.use_kl_loss or alg.kl_loss_fn is not None)
+    if needs_ref:
+        ref = config.ref_policy or config.actor
+        spec = load(ref.model_path) if ref.model_path else policy
+        roles.append(RoleWork("ref_policy", spec, trains=False, forward_passes=1, **engine_fields(ref)))
+    for role, section in (("reward_model", config.reward), ("cost", config.cost_model)):
+        if section is not None and section.model_path is not None:
+            roles.append(RoleWork(role, load(section.model_path), trains=False, forward_passes=1,
+                                  **engine_fields(section)))
+    return Workload(sequences, rollout.max_prompt_length, rollout.max_response_length, tuple(roles), mode=trainer.mode,
+                    max_num_seqs=rollout.max_num_seqs, generation_engine=rollout.engine,
+                    release_training=rollout.release_training, flash_attention=flash_attention,
+                    generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel)

@@ -1,0 +1,56 @@
+"""``hybridflow plan`` end to end on config-only models: the plans, --write's overrides, --json, the exits."""
+
+import json
+
+from conftest import ROOT
+from controller.cli import main
+from controller.config import check_config, load_config
+from hybridengine.model.spec import ModelSpec
+
+MODELS = ROOT / "examples" / "models"
+PAPER_7B = ["--config", str(ROOT / "examples/paper_ppo.yaml"), f"model_path={MODELS / 'llama2-7b'}",
+            f"reward.model_path={MODELS / 'llama2-7b-reward'}"]
+
+
+def test_plan_prints_ranked_plans_and_writes_overrides_the_job_accepts(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    assert main(["plan", *PAPER_7B, "--cluster", "2x8xA100-80GB", "--write", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "#1 " in text and "other placements:" in text and "hybridflow train" in text
+    saved = json.loads(out.read_text())
+    assert saved["cluster"] == "2x8xA100-80GB" and saved["roles"] == ["actor", "critic", "ref_policy", "reward_model"]
+    steps = [p["step_time_s"] for p in saved["plans"]]
+    assert steps == sorted(steps) and 1 <= len(steps) <= 5
+    usable = saved["usable_bytes_per_device"]
+    assert all(m <= usable for p in saved["plans"] for s in p["sets"] for m in s["memory_bytes"].values())
+    assert sum(s["devices"] for s in saved["plans"][0]["sets"]) == 16
+    # The overrides make a config that passes the pre-launch checks with the models' own shapes.
+    overrides = saved["plans"][0]["overrides"]
+    config = load_config(ROOT / "examples/paper_ppo.yaml", [*PAPER_7B[2:], *overrides])
+    check_config(config, ModelSpec.from_pretrained(MODELS / "llama2-7b"),
+                 reward_spec=ModelSpec.from_pretrained(MODELS / "llama2-7b-reward"))
+    losers = saved["rejected"]
+    assert losers and all(r["reason"].startswith(("slower", "out of memory")) for r in losers)
+
+
+def test_a_job_too_large_for_the_cluster_exits_1_with_the_smallest_plans_memory(capsys):
+    args = ["plan", "--config", str(ROOT / "examples/paper_ppo.yaml"), f"model_path={MODELS / 'llama2-70b'}",
+            f"reward.model_path={MODELS / 'llama2-70b-reward'}", "--cluster", "1x2xA10-24GB"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "fits no plan on 1x2xA10-24GB" in err and "GiB on a device" in err and "22.00 GiB usable" in err
+
+
+def test_bad_devices_and_pins_exit_2_naming_the_value(capsys):
+    cases = [
+        (["--cluster", "2x8xV100"], "unknown accelerator 'V100'"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "actor.tp=3"], "--pin actor.tp=3"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "actor.tp=16"], "TP stays within a node, which has 8 devices"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "critic.colour=2"], "unknown key 'colour'"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "cost.tp=2"], "the job has no role 'cost'"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "actor.devices=32"], "the cluster has 16 devices"),
+        (["--cluster", "2x8xA100-80GB", "--pin", "actor.tp=2", "--pin", "actor.tp=4"], "given twice"),
+    ]
+    for extra, message in cases:
+        assert main(["plan", *PAPER_7B, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, (extra, message)
