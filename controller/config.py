@@ -146,7 +146,8 @@ class TrainerConfig:
     ray_address: str | None = None  # launcher ray: null starts a private local cluster; "auto" or "host:port" joins one
     rdzv_endpoint: str | None = None  # launcher torchrun, nnodes > 1: the c10d rendezvous "host:port" every node uses
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  # metrics backends (wandb too, when installed)
-    # role -> its own pool (Ray): processes on one node (an int) or {nodes: N, processes_per_node: P}; others share
+    # role -> its own pool (Ray): processes on one node (an int) or {nodes: N, processes_per_node: P}, or another
+    # placed role's name to share its pool; roles not named share the default pool (nnodes x nproc)
     placement: dict[str, Any] = field(default_factory=dict)
     export_hf: bool = True  # write the trained actor as an HF checkpoint at the end
     export_precision: str | None = None  # its dtype: "bf16" or "fp32"; None: the actor's engine.precision
@@ -324,13 +325,34 @@ PLACEABLE_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "
 
 
 def job_pools(trainer: TrainerConfig) -> dict[str, PoolShape]:
-    """The job's pools: "default" (nnodes x nproc) and one per placed role; PlacementError on a bad entry."""
+    """The job's pools: "default" (nnodes x nproc) and one per placed role; PlacementError on a bad entry.
+
+    An entry that names another placed role (``trainer.placement={critic: 4, reward_model: critic}``)
+    shares that role's pool: both map to the same ``PoolShape``, named after the role that owns it.
+    """
     pools = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
     for role, value in trainer.placement.items():
         if role not in PLACEABLE_ROLES:
             raise PlacementError(f"trainer.placement: {role!r} is not a placeable role; valid: {PLACEABLE_ROLES}")
-        pools[role] = pool_shape(role, value, f"trainer.placement.{role}")
+        if not isinstance(value, str):
+            pools[role] = pool_shape(role, value, f"trainer.placement.{role}")
+    for role, value in trainer.placement.items():
+        if isinstance(value, str):
+            owners = sorted(r for r, v in trainer.placement.items() if not isinstance(v, str))
+            if value not in owners:
+                raise PlacementError(f"trainer.placement.{role}: {value!r} names no role placed on a pool of its own; "
+                                     f"name one of {owners}, or give a number of processes or "
+                                     "{nodes, processes_per_node}")
+            if "rollout" in (role, value):
+                raise PlacementError(f"trainer.placement.{role}: {value!r}: a rollout on its own pool shares it with "
+                                     "no other role (it sits with the actor when not placed)")
+            pools[role] = pools[value]
     return pools
+
+
+def distinct_pools(pools: dict[str, PoolShape]) -> list[PoolShape]:
+    """Each pool once (roles sharing a pool map to one shape)."""
+    return list({shape.name: shape for shape in pools.values()}.values())
 
 
 def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
@@ -460,7 +482,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                         "megatron role spans the whole world")
     if cluster is not None and not problems:
         try:
-            fit_pools(list(pools.values()), cluster)
+            fit_pools(distinct_pools(pools), cluster)
         except PlacementError as exc:
             problems.append(f"trainer.placement / trainer.nnodes x nproc do not fit the Ray cluster: {exc}")
     if data.batch_size < 1:

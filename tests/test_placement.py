@@ -22,6 +22,18 @@ def test_placement_entries_become_pool_shapes():
             pool_shape("critic", bad, "trainer.placement.critic")
 
 
+def test_a_placement_entry_naming_a_placed_role_shares_its_pool():
+    trainer = load_config(None, ["trainer.launcher=ray", "trainer.placement={critic: {nodes: 1, processes_per_node: 4}, "
+                                 "reward_model: critic}"]).trainer
+    pools = job_pools(trainer)
+    assert pools["reward_model"] is pools["critic"] and pools["critic"] == PoolShape("critic", 1, 4)
+    with pytest.raises(PlacementError, match=r"trainer\.placement\.reward_model: 'ref_policy' names no role placed on a "
+                                             r"pool of its own; name one of \['critic'\]"):
+        job_pools(load_config(None, ["trainer.placement={critic: 4, reward_model: ref_policy}"]).trainer)
+    with pytest.raises(PlacementError, match=r"a rollout on its own pool shares it with no other role"):
+        job_pools(load_config(None, ["trainer.placement={rollout: 4, critic: rollout}"]).trainer)
+
+
 def test_pools_fit_distinct_nodes_in_creation_order():
     # The default pool takes 2 of 4 CPUs on two nodes; the critic (1 x 4) fits only on the third.
     placed = fit_pools([PoolShape("default", 2, 2), PoolShape("critic", 1, 4)], nodes(4, 4, 4))
@@ -101,3 +113,13 @@ def test_trainer_placement_across_nodes_by_declaration():
     with pytest.raises(ConfigError, match=r"register_placement\('reward'\) must be a positive number of processes .*"
                                           r"got \{'nodes': 2, 'processes_per_node': 0\}"):
         trainer.register_placement("reward", nodes=2, processes_per_node=0)
+
+
+def test_a_job_config_places_roles_on_shared_pools(tmp_path):
+    from controller.rl.trainer import RLTrainer
+
+    config = load_config(None, ["trainer.launcher=ray", f"trainer.run_dir={tmp_path}",
+                                "trainer.placement={reward: actor, actor: {nodes: 2, processes_per_node: 4}, critic: 4}"])
+    trainer = RLTrainer(config)
+    assert trainer.placement == {"actor": "actor", "rollout": "actor", "critic": "critic", "reward": "actor"}
+    assert trainer.pool_sizes == {"default": 4, "actor": 8, "critic": 4}

@@ -158,9 +158,14 @@ class RLTrainer:
         self.global_step = 0
         self.loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
-        for role, shape in job_pools(trainer).items():  # the config's own placement
-            if role != "default":
+        pools = job_pools(trainer)  # the config's own placement: the pools' owners first, then the roles sharing them
+        for role, shape in sorted(pools.items(), key=lambda item: item[1].name != item[0]):
+            if role == "default":
+                continue
+            if shape.name == role:
                 self.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
+            else:
+                self.register_placement(role, pool=shape.name)
 
     @property
     def pool_sizes(self) -> dict[str, int]:
@@ -298,11 +303,14 @@ class RLTrainer:
         from hybridengine.model.spec import ModelSpec
         from workers.reward.reward_model import megatron_spec_or_none
 
-        placement = {}
+        placement, owner = {}, {}
         for role, pool in self.placement.items():
             shape = self.pool_shapes[pool]
-            if pool != "default" and role in PLACEABLE_ROLES:
-                placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
+            if role == "rollout" and not self.rollout_on_its_own_pool:
+                continue  # it follows the actor
+            if pool != "default" and role in PLACEABLE_ROLES:  # the pool's first role holds it, the others share it
+                placement[role] = owner.setdefault(pool, role) if pool in owner else {
+                    "nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
         config = replace(self.config, trainer=replace(self.config.trainer, placement=placement))
         path = self.specs["actor"].model_path
         policy = ModelSpec.from_pretrained(path) if Path(path, "config.json").is_file() else None

@@ -62,8 +62,8 @@ def main():
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
-    torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout)},
-               out / "result.pt")
+    torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
+                "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes()}, out / "result.pt")
 
 
 def run_critic(args, pool, inputs, out):
@@ -80,7 +80,8 @@ def run_critic(args, pool, inputs, out):
     values = critic.compute_values(batch)
     metrics = critic.update_critic(batch.union(inputs["train"]))
     critic.save_hf(str(out / "after_step"))
-    torch.save({"values": values, "metrics": metrics, "layout": str(critic.layout)}, out / "result.pt")
+    torch.save({"values": values, "metrics": metrics, "layout": str(critic.layout), "state_bytes": critic.state_bytes()},
+               out / "result.pt")
 
 
 if __name__ == "__main__":

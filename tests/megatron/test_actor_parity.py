@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
+from state_checks import assert_state_predicted
 from tiny_models import make_llama, make_rl_batch
 from workers import DataProto
 
@@ -157,6 +158,10 @@ def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     ref = reference_step(model_dir, batch, train, mode)
     dp = nproc // (tp * pp)
     assert result["layout"] == f"TP{tp}xPP{pp}xDP{dp}"
+    # The planner's memory model, to the byte, against the engines' tensors (after the step: Adam's state exists).
+    precision = "bf16" if "bf16" in extra else "fp32"
+    assert_state_predicted(model_dir, result["state_bytes"], tp, pp, precision, True, "--dist-opt" in extra)
+    assert_state_predicted(model_dir, result["ref_state_bytes"], tp, pp, precision, False)
     return result, batch, ref
 
 

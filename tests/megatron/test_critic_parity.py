@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
+from state_checks import assert_state_predicted
 from tiny_models import make_llama, make_rl_batch
 from workers import DataProto
 
@@ -46,6 +47,7 @@ def test_critic_matches_hf_reference(critic_dir, tmp_path, tp, pp, nproc):
                         [str(critic_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--role", "critic"], nproc, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert_state_predicted(critic_dir, result["state_bytes"], tp, pp, "fp32", trains=True)  # the value head's too
 
     model = hf_critic(critic_dir)
     values = reference_values(model, batch)

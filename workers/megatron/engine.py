@@ -207,6 +207,39 @@ class MegatronEngine:
             raise FloatingPointError("the optimizer skipped its step (non-finite gradients)")
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
+    def state_bytes(self) -> dict[str, int]:
+        """What this rank holds for the model's state, counted from its tensors' storages (each once).
+
+        ``weights``: the parameters (with the distributed optimizer, megatron's parameter buffer, padding
+        included); ``gradients``: the DDP gradient buffers; ``optimizer``: what the optimizer adds, its
+        fp32 master copies and its per-parameter state (Adam's moments and step counters). What the
+        planner predicts (``controller.planner.memory``) is held to this.
+        """
+        seen: set[int] = set()
+
+        def storage(t: torch.Tensor) -> int:
+            s = t.untyped_storage()
+            if s.data_ptr() in seen or s.nbytes() == 0:
+                return 0
+            seen.add(s.data_ptr())
+            return s.nbytes()
+
+        weights = sum(storage(p) for p in self.model.parameters())
+        gradients = optimizer = 0
+        if self.optimizer is not None:
+            for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+                if buffer.param_data is not None:
+                    weights += storage(buffer.param_data)
+                gradients += storage(buffer.grad_data)
+            for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                torch_optimizer = inner.optimizer
+                for group in torch_optimizer.param_groups:
+                    for param in group["params"]:
+                        optimizer += storage(param)
+                        optimizer += sum(storage(v) for v in torch_optimizer.state.get(param, {}).values()
+                                         if isinstance(v, torch.Tensor))
+        return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+
     def vocab_start(self) -> int:
         """The first vocabulary id of this TP rank's rows (of the padded vocabulary)."""
         return self.groups.tp_rank * (self.spec.vocab_rows // self.layout.tp)

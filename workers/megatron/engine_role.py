@@ -58,6 +58,11 @@ class EngineRole(BaseWorker):
         return path
 
     @register(Dispatch.ONE_TO_ALL)
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's model state in bytes, from its tensors: weights, gradients, optimizer (one dict per rank)."""
+        return self.engine.state_bytes()
+
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any] | None = None) -> str:
         """Model, optimizer, LR schedule, RNG and counters as ``root/step_<step>``, atomically."""
         extra = {**(extra or {}), "update_count": self.update_count}
