@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run an RL job from a YAML config (key.sub=value overrides after it)")
     train.add_argument("--config", help="a YAML file (examples/*.yaml); omitted: all defaults")
     train.add_argument("overrides", nargs="*", help="key.sub=value, e.g. algorithm.name=grpo rollout.sampling.n=4")
+    train.add_argument("--force", action="store_true",
+                       help="launch a GPU job even when the planner predicts it will not fit its devices' memory")
     sft = commands.add_parser("sft", help="supervised fine-tuning from a YAML config (key.sub=value overrides after it)")
     sft.add_argument("--config", help="a YAML file (examples/sft_tiny.yaml); omitted: all defaults")
     sft.add_argument("overrides", nargs="*", help="key.sub=value, e.g. data.batch_size=32 trainer.total_steps=100")
@@ -107,9 +109,25 @@ def _train(args, argv: list[str]) -> int:
     from controller.config import load_config
     from controller.jobs.train_job import prepare_job, run_training
 
-    # Before any worker starts: the model, the data, the reward functions, the placement against the Ray cluster.
-    return _run_job("train", load_config, lambda config: prepare_job(config, cluster=_ray_cluster(config)),
-                    run_training, args, argv)
+    def prepare(config):
+        _memory_check(config, args.force)
+        return prepare_job(config, cluster=_ray_cluster(config))
+
+    # Before any worker starts: the memory of a GPU job, the model, the data, the reward functions, the placement
+    # against the Ray cluster.
+    return _run_job("train", load_config, prepare, run_training, args, argv)
+
+
+def _memory_check(config, force: bool) -> None:
+    """A GPU job whose placement and layouts the planner predicts will not fit its devices is refused, with the
+    table and the nearest plan that fits (``--force`` launches it anyway); CPU jobs are not checked."""
+    if force:
+        return
+    from controller.planner.prelaunch import check_job_memory, local_cluster
+
+    cluster = local_cluster(config)
+    if cluster is not None:
+        check_job_memory(config, cluster)
 
 
 def _sft(args, argv: list[str]) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-__all__ = ["ACCELERATORS", "Accelerator", "Cluster", "ClusterError", "GIB", "parse_cluster"]
+__all__ = ["ACCELERATORS", "Accelerator", "Cluster", "ClusterError", "GIB", "matching_accelerator", "parse_cluster"]
 
 GIB = 1 << 30
 
@@ -120,3 +120,16 @@ def parse_cluster(text: str) -> Cluster:
                            f"(e.g. 8xA100-80GB), nor 'local'")
     nodes, devices, name = match.groups()
     return Cluster(int(nodes or 1), int(devices), accelerator(name))
+
+
+def matching_accelerator(device_name: str, memory_bytes: int) -> Accelerator:
+    """The table's entry for a device as the runtime names it ("NVIDIA A100-SXM4-80GB"), with its measured
+    memory; a device the table lacks gets an A100-80GB's speeds (the memory check reads only the memory)."""
+    upper = device_name.upper()
+    candidates = [a for a in ACCELERATORS.values() if a.name.split("-")[0] in upper]
+    if candidates:
+        found = min(candidates, key=lambda a: abs(a.memory_bytes - memory_bytes))
+        return replace(found, memory_bytes=memory_bytes)
+    base = ACCELERATORS["A100-80GB"]
+    return replace(base, name=device_name, memory_bytes=memory_bytes,
+                   source=f"{device_name}: memory as the runtime reports it; speeds assumed an A100-80GB's")

@@ -50,13 +50,15 @@ def plan_overrides(plan: Plan, cluster: Cluster) -> list[str]:
 
 
 def _layout_overrides(option: Option) -> list[str]:
+    # The KV cache the plan sized: exactly its concurrency's sequences at full length.
+    kv = [f"rollout.kv_cache_bytes={option.memory['KV cache']}"] if "KV cache" in option.memory else []
     if option.role == "rollout":
-        return [f"rollout.tensor_parallel={option.tp}", f"rollout.pipeline_parallel={option.pp}"]
+        return [f"rollout.tensor_parallel={option.tp}", f"rollout.pipeline_parallel={option.pp}", *kv]
     section = _SECTION[option.role]
     out = [f"{section}.tensor_parallel={option.tp}", f"{section}.pipeline_parallel={option.pp}",
            f"{section}.micro_batch_size={option.micro_batch}"]
     if option.gen_tp is not None:
-        out += [f"rollout.tensor_parallel={option.gen_tp}", f"rollout.pipeline_parallel={option.gen_pp}"]
+        out += [f"rollout.tensor_parallel={option.gen_tp}", f"rollout.pipeline_parallel={option.gen_pp}", *kv]
     return out
 
 

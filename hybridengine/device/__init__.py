@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "accelerator_properties",
     "accelerator_available",
     "accelerator_count",
     "device_type",
@@ -197,6 +198,12 @@ def use_device(index: int) -> None:
     if index >= count:
         raise ValueError(f"device cuda:{index} is not on this machine; it has {count} GPU(s)")
     torch.cuda.set_device(index)
+
+
+def accelerator_properties(index: int = 0) -> tuple[str, int]:
+    """(name, memory in bytes) of GPU ``index``, as the runtime reports them."""
+    props = torch.cuda.get_device_properties(index)
+    return props.name, int(props.total_memory)
 
 
 def device_memory_bytes() -> int:

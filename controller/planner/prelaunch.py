@@ -1,0 +1,130 @@
+"""The pre-launch memory check: the job's own placement and layouts, on its devices, before any process starts.
+
+``job_plan`` scores the plan the config describes: the default pool holds
+the actor and every role not placed elsewhere, each ``trainer.placement``
+pool its roles (an entry naming another role shares its pool), each role at
+its configured TP / PP / micro-batch, the rollout at its TP / PP with as many
+sequences at once as ``rollout.kv_cache_bytes`` holds. ``check_job_memory``
+refuses a job whose plan does not fit a device in some stage, with the
+table of what each role holds and the nearest plan that fits (the search's
+best, as overrides). ``hybridflow train`` runs it on GPU jobs;
+``--force`` skips it.
+"""
+
+from __future__ import annotations
+
+from controller.planner.hardware import GIB, Cluster
+from controller.planner.options import Option, evaluate_option
+from controller.planner.report import plan_overrides
+from controller.planner.search import Plan, PlanError, SetPlan, search, step_time
+from controller.planner.timing import Efficiency
+from controller.planner.workload import Workload, job_workload
+from hybridengine.model.spec import ModelConfigError
+from workers.rollout.config import RolloutConfig
+
+__all__ = ["MemoryCheckError", "check_job_memory", "job_plan", "job_sets", "local_cluster"]
+
+
+class MemoryCheckError(PlanError):
+    """The job's plan does not fit its devices; the message holds the table and the nearest plan that fits."""
+
+
+def job_sets(config, workload: Workload) -> list[tuple[tuple[str, ...], int]]:
+    """(roles, devices) of each pool the config gives: the default pool first."""
+    from controller.config import job_pools
+
+    pools = job_pools(config.trainer)
+    where = {role: pools[role].name if role in pools else "default" for role in workload.role_names}
+    if "rollout" in where and "rollout" not in config.trainer.placement:
+        where["rollout"] = where["actor"]
+    names = sorted(set(where.values()), key=lambda name: (name != where["actor"], name))
+    shapes = {shape.name: shape for shape in pools.values()}
+    return [(tuple(r for r in workload.role_names if where[r] == name), shapes[name].world_size) for name in names]
+
+
+def _concurrency(workload: Workload, rollout: RolloutConfig, gen_tp: int, spec) -> int:
+    from controller.planner.memory import kv_bytes_per_token
+
+    per_sequence = workload.seq_len * kv_bytes_per_token(spec, gen_tp, workload.generation_precision)
+    return max(1, min(workload.max_num_seqs, rollout.kv_cache_bytes // per_sequence))
+
+
+def job_plan(config, cluster: Cluster, workload: Workload | None = None,
+             efficiency: Efficiency | None = None) -> Plan:
+    """The plan ``config`` runs, scored on ``cluster``'s devices (a ValueError when a layout cannot split a model)."""
+    workload = workload or job_workload(config)
+    efficiency = efficiency or Efficiency()
+    groups = []
+    for roles, devices in job_sets(config, workload):
+        options: list[Option] = []
+        for role in roles:
+            work = workload.role(role)
+            gen = concurrency = None
+            tp, pp = work.tp, work.pp
+            if work.generates:
+                gen = (workload.generation_tp, workload.generation_pp)
+                concurrency = _concurrency(workload, config.rollout, gen[0], work.spec)
+                if role == "rollout":
+                    tp, pp = gen
+            if devices % (tp * pp):
+                raise ValueError(f"{role}: TP {tp} x PP {pp} does not divide its pool's {devices} devices")
+            try:
+                work.padded(tp).check_layout(tp, pp)
+            except ModelConfigError as exc:
+                raise ValueError(f"{role}: {exc}") from None
+            options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
+                                           work.micro_batch, gen, concurrency))
+        groups.append(SetPlan(roles, devices, tuple(options)))
+    total, stages = step_time(workload, tuple(groups), 0.0)
+    return Plan(tuple(groups), total, stages)
+
+
+def _table(plan: Plan, usable: int) -> str:
+    lines = [f"  {'pool (roles)':<36} {'role':<12} {'layout':<36} {'state GiB':>9} {'work GiB (gen/prep/train)':>26} "
+             f"{'peak GiB':>8}"]
+    for group in plan.sets:
+        peak = max(group.memory)
+        for i, option in enumerate(group.options):
+            work = "/".join(f"{max(0, e) / GIB:.2f}" for e in option.extra)
+            name = f"{'+'.join(group.roles)} ({group.devices})" if i == 0 else ""
+            flag = (f"{peak / GIB:.2f}" + (" > usable" if peak > usable else "")) if i == 0 else ""
+            lines.append(f"  {name:<36} {option.role:<12} {option.layout:<36} {option.resident / GIB:>9.2f} {work:>26} "
+                         f"{flag:>8}")
+    return "\n".join(lines)
+
+
+def check_job_memory(config, cluster: Cluster, efficiency: Efficiency | None = None) -> Plan:
+    """The job's plan when it fits ``cluster``'s devices in every stage; else a MemoryCheckError with the table
+    and the nearest plan that fits."""
+    workload = job_workload(config)
+    plan = job_plan(config, cluster, workload, efficiency)
+    usable = cluster.accelerator.usable_bytes
+    if all(max(group.memory) <= usable for group in plan.sets):
+        return plan
+    worst = max(plan.sets, key=lambda g: max(g.memory))
+    stage = max(range(3), key=lambda s: worst.memory[s])
+    message = [f"the job is predicted not to fit its devices ({cluster}, {usable / GIB:.2f} GiB usable each): "
+               f"the pool of {'+'.join(worst.roles)} needs {max(worst.memory) / GIB:.2f} GiB a device in the "
+               f"{('generation', 'preparation', 'training')[stage]} stage", _table(plan, usable)]
+    best = search(workload, cluster, efficiency, top=1)
+    if best.plans:
+        overrides = plan_overrides(best.plans[0], cluster)
+        message.append(f"the nearest plan that fits ({best.plans[0].step_time:.3g} s a step, "
+                       f"{best.plans[0].peak_memory / GIB:.2f} GiB a device at most): " + " ".join(overrides))
+    else:
+        message.append(f"no plan fits {cluster} (hybridflow plan shows the smallest); use more or larger devices")
+    message.append("hybridflow train --force skips this check")
+    raise MemoryCheckError("\n".join(message))
+
+
+def local_cluster(config) -> Cluster | None:
+    """This machine's GPUs as the job's cluster (trainer.nnodes x nproc of the first GPU's kind), None on CPU."""
+    from hybridengine.device import accelerator_available, accelerator_properties
+
+    if not accelerator_available():
+        return None
+    from controller.planner.hardware import matching_accelerator
+
+    name, memory = accelerator_properties()
+    return Cluster(config.trainer.nnodes, config.trainer.nproc, matching_accelerator(name, memory))
+
