@@ -27,8 +27,11 @@ _PIN_KEYS = {"tp": int, "pp": int, "micro_batch": int, "gen_tp": int, "devices":
 def add_plan_parser(commands) -> None:
     plan = commands.add_parser("plan", help="choose placement and parallelism for a job on a cluster (nothing runs)")
     plan.add_argument("--config", help="the job's YAML file; omitted: all defaults")
-    plan.add_argument("--cluster", required=True,
-                      help="NODESxDEVICESxTYPE, e.g. 4x8xH100-80GB (types: controller/planner/hardware.py)")
+    plan.add_argument("--cluster",
+                      help="NODESxDEVICESxTYPE, e.g. 4x8xH100-80GB (types: controller/planner/hardware.py), or "
+                           "'local': this machine's CPU processes (trainer.nproc of them), as --calibrate measured it")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine (GEMM rates, memory bandwidth, gloo) for --cluster local, and save it")
     plan.add_argument("--pin", action="append", default=[], metavar="ROLE.KEY=VALUE",
                       help=f"fix a choice: keys {sorted(_PIN_KEYS)}, e.g. actor.tp=8, critic.colocate_with=actor")
     plan.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
@@ -105,14 +108,30 @@ def run_plan(args) -> int:
     from controller.planner.search import PlanError, search
     from controller.planner.workload import job_workload
 
+    from controller.planner.calibrate import local_cluster, measure, save_calibration
+
+    if args.calibrate:
+        figures = measure()
+        path = save_calibration(figures)
+        print(f"calibrated {figures['machine']['cpu']} ({figures['machine']['cores']} cores): "
+              f"GEMM {figures['fp32_flops'] / 1e9:.1f} GFLOP/s fp32, {figures['bf16_flops'] / 1e9:.1f} bf16; memory "
+              f"{figures['memory_bandwidth'] / 1e9:.1f} GB/s; gloo {figures['gloo_latency_s'] * 1e6:.0f} us, "
+              f"{figures['gloo_bandwidth'] / 1e9:.2f} GB/s -> {path}")
+        if args.cluster is None:
+            return 0
     try:
+        if args.cluster is None:
+            raise ClusterError("give --cluster NODESxDEVICESxTYPE (e.g. 4x8xH100-80GB) or --cluster local")
         config = load_config(args.config, args.overrides)
-        cluster = parse_cluster(args.cluster)
+        if args.cluster == "local":
+            cluster = local_cluster(config.trainer.nnodes * config.trainer.nproc)
+        else:
+            cluster = parse_cluster(args.cluster)
         if args.network_gbps is not None:
             if args.network_gbps <= 0:
                 raise ClusterError(f"--network-gbps must be > 0, got {args.network_gbps}")
             cluster = cluster.with_network(args.network_gbps)
-        workload = job_workload(config, flash_attention=True)
+        workload = job_workload(config, flash_attention=args.cluster != "local")  # CPU attention keeps its scores
         pins = parse_pins(args.pin, workload)
         check_pins(pins, workload, cluster)
         if args.top < 1:
@@ -137,5 +156,6 @@ def run_plan(args) -> int:
         overrides = plan_overrides(result.plans[0], cluster)
         config_arg = f" --config {args.config}" if args.config else ""
         print("\n# the chosen plan:")
-        print(f"hybridflow train{config_arg} " + " ".join(f"'{o}'" if " " in o else o for o in [*args.overrides, *overrides]))
+        merged = {o.partition("=")[0]: o for o in [*args.overrides, *overrides]}  # the plan's value of a key wins
+        print(f"hybridflow train{config_arg} " + " ".join(f"'{o}'" if " " in o else o for o in merged.values()))
     return 0

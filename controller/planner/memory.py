@@ -35,7 +35,7 @@ from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
-           "layer_activation_bytes", "megatron_order", "stage_state", "state_memory", "weight_bytes"]
+           "kv_bytes_per_sequence", "layer_activation_bytes", "megatron_order", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PARAM_ALIGN = 64  # megatron: with the distributed optimizer each parameter starts 128-byte aligned
@@ -235,3 +235,11 @@ def kv_bytes_per_token(spec: ModelSpec, tp: int, precision: str = "bf16") -> int
     """The KV cache one token takes on one generation TP rank (KV heads are replicated when TP exceeds them)."""
     groups = max(spec.num_query_groups // tp, 1)
     return 2 * spec.num_layers * groups * spec.head_dim * dtype_bytes(precision)
+
+
+KV_BLOCK_TOKENS = 16  # vLLM's default block size: a sequence's cache is whole blocks
+
+
+def kv_bytes_per_sequence(spec: ModelSpec, tp: int, seq_len: int, precision: str = "bf16") -> int:
+    """The KV cache one sequence of ``seq_len`` tokens takes on one generation TP rank, in whole blocks."""
+    return -(-seq_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * kv_bytes_per_token(spec, tp, precision)

@@ -19,8 +19,8 @@ from hybridengine.parallel.layout import ParallelLayout, divisors
 from hybridengine.reshard.plan import legal_generation_layouts
 
 from controller.planner.hardware import Cluster
-from controller.planner.memory import (ActivationShape, activation_bytes, dtype_bytes, kv_bytes_per_token,
-                                       state_memory, weight_bytes)
+from controller.planner.memory import (ActivationShape, activation_bytes, kv_bytes_per_sequence, state_memory,
+                                       weight_bytes)
 from controller.planner.timing import (Efficiency, Link, PassShape, all_gather_time, forward_time, generation_time,
                                        train_time)
 from controller.planner.workload import RoleWork, Workload
@@ -152,7 +152,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     if work.generates:
         gen_tp, gen_pp = gen
         replicas = n // (gen_tp * gen_pp)
-        kv = concurrency * seq * kv_bytes_per_token(work.spec, gen_tp, workload.generation_precision)
+        kv = concurrency * kv_bytes_per_sequence(work.spec, gen_tp, seq, workload.generation_precision)
         memory["KV cache"] = kv
         if work.role == "rollout":
             extra[0] = kv

@@ -43,9 +43,9 @@ def job_sets(config, workload: Workload) -> list[tuple[tuple[str, ...], int]]:
 
 
 def _concurrency(workload: Workload, rollout: RolloutConfig, gen_tp: int, spec) -> int:
-    from controller.planner.memory import kv_bytes_per_token
+    from controller.planner.memory import kv_bytes_per_sequence
 
-    per_sequence = workload.seq_len * kv_bytes_per_token(spec, gen_tp, workload.generation_precision)
+    per_sequence = kv_bytes_per_sequence(spec, gen_tp, workload.seq_len, workload.generation_precision)
     return max(1, min(workload.max_num_seqs, rollout.kv_cache_bytes // per_sequence))
 
 
