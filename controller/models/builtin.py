@@ -26,6 +26,9 @@ _TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
 BUILTIN_MODELS = {
     "tiny-arithmetic": dict(_TINY, max_position_embeddings=128),
     "tiny-chat": dict(_TINY, max_position_embeddings=1024),
+    # 76M parameters: the planner's measured runs (tools/plan_vs_measured.py) at a size where compute dominates
+    "small-arithmetic": dict(_TINY, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                             num_key_value_heads=4, max_position_embeddings=128),
 }
 # The character tokenizer has no newline: a ChatML-shaped template without one.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>;{% endfor %}"
