@@ -1,6 +1,6 @@
 """The planner's model state held to the engine's own tensors (the parity programs' ``state_bytes``)."""
 
-from controller.planner.memory import stage_state
+from controller.planner.memory import ActivationShape, stage_activation_bytes, stage_state
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
@@ -17,3 +17,17 @@ def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, pr
         assert got == expected, (f"rank {rank} ({layout}, {precision}, distributed optimizer {distributed_optimizer}): "
                                  f"measured {got}, predicted {expected}")
     assert measured[0]["weights"] > 0 and (not trains or measured[0]["optimizer"] > 0)
+
+
+def assert_activations_predicted(model_dir, measured: list[dict], tp: int, precision: str, tolerance: float = 0.05,
+                                 vocab_multiple: int = 128) -> None:
+    """What autograd keeps for one micro-batch's forward (PP 1, each rank) within ``tolerance`` of the planner's
+    activation model (CPU attention: the [heads, s, s] probabilities are kept)."""
+    spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
+    for rank, got in enumerate(measured):
+        shape = ActivationShape(got["rows"], got["seq_len"], precision, flash_attention=False)
+        predicted = stage_activation_bytes(spec, tp, 1, 0, shape)
+        ratio = predicted / got["bytes"]
+        print(f"activations rank {rank}: measured {got['bytes']} predicted {predicted} ratio {ratio:.3f}")
+        assert abs(ratio - 1) <= tolerance, (f"rank {rank}: predicted {predicted} bytes of activations, autograd keeps "
+                                             f"{got['bytes']} ({ratio:.2f}x)")

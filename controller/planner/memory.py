@@ -19,8 +19,9 @@ Of several pipeline stages the largest is reported (the device that runs out
 first).
 
 **Activations** of one micro-batch per layer are the tensors megatron's
-local layers keep for backward (``layer_activation_bytes``); 1F1B keeps up
-to PP micro-batches in flight on the first stage; full recomputation keeps
+layers keep for backward (``layer_activation_bytes``: the CPU path's as
+autograd's hooks count them, the GPU's fused kernels' by their saved
+inputs); 1F1B keeps up to PP micro-batches in flight on the first stage; full recomputation keeps
 each block's input and one block's activations. **KV cache** per token is
 2 x layers x KV heads per rank x head_dim in the generation dtype.
 """
@@ -35,7 +36,7 @@ from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
-           "kv_bytes_per_sequence", "layer_activation_bytes", "megatron_order", "stage_state", "state_memory", "weight_bytes"]
+           "kv_bytes_per_sequence", "layer_activation_bytes", "megatron_order", "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PARAM_ALIGN = 64  # megatron: with the distributed optimizer each parameter starts 128-byte aligned
@@ -187,28 +188,47 @@ class ActivationShape:
 def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> int:
     """What one decoder layer keeps for backward for one micro-batch on one TP rank.
 
-    Tokens T = micro-batch x sequence; per TP rank the heads, KV groups and FFN split, the hidden
-    states do not (no sequence parallelism). Kept: the two norms' inputs and outputs (4 T h), the
-    fused QKV output and the rotated q and k, k and v repeated to every query head when grouped,
-    the attention context, fc1's output (gate and up) and SwiGLU's output; without flash attention
-    also the softmax's [heads, s, s] probabilities.
+    Tokens T = micro-batch x sequence; per TP rank the heads, KV groups and FFN split, the hidden states
+    do not (no sequence parallelism). Two kernel sets, as measured with autograd's saved-tensor hooks
+    (``MegatronEngine.saved_activation_bytes``):
+
+    - unfused (megatron's local layers, the CPU path): each RMSNorm keeps its input and the normalized
+      input in fp32 and its output in the model's dtype (T h, twice); attention keeps q, k and v at every
+      query head (grouped k and v repeated) and the context (4 T a d), the softmax's [heads, s, s]
+      probabilities in fp32 (and, in bf16, their bf16 copy) and the causal mask; the MLP keeps fc1's
+      output (gate and up), both SwiGLU halves and fc2's input (5 T f);
+    - fused (``flash_attention``: the GPU's kernels): each norm its input and output (2 T h, twice);
+      attention q, k, v at their own heads and the output ((2a + 2g) d); the MLP fc1's output and fc2's
+      input (3 T f); no [heads, s, s] scores.
     """
     t_tokens = shape.micro_batch * shape.seq_len
     b = dtype_bytes(shape.precision)
     heads = spec.num_attention_heads // tp
     groups = max(spec.num_query_groups // tp, 1)
-    d = spec.head_dim
-    per_token = 4 * spec.hidden_size  # norm inputs and outputs
-    per_token += (heads + 2 * groups) * d  # the fused QKV projection's output
-    per_token += (heads + groups) * d  # q and k after rotary embedding
-    if groups < heads:
-        per_token += 2 * heads * d  # k and v repeated to every query head
-    per_token += heads * d  # the attention context (linear_proj's input)
-    per_token += 3 * spec.ffn_hidden_size // tp  # fc1's output (gate, up) and SwiGLU's output
-    scores = 0
-    if not shape.flash_attention and shape.recompute != "selective":
-        scores = shape.micro_batch * heads * shape.seq_len * shape.seq_len * b
+    d, h, f = spec.head_dim, spec.hidden_size, spec.ffn_hidden_size // tp
+    if shape.flash_attention:
+        per_token = 4 * h + (2 * heads + 2 * groups) * d + 3 * f
+        scores = 0
+    else:
+        norms = 2 * h * (8 + b)  # two norms: input and normalized input in fp32, output in the model's dtype
+        scores = 0 if shape.recompute == "selective" else (
+            shape.micro_batch * heads * shape.seq_len * shape.seq_len * (4 + (b if b < 4 else 0))
+            + shape.seq_len * shape.seq_len)
+        return t_tokens * (norms + (4 * heads * d + 5 * f) * b) + scores
     return t_tokens * per_token * b + scores
+
+
+def stage_activation_bytes(spec: ModelSpec, tp: int, pp: int, pp_rank: int, shape: ActivationShape) -> int:
+    """One micro-batch's activations on stage ``pp_rank``: its layers, the embedding's output on the first
+    stage, the final norm's on the last."""
+    hidden = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
+    total = len(spec.layers_of_stage(pp_rank, pp)) * layer_activation_bytes(spec, tp, shape)
+    if pp_rank == 0:
+        total += hidden
+    if pp_rank == pp - 1:  # the final norm
+        b = dtype_bytes(shape.precision)
+        total += 2 * hidden if shape.flash_attention else hidden * (8 + b) // b
+    return total
 
 
 def activation_bytes(spec: ModelSpec, tp: int, pp: int, shape: ActivationShape, micro_batches: int,
@@ -220,15 +240,15 @@ def activation_bytes(spec: ModelSpec, tp: int, pp: int, shape: ActivationShape, 
     full recomputation keeps each block's input and recomputes one block at a time.
     """
     per_layer = layer_activation_bytes(spec, tp, shape)
-    layers = math.ceil(spec.num_layers / pp)
     if not trains:
         return per_layer
     in_flight = min(pp, micro_batches)
     if shape.recompute == "full":
+        layers = math.ceil(spec.num_layers / pp)
         blocks = math.ceil(layers / shape.recompute_num_layers)
         block_input = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
         return in_flight * blocks * block_input + shape.recompute_num_layers * per_layer
-    return in_flight * layers * per_layer
+    return in_flight * max(stage_activation_bytes(spec, tp, pp, r, shape) for r in range(pp))
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: int, precision: str = "bf16") -> int:

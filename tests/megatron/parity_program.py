@@ -63,7 +63,8 @@ def main():
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
     torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
-                "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes()}, out / "result.pt")
+                "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(),
+                "activations": actor.saved_activation_bytes(batch) if args.pp == 1 else None}, out / "result.pt")
 
 
 def run_critic(args, pool, inputs, out):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
-from state_checks import assert_state_predicted
+from state_checks import assert_activations_predicted, assert_state_predicted
 from tiny_models import make_llama, make_rl_batch
 from workers import DataProto
 
@@ -162,6 +162,8 @@ def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     precision = "bf16" if "bf16" in extra else "fp32"
     assert_state_predicted(model_dir, result["state_bytes"], tp, pp, precision, True, "--dist-opt" in extra)
     assert_state_predicted(model_dir, result["ref_state_bytes"], tp, pp, precision, False)
+    if pp == 1:  # and its activation model against what autograd keeps for a micro-batch
+        assert_activations_predicted(model_dir, result["activations"], tp, precision)
     return result, batch, ref
 
 

@@ -240,6 +240,35 @@ class MegatronEngine:
                                          if isinstance(v, torch.Tensor))
         return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
 
+    def saved_activation_bytes(self, batch: DataProto) -> dict[str, int]:
+        """What the first micro-batch's forward keeps for backward on this rank, parameters aside: the
+        activations a training micro-batch holds between its forward and backward (PP 1 only), counted from
+        the tensors autograd saves (each storage once). What the planner's activation model predicts.
+
+        Returns ``bytes``, and the micro-batch's ``rows`` and ``seq_len`` (trimmed to its longest row).
+        """
+        if self.layout.pp != 1:
+            raise ValueError(f"saved_activation_bytes measures PP 1 layouts; this engine is {self.layout}")
+        mb = self.micro_batches(batch)[0]
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+            return t
+
+        ids = mb["input_ids"]
+        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = self.model(ids, position_ids, None)
+        del output
+        return {"bytes": total, "rows": int(ids.shape[0]), "seq_len": int(ids.shape[1])}
+
     def vocab_start(self) -> int:
         """The first vocabulary id of this TP rank's rows (of the padded vocabulary)."""
         return self.groups.tp_rank * (self.spec.vocab_rows // self.layout.tp)

@@ -63,6 +63,11 @@ class EngineRole(BaseWorker):
         return self.engine.state_bytes()
 
     @register(Dispatch.ONE_TO_ALL)
+    def saved_activation_bytes(self, batch) -> dict[str, int]:
+        """The activations one micro-batch of ``batch`` keeps for backward on each rank (PP 1): bytes, rows, seq_len."""
+        return self.engine.saved_activation_bytes(batch)
+
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any] | None = None) -> str:
         """Model, optimizer, LR schedule, RNG and counters as ``root/step_<step>``, atomically."""
         extra = {**(extra or {}), "update_count": self.update_count}
