@@ -115,7 +115,7 @@ def test_trainer_placement_across_nodes_by_declaration():
         trainer.register_placement("reward", nodes=2, processes_per_node=0)
 
 
-def test_a_job_config_places_roles_on_shared_pools(tmp_path):
+def test_a_job_config_places_roles_on_shared_pools(tmp_path, monkeypatch):
     from controller.rl.trainer import RLTrainer
 
     config = load_config(None, ["trainer.launcher=ray", f"trainer.run_dir={tmp_path}",
@@ -123,3 +123,9 @@ def test_a_job_config_places_roles_on_shared_pools(tmp_path):
     trainer = RLTrainer(config)
     assert trainer.placement == {"actor": "actor", "rollout": "actor", "critic": "critic", "reward": "actor"}
     assert trainer.pool_sizes == {"default": 4, "actor": 8, "critic": 4}
+    # Its pre-launch check sees the shared pool once: the reward's entry names the actor's pool.
+    seen = []
+    monkeypatch.setattr("controller.rl.trainer.check_config", lambda config, *a, **k: seen.append(config))
+    trainer.check()
+    assert seen[0].trainer.placement == {"actor": {"nodes": 2, "processes_per_node": 4}, "critic":
+                                         {"nodes": 1, "processes_per_node": 4}, "reward": "actor"}

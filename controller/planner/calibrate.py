@@ -89,9 +89,11 @@ def measure(gemm_size: int = 1024, copy_bytes: int = 256 << 20, repeats: int = 5
     """Every figure, with what it was measured on."""
     import torch
 
+    from hybridengine.device import host_memory_bytes
+
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    memory = _mem_total()
+    memory = host_memory_bytes()
     gloo = _gloo(50, gloo_bytes)
     return {
         "machine": {"cpu": _cpu_model(), "cores": cores, "memory_bytes": memory, "python": platform.python_version(),
@@ -104,14 +106,6 @@ def measure(gemm_size: int = 1024, copy_bytes: int = 256 << 20, repeats: int = 5
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "sizes": {"gemm": gemm_size, "copy_bytes": copy_bytes, "gloo_bytes": gloo_bytes},
     }
-
-
-def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no MemTotal in /proc/meminfo")
 
 
 def _cpu_model() -> str:

@@ -193,25 +193,28 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
             yield (gen_tp, gen_pp), concurrency
 
 
-def role_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int,
-                 pin: Pin | None = None, prune: bool = True) -> list[Option]:
-    """Every option of ``work`` on ``n`` devices that fits a device by itself; ``prune``: the undominated ones."""
-    pin = pin or Pin()
-    budget = cluster.accelerator.usable_bytes
-    found: list[Option] = []
+def _all_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, pin: Pin):
+    """Every option of ``work`` on ``n`` devices, whatever its memory."""
     for tp, pp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1)]:
         dp = n // (tp * pp)
         micro_batches = _micro_batches(work, workload, dp, pin) if work.role != "rollout" else [1]
         for micro in micro_batches:
             gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
             for gen, concurrency in gens:
-                if work.role == "rollout":
-                    tp_, pp_ = gen
-                    option = evaluate_option(work, workload, cluster, efficiency, n, tp_, pp_, 1, gen, concurrency)
-                else:
-                    option = evaluate_option(work, workload, cluster, efficiency, n, tp, pp, micro, gen, concurrency)
-                if option.resident + max(0, *option.extra) <= budget:
-                    found.append(option)
+                at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own is laid out as it generates
+                yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency)
+
+
+def footprint(option: Option) -> int:
+    """The most ``option`` holds on a device in any stage."""
+    return option.resident + max(0, *option.extra)
+
+
+def role_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int,
+                 pin: Pin | None = None, prune: bool = True) -> list[Option]:
+    """Every option of ``work`` on ``n`` devices that fits a device by itself; ``prune``: the undominated ones."""
+    budget = cluster.accelerator.usable_bytes
+    found = [o for o in _all_options(work, workload, cluster, efficiency, n, pin or Pin()) if footprint(o) <= budget]
     if not prune:
         return found
     return [o for o in found if not any(other.dominates(o) for other in found)]
@@ -219,23 +222,5 @@ def role_options(work: RoleWork, workload: Workload, cluster: Cluster, efficienc
 
 def smallest_footprint(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency,
                        n: int) -> int | None:
-    """The least a device holds for ``work`` on ``n`` devices over every layout (None: no legal layout)."""
-    best = None
-    for tp, pp in _layouts(work, n, cluster, Pin()) if work.role != "rollout" else [(t, 1) for t in divisors(n)]:
-        dp = n // (tp * pp)
-        micro = [1] if work.role == "rollout" else (_micro_batches(work, workload, dp, Pin())[:1])
-        if not micro:
-            continue
-        if work.generates:  # each generation layout at its fewest sequences at once
-            fewest: dict = {}
-            for gen, concurrency in _generation_choices(work, workload, n, tp, pp, Pin()):
-                fewest[gen] = min(fewest.get(gen, concurrency), concurrency)
-            candidates = [evaluate_option(work, workload, cluster, efficiency, n,
-                                          *(gen if work.role == "rollout" else (tp, pp)), micro[0], gen, concurrency)
-                          for gen, concurrency in fewest.items()]
-            option = min(candidates, key=lambda o: o.resident + max(0, *o.extra))
-        else:
-            option = evaluate_option(work, workload, cluster, efficiency, n, tp, pp, micro[0])
-        need = option.resident + max(0, *option.extra)
-        best = need if best is None else min(best, need)
-    return best
+    """The least a device holds for ``work`` on ``n`` devices over every option (None: no legal layout)."""
+    return min((footprint(o) for o in _all_options(work, workload, cluster, efficiency, n, Pin())), default=None)

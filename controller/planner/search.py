@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from controller.planner.hardware import Cluster
@@ -114,7 +114,6 @@ class PlanResult:
     plans: tuple[Plan, ...]  # each placement's best, fastest first (the ``top`` of them)
     rejected: tuple[Rejected, ...]  # every other placement, and why it lost
     evaluated: int = 0  # (placement, split) pairs scored
-    stats: dict = field(default_factory=dict, compare=False)
 
 
 def set_partitions(items: tuple[str, ...]):
@@ -203,7 +202,7 @@ class _Search:
         self.workload, self.cluster, self.efficiency, self.pins, self.prune = workload, cluster, efficiency, pins, prune
         self.budget = cluster.accelerator.usable_bytes
         self._options: dict = {}
-        self._fronts: dict = {}
+        self._footprints: dict = {}
 
     def options(self, role: str, n: int) -> list[Option]:
         key = (role, n)
@@ -211,6 +210,13 @@ class _Search:
             self._options[key] = role_options(self.workload.role(role), self.workload, self.cluster, self.efficiency,
                                               n, self.pins.get(role), prune=self.prune)
         return self._options[key]
+
+    def footprint(self, role: str, n: int) -> int | None:
+        key = (role, n)
+        if key not in self._footprints:
+            self._footprints[key] = smallest_footprint(self.workload.role(role), self.workload, self.cluster,
+                                                       self.efficiency, n)
+        return self._footprints[key]
 
     def transfer_of(self, option: Option) -> float:
         """The actor's weights to a rollout pool of its own: each rollout rank receives its generation shard."""
@@ -295,17 +301,12 @@ class _Search:
         step, stages = step_time(self.workload, tuple(groups), total_transfer)
         return Plan(tuple(groups), step, stages, total_transfer)
 
-    def fits_at_all(self, placement, split) -> bool:
-        """Whether any feasible choice exists (the smallest states and working sets fit)."""
-        return self.best_for_split(placement, split) is not None
-
     def need(self, placement, split) -> int | None:
         """The least a device of the tightest set needs under this split, over every layout (None: some role
         has no legal layout on its set's devices)."""
         worst = 0
         for roles, n in zip(placement, split):
-            needs = [smallest_footprint(self.workload.role(r), self.workload, self.cluster, self.efficiency, n)
-                     for r in roles]
+            needs = [self.footprint(r, n) for r in roles]
             if any(x is None for x in needs):
                 return None
             worst = max(worst, sum(needs))

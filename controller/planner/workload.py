@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from hybridengine.model.spec import ModelSpec
 from workers.rollout.agreement import old_log_probs_from_update
 
-__all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "PLANNED_ROLES", "STAGES"]
+__all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "STAGES"]
 
-# The roles the planner places; the rollout follows the actor (the hybrid engine) unless the schedule
-# overlaps generation with training, where it is a role of its own.
-PLANNED_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "cost")
 STAGES = ("generation", "preparation", "training")  # a step's stages, in order (the HybridFlow paper's three)
 
 

@@ -309,8 +309,11 @@ class RLTrainer:
             if role == "rollout" and not self.rollout_on_its_own_pool:
                 continue  # it follows the actor
             if pool != "default" and role in PLACEABLE_ROLES:  # the pool's first role holds it, the others share it
-                placement[role] = owner.setdefault(pool, role) if pool in owner else {
-                    "nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
+                if pool in owner:
+                    placement[role] = owner[pool]
+                else:
+                    owner[pool] = role
+                    placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
         config = replace(self.config, trainer=replace(self.config.trainer, placement=placement))
         path = self.specs["actor"].model_path
         policy = ModelSpec.from_pretrained(path) if Path(path, "config.json").is_file() else None

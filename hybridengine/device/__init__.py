@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "accelerator_properties",
+    "host_memory_bytes",
     "accelerator_available",
     "accelerator_count",
     "device_type",
@@ -206,15 +207,18 @@ def accelerator_properties(index: int = 0) -> tuple[str, int]:
     return props.name, int(props.total_memory)
 
 
-def device_memory_bytes() -> int:
-    """One device's memory: the first GPU's, or on the CPU path the machine's RAM (MemTotal)."""
-    if accelerator_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
+def host_memory_bytes() -> int:
+    """The machine's RAM (MemTotal)."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no MemTotal")
+
+
+def device_memory_bytes() -> int:
+    """One device's memory: the first GPU's, or on the CPU path the machine's RAM (MemTotal)."""
+    return accelerator_properties(0)[1] if accelerator_available() else host_memory_bytes()
 
 
 def _proc_status_bytes(field: str) -> int:

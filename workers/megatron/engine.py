@@ -160,8 +160,7 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb["input_ids"]
-            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-            output = model(ids, position_ids, None, **keep_dtype)
+            output = model(ids, _position_ids(ids), None, **keep_dtype)
             return output, partial(loss_func, mb)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -263,9 +262,8 @@ class MegatronEngine:
             return t
 
         ids = mb["input_ids"]
-        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = self.model(ids, position_ids, None)
+            output = self.model(ids, _position_ids(ids), None)
         del output
         return {"bytes": total, "rows": int(ids.shape[0]), "seq_len": int(ids.shape[1])}
 
@@ -335,3 +333,8 @@ class MegatronEngine:
         if g.is_first:
             write_hf_index(out, maps, self.model_path, dtype)
         dist.barrier(group=g.pool_group)
+
+
+def _position_ids(ids: torch.Tensor) -> torch.Tensor:
+    """0..width-1 for every row of a micro-batch (its rows are left-aligned: padding trimmed off the front)."""
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
