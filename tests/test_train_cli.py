@@ -2,7 +2,8 @@
 
 Every algorithm runs end to end, the runs spread over both launchers and both
 rollout engines (one process each, so the suite stays short, except PPO at the
-demo's TP2 x PP2; more TP/PP runs are in the rollout and megatron tests);
+demo's TP2 x PP2, with sequence-level TIS; more TP/PP runs are in the rollout
+and megatron tests);
 stopping a run of the demo task and resuming it must reproduce the
 uninterrupted run's metrics exactly. (Learning-length runs are tools, not
 tests: tools/precision_learning.py measures the demo task's reward rising in
@@ -82,8 +83,8 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, laun
     layout = ["trainer.nproc=4", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=2",
               "critic.engine.tensor_parallel=2", "critic.engine.pipeline_parallel=2", "data.batch_size=8",
               "ppo.ppo_mini_batch_size=8", "critic_ppo.ppo_mini_batch_size=8"] if (algorithm, launcher) == ("ppo", "torchrun") else []
-    if (algorithm, launcher) == ("ppo", "torchrun"):
-        layout.append("trainer.plots=true")
+    if (algorithm, launcher) == ("ppo", "torchrun"):  # and truncated IS over whole sequences, on the recompute path
+        layout += ["trainer.plots=true", "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.level=sequence"]
     if (algorithm, launcher) == ("ppo", "ray"):
         layout = ["trainer.placement={critic: 1}"]  # split placement: the critic on its own pool of processes
     if (algorithm, launcher) == ("grpo", "ray"):  # Safe-RLHF: a cost scored beside the reward, a Lagrange multiplier
@@ -111,6 +112,10 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, laun
     assert ("timing_s/old_log_prob" in steps[0]) == (algorithm not in ("grpo", "rloo"))
     most, mean = AGREEMENT[precision]  # rollout and actor agree on the sampled tokens
     assert steps[0]["rollout/logprob_diff_max"] < most and steps[0]["rollout/logprob_diff_mean"] < mean, steps[0]
+    if (algorithm, launcher) == ("ppo", "torchrun"):  # sequence-level TIS: each weight in (0, cap 2], none masked
+        assert 0.0 < steps[0]["rollout_corr/weight_mean"] <= 2.0 and 0.0 <= steps[0]["rollout_corr/truncated_frac"] <= 1.0
+        assert steps[0]["rollout_corr/masked_frac"] == 0.0
+        assert abs(steps[0]["rollout_corr/kl_k1"]) < 0.05 and 0.9 < steps[0]["rollout_corr/ppl_ratio"] < 1.1
     if algorithm in ("grpo", "rloo"):  # group baselines: advantages average out within each prompt's samples
         assert abs(steps[0]["critic/advantages/mean"]) < 1e-5
     if (algorithm, launcher) == ("grpo", "ray"):

@@ -1,13 +1,14 @@
-"""Run under torchrun (4 ranks): one model family on megatron at TP2 x PP2, and vLLM after a sync.
+"""Run under torchrun (4 ranks): model families on megatron at TP2 x PP2, and vLLM after a sync.
 
-    torchrun --nproc-per-node 4 family_program.py MODEL_DIR OUT_DIR [--pad N]
+    torchrun --nproc-per-node 4 family_program.py OUT_DIR NAME=MODEL_DIR:VOCAB[:PAD] ...
 
-In one launch: full logits and (unfused) log-probs from a reference policy
+In one launch, for each family in turn: full logits and (unfused) log-probs from a reference policy
 that keeps megatron's output layer; the actor's fused log-probs and
 entropies; the actor exported as a HF checkpoint; greedy responses from a
 vLLM rollout (generation TP2, weights synced from the actor) and from the
 megatron rollout (TP2 x PP2). Everything goes to OUT_DIR/family.pt for the
-test to hold against HF transformers.
+test to hold against HF transformers
+(OUT_DIR/NAME/family.pt for each).
 """
 
 import argparse
@@ -56,33 +57,39 @@ def token_batch(vocab: int, rows: int = 4) -> DataProto:
                       "responses": ids[:, PROMPT:], "response_mask": mask[:, PROMPT:]})
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("out")
-    parser.add_argument("--pad", type=int, default=None, help="make_vocab_size_divisible_by")
-    parser.add_argument("--vocab", type=int, required=True)
-    args = parser.parse_args()
-    out = Path(args.out)
-    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+def run_family(pool, name: str, model: str, vocab: int, pad: int | None, out: Path) -> dict:
     engine = {"precision": "fp32", "tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_size": 2,
-              "make_vocab_size_divisible_by": args.pad}
-    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
-        model_path=args.model, engine=engine, optim={"lr": 1e-3}, ppo={"ppo_mini_batch_size": 4}))
-    probe = WorkerGroup(pool, LogitsProbe, role="probe", kwargs=dict(
-        model_path=args.model, engine={**engine, "fused_output_layer": False}))
-    batch = token_batch(args.vocab)
+              "make_vocab_size_divisible_by": pad}
+    actor = WorkerGroup(pool, Actor, role=f"{name}_actor", kwargs=dict(
+        model_path=model, engine=engine, optim={"lr": 1e-3}, ppo={"ppo_mini_batch_size": 4}))
+    probe = WorkerGroup(pool, LogitsProbe, role=f"{name}_probe", kwargs=dict(
+        model_path=model, engine={**engine, "fused_output_layer": False}))
+    batch = token_batch(vocab)
     result = {"batch": batch, "probe": probe.logits(batch), "actor": actor.compute_log_prob(batch)}
     actor.save_hf(str(out / "exported"))
     sampling = {"max_new_tokens": 10}
-    vllm = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
+    vllm = WorkerGroup(pool, Rollout, role=f"{name}_rollout", kwargs=dict(model_path=model, actor_role=f"{name}_actor", config={
         "engine": "vllm", "tensor_parallel": 2, "max_prompt_length": 8, "sampling": sampling}))
     result["vllm_greedy"] = vllm.generate_sequences(prompt_batch(greedy=True))
-    megatron = WorkerGroup(pool, Rollout, role="megatron_rollout", kwargs=dict(model_path=args.model, config={
+    megatron = WorkerGroup(pool, Rollout, role=f"{name}_megatron_rollout", kwargs=dict(model_path=model, actor_role=f"{name}_actor", config={
         "engine": "megatron", "tensor_parallel": 2, "pipeline_parallel": 2, "max_prompt_length": 8,
         "sampling": sampling}))
     result["megatron_greedy"] = megatron.generate_sequences(prompt_batch(greedy=True))
-    torch.save(result, out / "family.pt")
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("families", nargs="+", help="NAME=MODEL_DIR:VOCAB[:PAD], PAD being make_vocab_size_divisible_by")
+    args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    for family in args.families:
+        name, spec = family.split("=", 1)
+        model, vocab, *pad = spec.split(":")
+        out = Path(args.out) / name
+        result = run_family(pool, name, model, int(vocab), int(pad[0]) if pad else None, out)
+        torch.save(result, out / "family.pt")
 
 
 if __name__ == "__main__":

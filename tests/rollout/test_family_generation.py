@@ -1,5 +1,5 @@
 """Qwen3 (q/k norm, head_dim of its own, a padded 301-id vocabulary) and Llama 3.x (RoPE scaling with
-non-default frequency bounds) end to end, one torchrun launch of 4 ranks each:
+non-default frequency bounds) end to end, in one torchrun launch of 4 ranks that the two share:
 
 * megatron at TP2 x PP2 gives HF's fp32 logits within 1e-5, and HF's log-probs and entropies on both
   output paths (fused output layer in the actor, megatron's output layer in the probe);
@@ -41,15 +41,25 @@ def hf_outputs(model_dir, batch, prompt_length):
     return logits, chosen, entropy
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_on_megatron_tp2_pp2_and_vllm(tmp_path, family):
-    make, vocab, pad = FAMILIES[family]
-    model = save_char_tokenizer(make(tmp_path / "model", vocab=vocab), vocab)
-    out = tmp_path / "out"
-    out.mkdir()
-    args = [str(model), str(out), "--vocab", str(vocab)] + ([] if pad is None else ["--pad", str(pad)])
-    proc = run_torchrun(PROGRAM, args, nproc=4, timeout=400)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Both families' models, and one launch that runs each in turn (the processes start once)."""
+    root = tmp_path_factory.mktemp("families")
+    specs = []
+    for name, (make, vocab, pad) in FAMILIES.items():
+        model = save_char_tokenizer(make(root / name / "model", vocab=vocab), vocab)
+        (root / "out" / name).mkdir(parents=True)
+        specs.append(f"{name}={model}:{vocab}" + ("" if pad is None else f":{pad}"))
+    proc = run_torchrun(PROGRAM, [str(root / "out"), *specs], nproc=4, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return root
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_on_megatron_tp2_pp2_and_vllm(launched, family):
+    make, vocab, pad = FAMILIES[family]
+    model = launched / family / "model"
+    out = launched / "out" / family
     result = torch.load(out / "family.pt", weights_only=False)
     batch = result["batch"]
     prompt_length = batch.batch["input_ids"].shape[1] - batch.batch["responses"].shape[1]
