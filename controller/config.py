@@ -51,7 +51,8 @@ class RoleConfig:
     model_path: str | None = None  # None: the actor's (the critic: a value model made from it)
     engine: EngineConfig = field(default_factory=EngineConfig)  # its TP / PP split, precision and micro-batches
     optim: OptimConfig = field(default_factory=OptimConfig)  # its optimizer (trained roles only: actor, critic)
-    # "auto": TP x PP for the job's devices (controller.rl.auto_layout); an engine TP or PP other than 1 still wins
+    # "auto": the planner's fastest TP x PP that fits the job's devices (controller.planner.device_map); an
+    # engine TP or PP other than 1 still wins
     device_map: str | None = None
     # "package.module:Class" or a class: a subclass of the role's worker (Actor, Critic, ReferencePolicy) to run
     worker: str | type | None = None

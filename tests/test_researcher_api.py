@@ -6,9 +6,7 @@ import math
 import pytest
 import torch
 
-from controller.rl.auto_layout import AutoLayout, apply_device_map, auto_generation_tp, auto_layout, parameter_count
 from controller.rl.step_metrics import kl_metrics, phase_lines
-from hybridengine.model.spec import ModelSpec
 from workers.actor import PPOActorConfig
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
@@ -119,84 +117,51 @@ def test_schedules_at_a_step():
         linear_schedule(0.2, 0.02, 1, 0)
 
 
-def _spec(**overrides) -> ModelSpec:
-    config = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
-    return ModelSpec.from_hf_config({**config, **overrides})
-
-
-def test_device_map_auto_rule():
-    llama7b = _spec()
-    assert parameter_count(llama7b) == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7b: 6,738,415,616
-    gib = 2**30
-    # 7B to train in bf16: 113 GiB (18 bytes a parameter); TP2 (56.5 GiB each) fits 80% of an 80 GiB device,
-    # and TP1 does not fit 80% of an H200's 141 GiB (112.8 GiB); forward only (12.6 GiB) fits at TP1.
-    assert auto_layout(llama7b, 8, 80 * gib) == AutoLayout(2, 1)
-    assert auto_layout(llama7b, 8, 141 * gib) == AutoLayout(2, 1)
-    assert auto_layout(llama7b, 8, 160 * gib) == AutoLayout(1, 1)
-    assert auto_layout(llama7b, 8, 141 * gib, trains=False) == AutoLayout(1, 1)
-    # TP stops at a node's devices; PP takes the rest.
-    assert auto_layout(llama7b, 16, 16 * gib, devices_per_node=8) == AutoLayout(8, 2)
-    with pytest.raises(ValueError, match=r'device_map="auto": LlamaForCausalLM \(6.74B parameters, 113.0 GiB to '
-                                         r'train in bf16\) does not fit 80% of one device \(8.0 GiB\)'):
-        auto_layout(llama7b, 2, 8 * gib)
-    assert auto_generation_tp(llama7b, 4, 80 * gib) == 1
-    assert auto_generation_tp(llama7b, 4, 16 * gib) == 2
-
-
-def test_device_map_auto_lays_out_colocated_roles_alike_and_explicit_wins(tmp_path):
-    from controller.models.builtin import resolve_model_path
-
-    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
-    actor = RoleSpec(object, {"model_path": model, "engine": {}}, device_map="auto")
-    critic = RoleSpec(object, {"model_path": model, "engine": {}}, device_map="auto")
-    rollout = RoleSpec(object, {"model_path": model, "config": {"engine": "vllm"}}, device_map="auto")
-    placement = {"actor": "default", "critic": "default", "rollout": "default"}
-    out = apply_device_map({"actor": actor, "critic": critic, "rollout": rollout}, placement, {"default": 2}, 2**30)
-    assert out["actor"].kwargs["engine"] == {"tensor_parallel": 1, "pipeline_parallel": 1}
-    assert out["critic"].kwargs["engine"] == {"tensor_parallel": 1, "pipeline_parallel": 1}
-    assert out["rollout"].kwargs["config"]["tensor_parallel"] == 1
-    # Tiny devices (the model is 11.8 MB to train): the smallest split that fits, TP first up to the 2 KV
-    # heads, then PP; the critic follows the actor's pool.
-    for device_bytes, layout in ((10 * 2**20, (2, 1)), (6 * 2**20, (2, 2))):
-        out = apply_device_map({"actor": actor, "critic": critic}, placement, {"default": 4}, device_bytes)
-        engine = out["actor"].kwargs["engine"]
-        assert (engine["tensor_parallel"], engine["pipeline_parallel"]) == layout
-        assert out["critic"].kwargs["engine"] == engine
-    explicit = actor.with_parallelism(2, 2)
-    out = apply_device_map({"actor": explicit, "critic": critic}, placement, {"default": 4}, 2**30)
-    assert out["actor"].kwargs["engine"] == {"tensor_parallel": 2, "pipeline_parallel": 2}
-    assert out["critic"].kwargs["engine"] == {"tensor_parallel": 2, "pipeline_parallel": 2}
-    with pytest.raises(ValueError, match="device_map 'balanced' is not supported; valid: 'auto'"):
-        RoleSpec(object, {}, device_map="balanced")
-
-
 def test_the_trainer_writes_device_map_auto_layouts_into_its_config_before_the_checks(tmp_path, monkeypatch):
-    """At build the auto roles' layouts go into the typed config (the reference made from the actor's model
-    included), so check_config and the workers see the layout that will run."""
+    """At build the auto roles' layouts, the planner's (controller.planner.device_map), go into the typed config
+    (the reference made from the actor's model included), so check_config and the workers see the layout that
+    will run; a role laid out by hand keeps its layout."""
     import controller.rl.trainer as trainer_module
     from controller.config import ConfigError
     from controller.models.builtin import resolve_model_path
+    from controller.planner.device_map import auto_layouts, job_cluster
     from controller.rl.trainer import RLTrainer
     from hybridflow import Actor, Critic, arithmetic_prompts
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
-    monkeypatch.setattr(trainer_module, "device_memory_bytes", lambda: 10 * 2**20)  # TP 2 fits, TP 1 does not
+    monkeypatch.setenv("HYBRIDFLOW_CALIBRATION", str(tmp_path / "none.json"))  # this machine uncalibrated: nominal
+    monkeypatch.setattr(trainer_module, "device_memory_bytes", lambda: 4 * 64 * 2**20)  # 64 MiB a process
 
-    job = RLTrainer(actor=Actor.from_pretrained(model, device_map="auto", ppo={"use_kl_loss": True,
-                                                                               "ppo_mini_batch_size": 2}),
-                    critic=Critic.from_pretrained(model, device_map="auto", critic={"ppo_mini_batch_size": 2}),
-                    train_data=arithmetic_prompts(8, seed=0), batch_size=2, processes=4, reward_fn="arithmetic_shaped")
-    # As written (TP 1 on 4 processes: DP 4) a mini-batch of 2 cannot split; laid out (TP 2: DP 2) it can.
+    def job(actor_layout: dict):
+        return RLTrainer(actor=Actor.from_pretrained(model, ppo={"use_kl_loss": True, "ppo_mini_batch_size": 2},
+                                                     **actor_layout),
+                         critic=Critic.from_pretrained(model, device_map="auto", critic={"ppo_mini_batch_size": 2}),
+                         train_data=arithmetic_prompts(8, seed=0), batch_size=2, processes=4, reward_fn="arithmetic_shaped")
+
+    auto = job({"device_map": "auto"})
+    # As written (TP 1 on 4 processes: DP 4) a mini-batch of 2 cannot split; laid out (DP 2 at most) it can.
     with pytest.raises(ConfigError, match="ppo_mini_batch_size 2 does not divide over 4 data-parallel ranks"):
-        job.check()
-    job.lay_out()
-    config = job.config
-    assert (config.actor.engine.tensor_parallel, config.actor.engine.pipeline_parallel) == (2, 1)
-    assert config.critic.engine.tensor_parallel == 2 and config.actor.device_map is None
-    assert config.ref_policy.engine.tensor_parallel == 2 and job.specs["ref_policy"].kwargs["engine"]["tensor_parallel"] == 2
-    job.check()
+        auto.check()
+    cluster, efficiency = job_cluster(1, 4, 4, 4 * 64 * 2**20)
+    expected = auto_layouts(auto.placed_config(), {"actor", "critic", "ref_policy"}, cluster, efficiency,
+                            flash_attention=False)
+    auto.lay_out()
+    config = auto.config
+    for role, section in (("actor", config.actor), ("critic", config.critic), ("ref_policy", config.ref_policy)):
+        layout = (section.engine.tensor_parallel, section.engine.pipeline_parallel)
+        assert layout == expected[role], (role, layout)
+        assert role == "ref_policy" or layout[0] * layout[1] >= 2  # a trained role's DP splits its mini-batch of 2
+        assert section.device_map is None
+    assert auto.specs["ref_policy"].kwargs["engine"]["tensor_parallel"] == config.ref_policy.engine.tensor_parallel
+    auto.check()
+
+    by_hand = job({"device_map": "auto", "tensor_parallel": 2, "pipeline_parallel": 2})
+    by_hand.lay_out()
+    assert (by_hand.config.actor.engine.tensor_parallel, by_hand.config.actor.engine.pipeline_parallel) == (2, 2)
+    assert by_hand.config.critic.engine.tensor_parallel * by_hand.config.critic.engine.pipeline_parallel >= 2
+    by_hand.check()
+    with pytest.raises(ValueError, match="device_map 'balanced' is not supported; valid: 'auto'"):
+        RoleSpec(object, {}, device_map="balanced")
 
 
 def test_keywords_are_refused_where_written():

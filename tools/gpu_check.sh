@@ -20,7 +20,7 @@
 #   rollout  the megatron rollout engine on the hybrid engine's generation buffer, TP1: generated tokens/s
 #            (tools/bench_gpu_train.py rollout)                                   -> rollout.json
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
-#            memory check on this GPU; examples/gpu_grpo.yaml: built-in tiny
+#            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
 # Then a summary block of every figure, also in $OUT/summary.json.
 #

@@ -18,8 +18,8 @@ class RoleSpec:
 
     worker_cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # "auto": the controller picks the layout for the devices the job has (controller.rl.auto_layout), where
-    # the user set none: tensor_parallel / pipeline_parallel given explicitly win
+    # "auto": the planner picks the fastest layout that fits the job's devices (controller.planner.device_map),
+    # where the user set none: tensor_parallel / pipeline_parallel given explicitly win
     device_map: str | None = None
     explicit_parallelism: bool = False
 

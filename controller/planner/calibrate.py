@@ -7,6 +7,12 @@ Measured, in this process and in two gloo processes:
 - gloo's all-reduce between two processes on this machine: the latency of a
   one-element call and the bandwidth of a large one.
 
+``tools/plan_vs_measured.py --fit`` adds the framework's own host costs
+(``timing.HOST_COSTS``: per call, per micro-batch and layer, per decode
+step...) and the collectives' latency under a job's load, fitted to
+measured runs (``planner.fit``); ``local_efficiency`` and ``local_cluster``
+read them back.
+
 The figures go to ``~/.cache/hybridflow/calibration.json`` (``HYBRIDFLOW_CALIBRATION``
 names another file). ``local_cluster(processes)`` makes them a cluster of
 one node with one "device" per process. The processes share the machine's
@@ -26,8 +32,9 @@ import time
 from pathlib import Path
 
 from controller.planner.hardware import Accelerator, Cluster, ClusterError
+from controller.planner.timing import HOST_COSTS, Efficiency
 
-__all__ = ["calibration_path", "load_calibration", "local_cluster", "measure", "save_calibration"]
+__all__ = ["calibration_path", "load_calibration", "local_cluster", "local_efficiency", "measure", "save_calibration"]
 
 
 def calibration_path() -> Path:
@@ -147,6 +154,7 @@ def local_cluster(processes: int, figures: dict | None = None) -> Cluster:
         raise ClusterError(f"--cluster local needs at least one process, got {processes}")
     figures = figures or load_calibration()
     cores = figures["machine"]["cores"]
+    latency = figures.get("host_costs", {}).get("collective_latency_s", figures["gloo_latency_s"])
     share = 1 / processes  # each process runs cores / processes threads
     device = Accelerator(
         name=f"cpu-process({cores} cores/{processes})",
@@ -154,7 +162,16 @@ def local_cluster(processes: int, figures: dict | None = None) -> Cluster:
         bf16_flops=figures["bf16_flops"] * share, fp32_flops=figures["fp32_flops"] * share,
         memory_bandwidth=figures["memory_bandwidth"] * share,
         link_bandwidth=figures["gloo_bandwidth"], network_bandwidth=figures["gloo_bandwidth"],
-        link_latency=figures["gloo_latency_s"], network_latency=figures["gloo_latency_s"],
+        link_latency=latency, network_latency=latency,
         source=f"measured by hybridflow plan --calibrate on {figures['machine']['cpu']} at {figures.get('measured_at')}",
-        reserved_bytes=0, cores_per_device=cores * share)
+        reserved_bytes=0, cores_per_device=cores * share, host_cores=float(cores),
+        threads_per_device=max(1, cores // processes))
     return Cluster(1, processes, device)
+
+
+def local_efficiency(figures: dict | None = None) -> Efficiency:
+    """The planner's efficiencies on this machine: the defaults, and the host costs fitted to measured runs
+    when the calibration holds them (``tools/plan_vs_measured.py --fit``; zero until then)."""
+    figures = figures or load_calibration()
+    fitted = figures.get("host_costs", {})
+    return Efficiency(**{name: float(fitted[name]) for name in HOST_COSTS if name in fitted})

@@ -108,10 +108,15 @@ def run_plan(args) -> int:
     from controller.planner.search import PlanError, search
     from controller.planner.workload import job_workload
 
-    from controller.planner.calibrate import local_cluster, measure, save_calibration
+    from controller.planner.calibrate import (load_calibration, local_cluster, local_efficiency, measure,
+                                              save_calibration)
 
     if args.calibrate:
         figures = measure()
+        try:  # the host costs fitted to this machine's runs stay (tools/plan_vs_measured.py --fit refits them)
+            figures["host_costs"] = load_calibration()["host_costs"]
+        except (ClusterError, KeyError, ValueError):
+            pass
         path = save_calibration(figures)
         print(f"calibrated {figures['machine']['cpu']} ({figures['machine']['cores']} cores): "
               f"GEMM {figures['fp32_flops'] / 1e9:.1f} GFLOP/s fp32, {figures['bf16_flops'] / 1e9:.1f} bf16; memory "
@@ -123,8 +128,10 @@ def run_plan(args) -> int:
         if args.cluster is None:
             raise ClusterError("give --cluster NODESxDEVICESxTYPE (e.g. 4x8xH100-80GB) or --cluster local")
         config = load_config(args.config, args.overrides)
+        efficiency = None
         if args.cluster == "local":
             cluster = local_cluster(config.trainer.nnodes * config.trainer.nproc)
+            efficiency = local_efficiency()
         else:
             cluster = parse_cluster(args.cluster)
         if args.network_gbps is not None:
@@ -136,7 +143,7 @@ def run_plan(args) -> int:
         check_pins(pins, workload, cluster)
         if args.top < 1:
             raise PlanError(f"--top must be >= 1, got {args.top}")
-        result = search(workload, cluster, pins=pins, top=args.top)
+        result = search(workload, cluster, efficiency, pins=pins, top=args.top)
     except (ConfigError, ClusterError, PlanError, FileNotFoundError, ValueError) as exc:
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2

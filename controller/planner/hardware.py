@@ -43,10 +43,26 @@ class Accelerator:
     fp32_flops: float | None = None  # None: half the bf16 rate (TF32 tensor cores); CPUs measure their own
     reserved_bytes: int = 2 * GIB  # not usable by the job: runtime context, communication buffers, fragmentation
     cores_per_device: float = 1.0  # CPU "devices" (processes) share the machine's cores; accelerators: 1
+    # CPU processes: the machine's cores they share (0: devices of their own) and each one's threads.
+    host_cores: float = 0.0
+    threads_per_device: int = 1
 
     @property
     def usable_bytes(self) -> int:
         return self.memory_bytes - self.reserved_bytes
+
+    def working(self, active: int) -> "Accelerator":
+        """This device while ``active`` devices work at once. A CPU process's rates are stated for every
+        process busy (``cores_per_device`` each); with fewer busy it takes the cores they leave, up to its
+        threads. An accelerator is its own whatever the others do."""
+        if not self.host_cores or active < 1:
+            return self
+        cores = min(float(self.threads_per_device), self.host_cores / active)
+        factor = cores / self.cores_per_device
+        if factor == 1.0:
+            return self
+        return replace(self, bf16_flops=self.bf16_flops * factor, memory_bandwidth=self.memory_bandwidth * factor,
+                       fp32_flops=None if self.fp32_flops is None else self.fp32_flops * factor, cores_per_device=cores)
 
     def flops(self, precision: str) -> float:
         if precision == "fp32":

@@ -36,7 +36,7 @@ from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
-           "kv_bytes_per_sequence", "layer_activation_bytes", "megatron_order", "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
+           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order", "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PARAM_ALIGN = 64  # megatron: with the distributed optimizer each parameter starts 128-byte aligned
@@ -257,9 +257,17 @@ def kv_bytes_per_token(spec: ModelSpec, tp: int, precision: str = "bf16") -> int
     return 2 * spec.num_layers * groups * spec.head_dim * dtype_bytes(precision)
 
 
-KV_BLOCK_TOKENS = 16  # vLLM's default block size: a sequence's cache is whole blocks
+KV_BLOCK_TOKENS = 16  # vLLM's block size on GPUs (its CPU backend's is 128): a sequence's cache is whole blocks
 
 
-def kv_bytes_per_sequence(spec: ModelSpec, tp: int, seq_len: int, precision: str = "bf16") -> int:
+def kv_bytes_per_sequence(spec: ModelSpec, tp: int, seq_len: int, precision: str = "bf16",
+                          block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """The KV cache one sequence of ``seq_len`` tokens takes on one generation TP rank, in whole blocks."""
-    return -(-seq_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * kv_bytes_per_token(spec, tp, precision)
+    return -(-seq_len // block_tokens) * block_tokens * kv_bytes_per_token(spec, tp, precision)
+
+
+def kv_cache_bytes(spec: ModelSpec, tp: int, seq_len: int, sequences: int, precision: str = "bf16",
+                   block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """The cache an engine needs to run ``sequences`` at once: theirs, and the one block vLLM holds back."""
+    block = block_tokens * kv_bytes_per_token(spec, tp, precision)
+    return sequences * kv_bytes_per_sequence(spec, tp, seq_len, precision, block_tokens) + block

@@ -19,13 +19,14 @@ from hybridengine.parallel.layout import ParallelLayout, divisors
 from hybridengine.reshard.plan import legal_generation_layouts
 
 from controller.planner.hardware import Cluster
-from controller.planner.memory import (ActivationShape, activation_bytes, kv_bytes_per_sequence, state_memory,
+from controller.planner.memory import (ActivationShape, activation_bytes, kv_bytes_per_sequence, kv_cache_bytes,
+                                       state_memory,
                                        weight_bytes)
 from controller.planner.timing import (Efficiency, Link, PassShape, all_gather_time, forward_time, generation_time,
-                                       train_time)
+                                       train_time, weight_load_time)
 from controller.planner.workload import RoleWork, Workload
 
-__all__ = ["Option", "Pin", "evaluate_option", "role_options", "links_for"]
+__all__ = ["Option", "Pin", "evaluate_option", "kv_concurrency", "role_options", "links_for"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CONCURRENCY_LEVELS = 6  # generation: the most sequences at once, then halved this many times at most
@@ -41,6 +42,7 @@ class Pin:
     gen_tp: int | None = None
     devices: int | None = None
     colocate_with: str | None = None
+    kv_cache_bytes: int | None = None  # the generating role: its engine's KV cache, as ``rollout.kv_cache_bytes``
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,12 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                     pp: int, micro_batch: int, gen: tuple[int, int] | None = None,
                     concurrency: int | None = None) -> Option:
     """One role at one layout on ``n`` devices: memory and stage times."""
-    device = cluster.accelerator
+    # The controller runs the roles in turn, so while this one works only its set's devices do (what matters
+    # for CPU processes sharing a machine's cores); a rollout pool of its own generating beside it under
+    # one-step-off is the exception, for the part of the step the two overlap, and is not modeled.
+    device = cluster.accelerator.working(n)
+    # Python runs on one core: a process given more of the machine does its host work faster too.
+    efficiency = efficiency.on_faster_host(min(1.0, device.cores_per_device) / min(1.0, cluster.accelerator.cores_per_device))
     dp = n // (tp * pp)
     spec = work.padded(tp)
     seq = workload.seq_len
@@ -152,10 +159,11 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     if work.generates:
         gen_tp, gen_pp = gen
         replicas = n // (gen_tp * gen_pp)
-        kv = concurrency * kv_bytes_per_sequence(work.spec, gen_tp, seq, workload.generation_precision)
+        kv = kv_cache_bytes(work.spec, gen_tp, seq, concurrency, workload.generation_precision, workload.kv_block_tokens)
         memory["KV cache"] = kv
-        if work.role == "rollout":
+        if work.role == "rollout":  # the weights arrive from the actor's pool (the search adds the transfer)
             extra[0] = kv
+            times[0] += weight_load_time(work.spec, state_weights, device, efficiency)
         else:
             gen_shard = weight_bytes(work.spec.with_padded_vocab(work.vocab_multiple, tp), gen_tp, gen_pp,
                                      workload.generation_precision)
@@ -165,12 +173,22 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
             group = tp * pp // (gen_tp * gen_pp)  # the micro-DP group: ranks whose shards make one generation shard
             if group > 1:
                 reshard = (group - 1) * gen_shard // group
-                times[0] += all_gather_time(gen_shard, group, links_for(cluster, group), efficiency)
+                times[0] += (all_gather_time(gen_shard, group, links_for(cluster, group), efficiency)
+                             + work.spec.num_layers * efficiency.reshard_layer_s)
+            times[0] += weight_load_time(work.spec, gen_shard, device, efficiency)
         times[0] += generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
                                     workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
                                     workload.generation_precision)
     return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
                   gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory)
+
+
+def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int) -> int:
+    """Sequences at full length that ``cache_bytes`` of KV cache holds on a rank at generation TP ``gen_tp``."""
+    per_sequence = kv_bytes_per_sequence(spec, gen_tp, workload.seq_len, workload.generation_precision,
+                                         workload.kv_block_tokens)
+    held_back = kv_cache_bytes(spec, gen_tp, workload.seq_len, 0, workload.generation_precision, workload.kv_block_tokens)
+    return max(1, min(workload.max_num_seqs, (cache_bytes - held_back) // per_sequence))
 
 
 def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp: int, pin: Pin):
@@ -187,8 +205,11 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
         if pin.gen_tp is not None and gen_tp != pin.gen_tp:
             continue
         replicas = n // (gen_tp * gen_pp)
-        most = min(math.ceil(workload.sequences / replicas), workload.max_num_seqs)
-        levels = sorted({max(1, most >> k) for k in range(CONCURRENCY_LEVELS)}, reverse=True)
+        if pin.kv_cache_bytes is not None:
+            levels = [kv_concurrency(workload, work.spec, gen_tp, pin.kv_cache_bytes)]
+        else:
+            most = min(math.ceil(workload.sequences / replicas), workload.max_num_seqs)
+            levels = sorted({max(1, most >> k) for k in range(CONCURRENCY_LEVELS)}, reverse=True)
         for concurrency in levels:
             yield (gen_tp, gen_pp), concurrency
 

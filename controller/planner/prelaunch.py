@@ -14,13 +14,12 @@ best, as overrides). ``hybridflow train`` runs it on GPU jobs;
 from __future__ import annotations
 
 from controller.planner.hardware import GIB, Cluster
-from controller.planner.options import Option, evaluate_option
+from controller.planner.options import Option, evaluate_option, kv_concurrency
 from controller.planner.report import plan_overrides
-from controller.planner.search import Plan, PlanError, SetPlan, search, step_time
+from controller.planner.search import Plan, PlanError, SetPlan, search, step_time, weight_transfer_time
 from controller.planner.timing import Efficiency
 from controller.planner.workload import Workload, job_workload
 from hybridengine.model.spec import ModelConfigError
-from workers.rollout.config import RolloutConfig
 
 __all__ = ["MemoryCheckError", "check_job_memory", "job_plan", "job_sets", "local_cluster"]
 
@@ -42,13 +41,6 @@ def job_sets(config, workload: Workload) -> list[tuple[tuple[str, ...], int]]:
     return [(tuple(r for r in workload.role_names if where[r] == name), shapes[name].world_size) for name in names]
 
 
-def _concurrency(workload: Workload, rollout: RolloutConfig, gen_tp: int, spec) -> int:
-    from controller.planner.memory import kv_bytes_per_sequence
-
-    per_sequence = kv_bytes_per_sequence(spec, gen_tp, workload.seq_len, workload.generation_precision)
-    return max(1, min(workload.max_num_seqs, rollout.kv_cache_bytes // per_sequence))
-
-
 def job_plan(config, cluster: Cluster, workload: Workload | None = None,
              efficiency: Efficiency | None = None) -> Plan:
     """The plan ``config`` runs, scored on ``cluster``'s devices (a ValueError when a layout cannot split a model)."""
@@ -63,7 +55,7 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
             tp, pp = work.tp, work.pp
             if work.generates:
                 gen = (workload.generation_tp, workload.generation_pp)
-                concurrency = _concurrency(workload, config.rollout, gen[0], work.spec)
+                concurrency = kv_concurrency(workload, work.spec, gen[0], config.rollout.kv_cache_bytes)
                 if role == "rollout":
                     tp, pp = gen
             if devices % (tp * pp):
@@ -75,8 +67,10 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
             options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
                                            work.micro_batch, gen, concurrency))
         groups.append(SetPlan(roles, devices, tuple(options)))
-    total, stages = step_time(workload, tuple(groups), 0.0)
-    return Plan(tuple(groups), total, stages)
+    transfer = sum(weight_transfer_time(o, cluster, efficiency) for g in groups if g.roles == ("rollout",)
+                   for o in g.options)
+    total, stages = step_time(workload, tuple(groups), transfer, efficiency.step_s)
+    return Plan(tuple(groups), total, stages, transfer)
 
 
 def _table(plan: Plan, usable: int) -> str:

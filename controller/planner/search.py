@@ -11,11 +11,13 @@
    fitting a device alone and undominated. A set combines one option per
    role; it fits when, in every stage, the roles' model state plus the
    largest working memory of the roles active in that stage fits one device.
-4. The **step time** (``step_time``): within a set the roles of a stage run
-   in turn (their times add), the sets run at once (a stage takes the
-   slowest set), and the stages follow each other; a rollout on its own
-   pool under one-step-off or async overlaps generation with the other
-   stages, plus the weight transfer.
+4. The **step time** (``step_time``): the stages follow each other and the
+   roles' phases run in turn, on one pool or on several (the controller
+   calls them one after another, as the RL step reads); a rollout on its
+   own pool under one-step-off or async generates while the others work,
+   plus the weight transfer. A split placement therefore wins on memory
+   (a larger micro-batch, a layout with less communication) and never by
+   running pools at once.
 
 The search is exact. Each role keeps only its undominated options: those
 no other option of it beats in every stage time and every memory figure.
@@ -41,7 +43,8 @@ from controller.planner.workload import Workload
 from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools
 
 __all__ = ["Plan", "PlanError", "PlanResult", "Rejected", "SetPlan", "device_splits", "placements", "search",
-           "set_partitions", "step_time"]
+           "set_partitions", "step_time",
+           "weight_transfer_time"]
 
 
 class PlanError(ValueError):
@@ -171,29 +174,33 @@ def device_splits(cluster: Cluster, sets: int, fixed: tuple[int | None, ...] | N
             yield combo
 
 
-def step_time(workload: Workload, sets: tuple[SetPlan, ...], transfer: float) -> tuple[float, tuple[float, float, float]]:
-    """(seconds per step, per stage) of sets running at once, roles of a set in turn."""
-    stages = tuple(max(s.times[i] for s in sets) for i in range(3))
-    if "rollout" in workload.role_names:
-        generation = max(s.times[0] for s in sets if "rollout" in s.roles)
-        rest = stages[1] + stages[2]
-        if workload.mode in ("one_step_off", "async"):
-            return max(generation, rest) + transfer, stages
-        return generation + rest + transfer, stages
-    return sum(stages), stages
+def step_time(workload: Workload, sets: tuple[SetPlan, ...], transfer: float,
+              fixed: float = 0.0) -> tuple[float, tuple[float, float, float]]:
+    """(seconds per step, per stage); ``fixed``: the step's own host time (``Efficiency.step_s``)."""
+    stages = tuple(sum(s.times[i] for s in sets) for i in range(3))
+    rollout = next((k for k, s in enumerate(sets) if s.roles == ("rollout",)), None)
+    return _objective(workload, [s.times for s in sets], rollout, transfer, fixed), stages
+
+
+def weight_transfer_time(option: Option, cluster: Cluster, efficiency: Efficiency) -> float:
+    """The actor's weights to a rollout pool of its own: each rollout rank receives its generation shard
+    (over the node's link on one node, else the network)."""
+    link = links_for(cluster, 1 if cluster.nodes == 1 else cluster.devices_per_node + 1)
+    return transfer_time(option.resident, link, efficiency)
 
 
 def _objective(workload: Workload, times: list[tuple[float, float, float]], rollout: int | None,
-               transfer: float) -> float:
-    """``step_time`` from each set's stage times (``rollout``: the index of a rollout set of its own)."""
-    stages = [max(t[i] for t in times) for i in range(3)]
-    if rollout is None:
-        return sum(stages)
+               transfer: float, fixed: float) -> float:
+    """The step time from each set's stage times (``rollout``: the index of a rollout set of its own).
+
+    The controller calls the roles' phases one after another, whatever pools they are on, so every set's
+    time adds up; only a rollout pool under one-step-off or async generates while the others train.
+    """
+    total = sum(sum(t) for t in times)
+    if rollout is None or workload.mode not in ("one_step_off", "async"):
+        return total + transfer + fixed
     generation = times[rollout][0]
-    rest = max((t[1] for t in times), default=0.0) + max((t[2] for t in times), default=0.0)
-    if workload.mode in ("one_step_off", "async"):
-        return max(generation, rest) + transfer
-    return generation + rest + transfer
+    return max(generation, total - generation) + transfer + fixed
 
 
 class _Search:
@@ -219,9 +226,7 @@ class _Search:
         return self._footprints[key]
 
     def transfer_of(self, option: Option) -> float:
-        """The actor's weights to a rollout pool of its own: each rollout rank receives its generation shard."""
-        link = links_for(self.cluster, 1 if self.cluster.nodes == 1 else self.cluster.devices_per_node + 1)
-        return transfer_time(option.resident, link, self.efficiency)
+        return weight_transfer_time(option, self.cluster, self.efficiency)
 
     def best_for_split(self, placement, split, incumbent: float = math.inf) -> Plan | None:
         """The fastest feasible choice of one option per role (None: none beats ``incumbent`` or fits).
@@ -254,7 +259,7 @@ class _Search:
                 min_time[depth][k][stage] += min(o.times[stage] for o in options[depth])
             min_transfer[depth] = min_transfer[depth + 1] + (
                 min(self.transfer_of(o) for o in options[depth]) if k == rollout else 0.0)
-        budget = self.budget
+        budget, fixed = self.budget, self.efficiency.step_s
         best: list = [incumbent, None]
         times = [[0.0, 0.0, 0.0] for _ in range(sets)]
         state = [0] * sets
@@ -264,7 +269,7 @@ class _Search:
 
         def descend(depth: int) -> None:
             if depth == len(slots):
-                total = _objective(self.workload, [tuple(t) for t in times], rollout, transfer[0])
+                total = _objective(self.workload, [tuple(t) for t in times], rollout, transfer[0], fixed)
                 if total < best[0] - 1e-12:
                     best[0], best[1] = total, list(chosen)
                 return
@@ -279,7 +284,7 @@ class _Search:
                 bound_times = [tuple(times[j][s] + (option.times[s] if j == k else 0.0) + min_time[depth + 1][j][s]
                                      for s in range(3)) for j in range(sets)]
                 if _objective(self.workload, bound_times, rollout,
-                              transfer[0] + added + min_transfer[depth + 1]) >= best[0] - 1e-12:
+                              transfer[0] + added + min_transfer[depth + 1], fixed) >= best[0] - 1e-12:
                     continue
                 saved = (list(times[k]), state[k], list(extra[k]), transfer[0])
                 times[k] = [times[k][s] + option.times[s] for s in range(3)]
@@ -298,7 +303,7 @@ class _Search:
             groups.append(SetPlan(roles, split[k], tuple(best[1][cursor:cursor + len(roles)])))
             cursor += len(roles)
         total_transfer = sum(self.transfer_of(o) for g in groups if "rollout" in g.roles for o in g.options)
-        step, stages = step_time(self.workload, tuple(groups), total_transfer)
+        step, stages = step_time(self.workload, tuple(groups), total_transfer, fixed)
         return Plan(tuple(groups), step, stages, total_transfer)
 
     def need(self, placement, split) -> int | None:

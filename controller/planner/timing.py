@@ -18,20 +18,28 @@
   the buffer per rank, an all-gather or reduce-scatter (n - 1) / n, each
   step paying the link's latency. A group within one node uses the node's
   link, a group across nodes the network.
+- **Host-side costs** of the framework itself, per event: each call of a
+  role's phase, each micro-batch through each layer, each optimizer step,
+  each decode step, each layer gathered by the reshard and loaded into the
+  generation engine, each RL step. They are zero
+  unless stated (a GPU's kernels hide most of them); on this CPU they are
+  fitted to measured runs (``planner.fit``, ``tools/plan_vs_measured.py --fit``),
+  and they dominate a tiny model's step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridengine.model.spec import ModelSpec
 
 from controller.planner.hardware import Accelerator
 from controller.planner.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 
-__all__ = ["Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time", "generation_time",
-           "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time", "transfer_time"]
+__all__ = ["HOST_COSTS", "Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time", "generation_time",
+           "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time", "transfer_time",
+           "weight_load_time"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,26 @@ class Efficiency:
     decode_compute: float = 0.30  # decode when compute-bound (large batches)
     memory: float = 0.75  # of the memory bandwidth, decode and the optimizer step
     link: float = 0.80  # of a link's bandwidth, collectives
-    step_overhead_s: float = 0.0  # a fixed cost per phase call (dispatch, process start of a call)
+    # Host-side seconds per event (see the module's docstring); ``HOST_COSTS`` names them.
+    call_s: float = 0.0  # each call of a role's phase: dispatch, the batch in and the results out
+    micro_batch_layer_s: float = 0.0  # each micro-batch through one layer, per pass (training: 3 passes)
+    optimizer_step_s: float = 0.0  # each optimizer step: clipping, the norm and the step's small collectives
+    decode_step_s: float = 0.0  # each decode step of a generation engine: scheduling, sampling
+    weight_load_layer_s: float = 0.0  # each layer's new weights loaded into the generation engine
+    reshard_layer_s: float = 0.0  # each layer gathered over the micro-DP group, when the reshard gathers
+    step_s: float = 0.0  # each RL step, outside the roles: rewards, advantages, data, metrics
+
+
+    def on_faster_host(self, speedup: float) -> "Efficiency":
+        """The host costs of the roles' processes when each runs ``speedup`` times faster (a CPU process given
+        more of the machine's cores); the step's own cost (the driver's) stays."""
+        if speedup == 1.0:
+            return self
+        return replace(self, **{name: getattr(self, name) / speedup for name in HOST_COSTS if name != "step_s"})
+
+
+HOST_COSTS = ("call_s", "micro_batch_layer_s", "optimizer_step_s", "decode_step_s", "weight_load_layer_s",
+              "reshard_layer_s", "step_s")
 
 
 @dataclass(frozen=True)
@@ -108,8 +135,8 @@ def _output_flops(spec: ModelSpec) -> float:
 def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
                tp_link: Link, efficiency: Efficiency, flops_factor: float, mfu: float, tp_collectives: int,
                pp_link: Link | None = None) -> float:
-    """One pass on one DP replica: the busiest stage's compute, stretched by the 1F1B bubble, plus TP's
-    all-reduces and PP's sends between stages."""
+    """One pass on one DP replica: the busiest stage's compute and host time per micro-batch, stretched by
+    the 1F1B bubble, plus TP's all-reduces and PP's sends between stages (no call cost: see the callers)."""
     per_rank = math.ceil(shape.sequences / dp)
     stage = stage_flops_per_token(spec, pp) * per_rank * shape.seq_len
     attention = _attention_flops(spec, shape.seq_len) * per_rank * math.ceil(spec.num_layers / pp) / spec.num_layers
@@ -120,14 +147,15 @@ def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, dev
     layers = math.ceil(spec.num_layers / pp)
     tp_comm = micro * layers * tp_collectives * all_reduce_time(hidden, tp, tp_link, efficiency)
     sends = (tp_collectives // 2) * micro * transfer_time(hidden / tp, pp_link or tp_link, efficiency) if pp > 1 else 0.0
-    return compute * (1 + bubble) + tp_comm + sends + efficiency.step_overhead_s
+    host = micro * layers * flops_factor * efficiency.micro_batch_layer_s
+    return (compute + host) * (1 + bubble) + tp_comm + sends
 
 
 def forward_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
                  tp_link: Link, efficiency: Efficiency, pp_link: Link | None = None) -> float:
     """A forward pass over ``shape.sequences`` (log-probs, values, reference, reward)."""
     return _pass_time(spec, tp, pp, dp, shape, device, precision, tp_link, efficiency, 1.0, efficiency.forward, 2,
-                      pp_link)
+                      pp_link) + efficiency.call_s
 
 
 def optimizer_step_time(param_count_per_rank: float, device: Accelerator, efficiency: Efficiency) -> float:
@@ -153,7 +181,8 @@ def train_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, opt
     else:
         dp_comm = all_reduce_time(grads, dp, dp_link, efficiency)
         owned = stage_elements
-    return optimizer_steps * (per_mini + dp_comm + optimizer_step_time(owned, device, efficiency))
+    step = optimizer_step_time(owned, device, efficiency) + efficiency.optimizer_step_s
+    return optimizer_steps * (per_mini + dp_comm + step) + efficiency.call_s
 
 
 def generation_time(spec: ModelSpec, tp: int, replicas: int, sequences: int, prompt_len: int, response_len: int,
@@ -174,5 +203,10 @@ def generation_time(spec: ModelSpec, tp: int, replicas: int, sequences: int, pro
     compute = flops_token * batch / (tp * peak * efficiency.decode_compute)
     hidden = batch * spec.hidden_size * dtype_bytes(precision)
     tp_comm = 2 * spec.num_layers * all_reduce_time(hidden, tp, tp_link, efficiency)
-    decode = response_len * (max(read, compute) + tp_comm)
-    return waves * (prefill + decode) + efficiency.step_overhead_s
+    decode = response_len * (max(read, compute) + tp_comm + efficiency.decode_step_s)
+    return waves * (prefill + decode) + efficiency.call_s
+
+
+def weight_load_time(spec: ModelSpec, shard_bytes: float, device: Accelerator, efficiency: Efficiency) -> float:
+    """The generation engine taking its new shard: one copy of it through memory, and each layer's host cost."""
+    return shard_bytes / (device.memory_bandwidth * efficiency.memory) + spec.num_layers * efficiency.weight_load_layer_s

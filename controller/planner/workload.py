@@ -6,7 +6,9 @@ cost models), what each does in a step (generation, forward passes,
 updates: sequences, lengths, epochs, optimizer steps) and how it stores
 itself (precision, distributed optimizer, recomputation, vocabulary
 padding). Models are read from their ``config.json`` only: a directory with
-no weights plans as well as a full checkpoint.
+no weights plans as well as a full checkpoint. A reward or cost classifier
+that megatron cannot hold (a DeBERTa, say) runs on transformers in its own
+worker and is left out of the plan.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hybridengine.model.spec import ModelSpec
+from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.rollout.agreement import old_log_probs_from_update
 
 __all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "STAGES"]
@@ -80,6 +82,7 @@ class Workload:
     flash_attention: bool = True  # GPU attention kernels keep no [heads, s, s] scores
     generation_tp: int = 1  # the config's rollout layout
     generation_pp: int = 1
+    kv_block_tokens: int = 16  # the generation engine's KV block (vLLM: 16 on GPUs, 128 on its CPU backend)
 
     @property
     def seq_len(self) -> int:
@@ -97,7 +100,8 @@ class Workload:
 
 
 def job_workload(config, flash_attention: bool = True, load=load_spec) -> Workload:
-    """The planner's view of ``config`` (an RLConfig)."""
+    """The planner's view of ``config`` (an RLConfig); ``flash_attention`` False: the CPU path (attention keeps
+    its scores, and vLLM's CPU backend caches KV in 128-token blocks)."""
     alg, rollout, trainer = config.algorithm, config.rollout, config.trainer
     sequences = config.data.batch_size * rollout.sampling.n
     policy = load(config.actor.model_path or config.model_path)
@@ -134,9 +138,13 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
         roles.append(RoleWork("ref_policy", spec, trains=False, forward_passes=1, **engine_fields(ref)))
     for role, section in (("reward_model", config.reward), ("cost", config.cost_model)):
         if section is not None and section.model_path is not None:
-            roles.append(RoleWork(role, load(section.model_path), trains=False, forward_passes=1,
-                                  **engine_fields(section)))
+            try:
+                spec = load(section.model_path)
+            except ModelConfigError:  # a classifier megatron cannot hold runs on transformers: not planned
+                continue
+            roles.append(RoleWork(role, spec, trains=False, forward_passes=1, **engine_fields(section)))
     return Workload(sequences, rollout.max_prompt_length, rollout.max_response_length, tuple(roles), mode=trainer.mode,
                     max_num_seqs=rollout.max_num_seqs, generation_engine=rollout.engine,
                     release_training=rollout.release_training, flash_attention=flash_attention,
-                    generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel)
+                    generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel,
+                    kv_block_tokens=128 if rollout.engine == "vllm" and not flash_attention else 16)

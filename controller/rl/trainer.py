@@ -34,7 +34,6 @@ from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
 from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
-from controller.rl.auto_layout import device_map_layouts
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
@@ -67,7 +66,8 @@ ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "
                    "timing_s/weight_update", "weight_update/bytes_received",
                    # a rollout on its own pool: the cross-pool transfer, beside the in-place reshard's
                    "timing_s/weight_transfer", "weight_transfer/bytes", "weight_transfer/bound_bytes",
-                   "weight_transfer/bytes_sent")
+                   "weight_transfer/bytes_sent",
+                   "rollout/kv_cache_tokens")  # what vLLM's KV cache holds (whole blocks), as the planner sizes it
 
 
 class RLTrainer:
@@ -286,23 +286,24 @@ class RLTrainer:
                                                   self.pools[self.placement["rollout"]].controller_address())
 
     def lay_out(self) -> None:
-        """Each ``device_map="auto"`` role's layout for the pools as declared (``controller.rl.auto_layout``),
-        written into the config as if the user had set it; nothing starts."""
-        pool_world = {name: self.pools[name].world_size if name in self.pools else shape.world_size
-                      for name, shape in self.pool_shapes.items()}
-        layouts = device_map_layouts(self.specs, self.placement, pool_world, device_memory_bytes(),
-                                     devices_per_node=accelerator_count() or None)
-        for role, layout in layouts.items():
-            self.config = with_parallelism(self.config, role, layout.tensor_parallel, layout.pipeline_parallel)
-        if layouts:
-            self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+        """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
+        (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
+        from controller.planner.device_map import auto_layouts, job_cluster
 
-    def check(self) -> None:
-        """ConfigError listing every problem of the config, its pools as declared (``register_placement``
-        included), the policy's and the reward model's checkpoints; nothing starts."""
-        from hybridengine.model.spec import ModelSpec
-        from workers.reward.reward_model import megatron_spec_or_none
+        auto = {role for role, spec in self.specs.items() if spec.device_map == "auto" and not spec.explicit_parallelism}
+        if not auto:
+            return
+        used = {self.placement[role] for role in self.placement}
+        shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
+        cluster, efficiency = job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
+                                          sum(s.world_size for s in shapes), device_memory_bytes())
+        layouts = auto_layouts(self.placed_config(), auto, cluster, efficiency, flash_attention=accelerator_count() > 0)
+        for role, (tp, pp) in layouts.items():
+            self.config = with_parallelism(self.config, role, tp, pp)
+        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
 
+    def placed_config(self):
+        """The config with its pools as declared (``register_placement`` included) in ``trainer.placement``."""
         placement, owner = {}, {}
         for role, pool in self.placement.items():
             shape = self.pool_shapes[pool]
@@ -314,7 +315,15 @@ class RLTrainer:
                 else:
                     owner[pool] = role
                     placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
-        config = replace(self.config, trainer=replace(self.config.trainer, placement=placement))
+        return replace(self.config, trainer=replace(self.config.trainer, placement=placement))
+
+    def check(self) -> None:
+        """ConfigError listing every problem of the config, its pools as declared (``register_placement``
+        included), the policy's and the reward model's checkpoints; nothing starts."""
+        from hybridengine.model.spec import ModelSpec
+        from workers.reward.reward_model import megatron_spec_or_none
+
+        config = self.placed_config()
         path = self.specs["actor"].model_path
         policy = ModelSpec.from_pretrained(path) if Path(path, "config.json").is_file() else None
         reward = self.config.reward.model_path

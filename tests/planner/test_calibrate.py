@@ -31,3 +31,23 @@ def test_measured_figures_are_saved_read_back_and_shared_among_the_processes(tmp
                  "trainer.launcher=ray", "--json", str(tmp_path / "plans.json")]) == 0
     saved = json.loads((tmp_path / "plans.json").read_text())
     assert saved["cluster"].startswith("1x4xcpu-process") and saved["plans"]
+
+
+def test_fitted_host_costs_are_read_back_and_a_process_alone_runs_faster(tmp_path):
+    from controller.planner.calibrate import local_efficiency
+    from controller.planner.timing import HOST_COSTS
+
+    figures = {"machine": {"cpu": "test", "cores": 2, "memory_bytes": 8 << 30}, "fp32_flops": 1e11, "bf16_flops": 2e11,
+               "memory_bandwidth": 2e10, "gloo_latency_s": 1e-4, "gloo_bandwidth": 1e9}
+    assert all(getattr(local_efficiency(figures), name) == 0.0 for name in HOST_COSTS)  # not fitted: zero
+    fitted = {**figures, "host_costs": {"call_s": 0.03, "step_s": 0.1, "collective_latency_s": 2e-3, "runs": ["a"]}}
+    efficiency = local_efficiency(fitted)
+    assert (efficiency.call_s, efficiency.step_s, efficiency.micro_batch_layer_s) == (0.03, 0.1, 0.0)
+    device = local_cluster(4, fitted).accelerator
+    assert device.link_latency == 2e-3  # the collectives' latency under a job's load, as fitted
+    # 4 processes of 1 thread on 2 cores: each gets half a core while all work, a whole one while 2 do.
+    assert device.cores_per_device == 0.5 and device.working(4) is device
+    alone = device.working(2)
+    assert alone.cores_per_device == 1.0 and alone.flops("fp32") == pytest.approx(2 * device.flops("fp32"))
+    assert alone.memory_bandwidth == pytest.approx(2 * device.memory_bandwidth)
+    assert efficiency.on_faster_host(2.0).call_s == pytest.approx(0.015) and efficiency.on_faster_host(2.0).step_s == 0.1

@@ -74,6 +74,15 @@ def test_vllm_rollout_from_tp2_actor(tmp_path):
     model, out, result = run_program(tmp_path, 2, "vllm", tp=2, gen_tp=2, tie=True)
     check_rollout(model, out, result)
     check_bad_inputs(result["errors"])
+    # The KV cache vLLM made of rollout.kv_cache_bytes, against the planner's model of it: whole blocks of
+    # 2 x layers x KV heads per rank x head_dim per token (vLLM's CPU blocks are 128 tokens).
+    from controller.planner.memory import kv_bytes_per_token
+    from hybridengine.model.spec import ModelSpec
+    from workers.rollout.config import RolloutConfig
+
+    block = 128 * kv_bytes_per_token(ModelSpec.from_pretrained(model), 2, "fp32")
+    predicted = RolloutConfig().kv_cache_bytes // block * 128
+    assert result["greedy"].meta_info["metrics"]["rollout/kv_cache_tokens"] == predicted
 
 
 def test_vllm_rollout_on_strided_generation_groups(tmp_path):

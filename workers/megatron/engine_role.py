@@ -30,8 +30,8 @@ class EngineRole(BaseWorker):
         """Declare this role on an HF checkpoint (a directory or a hub id); a controller builds it later.
 
         Other keyword arguments go to the role's constructor (``optim=``, ``ppo=``, ...); an unknown one,
-        or a bad value in a config section, is refused here. ``device_map="auto"``: the controller picks
-        TP x PP for the job's devices (``controller.rl.auto_layout``) unless ``tensor_parallel`` /
+        or a bad value in a config section, is refused here. ``device_map="auto"``: the planner picks
+        the fastest TP x PP that fits the job's devices (``controller.planner.device_map``) unless ``tensor_parallel`` /
         ``pipeline_parallel`` are given; without it they default to 1.
         """
         engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel or 1,

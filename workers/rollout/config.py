@@ -41,8 +41,8 @@ class RolloutConfig:
     seed: int = 0  # the vLLM engine's own seed; each request's draws come from sampling.seed
     # Multi-turn, tool-calling rollouts (workers.rollout.agent): None is the single-turn rollout.
     agent: AgentConfig | None = None
-    # "auto": the controller picks the generation TP for the devices (controller.rl.auto_layout), unless
-    # tensor_parallel or pipeline_parallel is other than 1
+    # "auto": the planner picks the fastest generation TP that fits the devices (controller.planner.device_map),
+    # unless tensor_parallel or pipeline_parallel is other than 1
     device_map: str | None = None
 
     def __post_init__(self) -> None:

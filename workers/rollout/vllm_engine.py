@@ -150,6 +150,8 @@ class VLLMGenerator(GeneratorBase):
                 enable_prefix_caching=True,
             )
         self.asleep = False
+        cache = self.llm.llm_engine.vllm_config.cache_config  # what vLLM made of kv_cache_bytes, in whole blocks
+        self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
         (mine,) = self.llm.collective_rpc("vocab_rows")
         by_group_rank: list[tuple[int, int]] = [None] * len(self._tp_ranks)  # type: ignore[list-item]
@@ -176,7 +178,8 @@ class VLLMGenerator(GeneratorBase):
                                              self._tp_group)
         (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank]))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"]}
+        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"],
+                "rollout/kv_cache_tokens": self.kv_cache_tokens}
 
     # -------------------------------------------------------------- generation
     def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
