@@ -11,7 +11,8 @@
 - ``device_map``: ``device_map="auto"``'s layouts for a job's placement;
 - ``calibrate``: this machine measured; ``fit``: the host costs fitted to measured phase times.
 
-Pure (but ``calibrate``'s measurement): no process starts and nothing is loaded but config files. The submodules are imported where they are
-used (``controller.planner.search`` and so on), so ``hybridflow``'s other commands do not load them.
+Pure (but ``calibrate``'s measurement): no process starts and nothing is loaded but config files. The
+submodules are imported where they are used (``controller.planner.search`` and so on), so ``hybridflow``'s
+other commands do not load them.
 """
 

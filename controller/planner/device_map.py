@@ -2,11 +2,12 @@
 
 The job's placement stays as the config gives it (its pools and their
 devices); every role the user laid out keeps its TP / PP, every role keeps
-its micro-batch. For the ``auto`` roles the search (``_Search.best_for_split``
+its micro-batch. For the ``auto`` roles the search (``search.best_on_split``
 on that one placement and split) picks, among the layouts that fit a device
 in every stage beside their pool's other roles, the one with the fastest
 predicted step: TP x PP for a megatron role, the generation TP for the
-rollout. Nothing fits: a ValueError with the smallest footprint tried.
+rollout (at the KV cache the config gives it). Nothing fits: a ValueError
+with the smallest footprint tried.
 
 ``job_cluster`` is the job's devices as the planner sees them: the GPUs
 (their kind matched in ``hardware.ACCELERATORS``), or on the CPU path the
@@ -17,10 +18,12 @@ the layouts matters here, and memory decides most of it).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from controller.planner.hardware import GIB, Accelerator, Cluster
 from controller.planner.options import Pin
 from controller.planner.prelaunch import job_sets
-from controller.planner.search import _Search
+from controller.planner.search import best_on_split
 from controller.planner.timing import Efficiency
 from controller.planner.workload import job_workload
 
@@ -54,8 +57,6 @@ def job_cluster(nodes: int, devices_per_node: int, processes: int, device_bytes:
                              link_latency=_NOMINAL_GLOO["latency"], network_latency=_NOMINAL_GLOO["latency"],
                              fp32_flops=_NOMINAL_CORE["fp32_flops"], reserved_bytes=0)
         efficiency = Efficiency()
-    from dataclasses import replace
-
     device = replace(device, memory_bytes=device_bytes // processes)  # the processes share the machine's RAM
     return Cluster(1, processes, device), efficiency
 
@@ -83,10 +84,8 @@ def auto_layouts(config, auto: set[str], cluster: Cluster, efficiency: Efficienc
                 pins[role] = Pin(tp=work.tp if fixed else None, pp=work.pp if fixed else None,
                                  micro_batch=work.micro_batch, gen_tp=gen_tp, kv_cache_bytes=kv)
     placement, split = tuple(roles for roles, _ in sets), tuple(n for _, n in sets)
-    search = _Search(workload, cluster, efficiency or Efficiency(), pins)
-    plan = search.best_for_split(placement, split)
+    plan, need = best_on_split(workload, cluster, placement, split, efficiency, pins)
     if plan is None:
-        need = search.need(placement, split)
         what = (f"its smallest layout needs {_size(need)} on a device" if need else
                 "no layout of its models divides its pools' devices")
         raise ValueError(f'device_map="auto" ({", ".join(sorted(auto))}): the job fits no layout on {cluster} '

@@ -36,7 +36,8 @@ from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
-           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order", "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
+           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order",
+           "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PARAM_ALIGN = 64  # megatron: with the distributed optimizer each parameter starts 128-byte aligned

@@ -20,8 +20,7 @@ from hybridengine.reshard.plan import legal_generation_layouts
 
 from controller.planner.hardware import Cluster
 from controller.planner.memory import (ActivationShape, activation_bytes, kv_bytes_per_sequence, kv_cache_bytes,
-                                       state_memory,
-                                       weight_bytes)
+                                       state_memory, weight_bytes)
 from controller.planner.timing import (Efficiency, Link, PassShape, all_gather_time, forward_time, generation_time,
                                        train_time, weight_load_time)
 from controller.planner.workload import RoleWork, Workload
@@ -123,7 +122,8 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     # one-step-off is the exception, for the part of the step the two overlap, and is not modeled.
     device = cluster.accelerator.working(n)
     # Python runs on one core: a process given more of the machine does its host work faster too.
-    efficiency = efficiency.on_faster_host(min(1.0, device.cores_per_device) / min(1.0, cluster.accelerator.cores_per_device))
+    efficiency = efficiency.on_faster_host(min(1.0, device.cores_per_device)
+                                           / min(1.0, cluster.accelerator.cores_per_device))
     dp = n // (tp * pp)
     spec = work.padded(tp)
     seq = workload.seq_len
@@ -159,7 +159,8 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     if work.generates:
         gen_tp, gen_pp = gen
         replicas = n // (gen_tp * gen_pp)
-        kv = kv_cache_bytes(work.spec, gen_tp, seq, concurrency, workload.generation_precision, workload.kv_block_tokens)
+        kv = kv_cache_bytes(work.spec, gen_tp, seq, concurrency, workload.generation_precision,
+                            workload.kv_block_tokens)
         memory["KV cache"] = kv
         if work.role == "rollout":  # the weights arrive from the actor's pool (the search adds the transfer)
             extra[0] = kv
@@ -187,7 +188,8 @@ def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int) -> i
     """Sequences at full length that ``cache_bytes`` of KV cache holds on a rank at generation TP ``gen_tp``."""
     per_sequence = kv_bytes_per_sequence(spec, gen_tp, workload.seq_len, workload.generation_precision,
                                          workload.kv_block_tokens)
-    held_back = kv_cache_bytes(spec, gen_tp, workload.seq_len, 0, workload.generation_precision, workload.kv_block_tokens)
+    held_back = kv_cache_bytes(spec, gen_tp, workload.seq_len, 0, workload.generation_precision,
+                               workload.kv_block_tokens)
     return max(1, min(workload.max_num_seqs, (cache_bytes - held_back) // per_sequence))
 
 

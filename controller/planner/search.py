@@ -42,9 +42,8 @@ from controller.planner.timing import Efficiency, transfer_time
 from controller.planner.workload import Workload
 from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools
 
-__all__ = ["Plan", "PlanError", "PlanResult", "Rejected", "SetPlan", "device_splits", "placements", "search",
-           "set_partitions", "step_time",
-           "weight_transfer_time"]
+__all__ = ["Plan", "PlanError", "PlanResult", "Rejected", "SetPlan", "best_on_split", "device_splits", "placements",
+           "search", "set_partitions", "step_time", "weight_transfer_time"]
 
 
 class PlanError(ValueError):
@@ -354,6 +353,15 @@ def search(workload: Workload, cluster: Cluster, efficiency: Efficiency | None =
         rejected.append(Rejected(plan.placement, f"slower: {plan.step_time:.3g} s a step, {slower:+.1%}", plan))
     rejected.sort(key=lambda r: (r.best is None, r.best.step_time if r.best else -(r.need or 0)))
     return PlanResult(kept, tuple(rejected), evaluated)
+
+
+def best_on_split(workload: Workload, cluster: Cluster, placement, split, efficiency: Efficiency | None = None,
+                  pins: dict[str, Pin] | None = None) -> tuple[Plan | None, int | None]:
+    """The fastest plan of one placement on one split of the devices, and when none fits, the least a device
+    of its tightest set needs (None: no layout divides its devices)."""
+    engine = _Search(workload, cluster, efficiency or Efficiency(), pins or {})
+    plan = engine.best_for_split(placement, split)
+    return plan, None if plan is not None else engine.need(placement, split)
 
 
 def _fixed_devices(roles: tuple[str, ...], pins: dict[str, Pin]) -> int | None:

@@ -21,10 +21,10 @@
 - **Host-side costs** of the framework itself, per event: each call of a
   role's phase, each micro-batch through each layer, each optimizer step,
   each decode step, each layer gathered by the reshard and loaded into the
-  generation engine, each RL step. They are zero
-  unless stated (a GPU's kernels hide most of them); on this CPU they are
-  fitted to measured runs (``planner.fit``, ``tools/plan_vs_measured.py --fit``),
-  and they dominate a tiny model's step.
+  generation engine, each RL step. They are zero unless stated (a GPU's
+  kernels hide most of them); on this CPU they are fitted to measured runs
+  (``planner.fit``, ``tools/plan_vs_measured.py --fit``), and they dominate
+  a tiny model's step.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from hybridengine.model.spec import ModelSpec
 from controller.planner.hardware import Accelerator
 from controller.planner.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 
-__all__ = ["HOST_COSTS", "Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time", "generation_time",
-           "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time", "transfer_time",
-           "weight_load_time"]
+__all__ = ["HOST_COSTS", "Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time",
+           "generation_time", "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time",
+           "transfer_time", "weight_load_time"]
 
 
 @dataclass(frozen=True)
@@ -209,4 +209,5 @@ def generation_time(spec: ModelSpec, tp: int, replicas: int, sequences: int, pro
 
 def weight_load_time(spec: ModelSpec, shard_bytes: float, device: Accelerator, efficiency: Efficiency) -> float:
     """The generation engine taking its new shard: one copy of it through memory, and each layer's host cost."""
-    return shard_bytes / (device.memory_bandwidth * efficiency.memory) + spec.num_layers * efficiency.weight_load_layer_s
+    return (shard_bytes / (device.memory_bandwidth * efficiency.memory)
+            + spec.num_layers * efficiency.weight_load_layer_s)

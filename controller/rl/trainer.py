@@ -290,7 +290,8 @@ class RLTrainer:
         (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
         from controller.planner.device_map import auto_layouts, job_cluster
 
-        auto = {role for role, spec in self.specs.items() if spec.device_map == "auto" and not spec.explicit_parallelism}
+        auto = {role for role, spec in self.specs.items()
+                if spec.device_map == "auto" and not spec.explicit_parallelism}
         if not auto:
             return
         used = {self.placement[role] for role in self.placement}
