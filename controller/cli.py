@@ -109,25 +109,18 @@ def _train(args, argv: list[str]) -> int:
     from controller.config import load_config
     from controller.jobs.train_job import prepare_job, run_training
 
+    from controller.planner.prelaunch import check_before_launch
+
+    if args.force:  # as the override, so that the processes torchrun starts (the same argv) skip it too
+        args.overrides = [*args.overrides, "trainer.memory_check=false"]
+
     def prepare(config):
-        _memory_check(config, args.force)
+        check_before_launch(config)
         return prepare_job(config, cluster=_ray_cluster(config))
 
     # Before any worker starts: the memory of a GPU job, the model, the data, the reward functions, the placement
     # against the Ray cluster.
     return _run_job("train", load_config, prepare, run_training, args, argv)
-
-
-def _memory_check(config, force: bool) -> None:
-    """A GPU job whose placement and layouts the planner predicts will not fit its devices is refused, with the
-    table and the nearest plan that fits (``--force`` launches it anyway); CPU jobs are not checked."""
-    if force:
-        return
-    from controller.planner.prelaunch import check_job_memory, local_cluster
-
-    cluster = local_cluster(config)
-    if cluster is not None:
-        check_job_memory(config, cluster)
 
 
 def _sft(args, argv: list[str]) -> int:

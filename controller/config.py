@@ -169,6 +169,9 @@ class TrainerConfig:
     # before step 1 and on the first batch
     rollout_proto: dict[str, str] | None = None
     log_phases: bool = False  # one console line per phase of each step (RLTrainer(verbose=True))
+    # GPU jobs: refuse before launch one the planner predicts will not fit its devices' memory (its pools,
+    # register_placement's included, and layouts); false (hybridflow train --force) launches it anyway
+    memory_check: bool = True
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ its configured TP / PP / micro-batch, the rollout at its TP / PP with as many
 sequences at once as ``rollout.kv_cache_bytes`` holds. ``check_job_memory``
 refuses a job whose plan does not fit a device in some stage, with the
 table of what each role holds and the nearest plan that fits (the search's
-best, as overrides). ``hybridflow train`` runs it on GPU jobs;
-``--force`` skips it.
+best, as overrides). ``check_before_launch`` runs it on GPU jobs: from
+``hybridflow train`` before any process starts, and from ``RLTrainer.build``
+before any worker (the Python API, pools declared with ``register_placement``
+included); ``trainer.memory_check=false`` (``hybridflow train --force``) skips it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from controller.planner.timing import Efficiency
 from controller.planner.workload import Workload, job_workload
 from hybridengine.model.spec import ModelConfigError
 
-__all__ = ["MemoryCheckError", "check_job_memory", "job_plan", "job_sets", "local_cluster"]
+__all__ = ["MemoryCheckError", "check_before_launch", "check_job_memory", "job_plan", "job_sets", "local_cluster"]
 
 
 class MemoryCheckError(PlanError):
@@ -107,8 +109,18 @@ def check_job_memory(config, cluster: Cluster, efficiency: Efficiency | None = N
                        f"{best.plans[0].peak_memory / GIB:.2f} GiB a device at most): " + " ".join(overrides))
     else:
         message.append(f"no plan fits {cluster} (hybridflow plan shows the smallest); use more or larger devices")
-    message.append("hybridflow train --force skips this check")
+    message.append("hybridflow train --force (trainer.memory_check=false) skips this check")
     raise MemoryCheckError("\n".join(message))
+
+
+def check_before_launch(config) -> Plan | None:
+    """The pre-launch check of a GPU job (``hybridflow train`` before any process, ``RLTrainer.build`` before any
+    worker): ``check_job_memory`` on this machine's GPUs; nothing on the CPU path or with
+    ``trainer.memory_check`` false (``--force``)."""
+    if not config.trainer.memory_check:
+        return None
+    cluster = local_cluster(config)
+    return None if cluster is None else check_job_memory(config, cluster)
 
 
 def local_cluster(config) -> Cluster | None:

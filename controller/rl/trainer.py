@@ -254,6 +254,9 @@ class RLTrainer:
         if self.groups:
             return
         self.lay_out()
+        from controller.planner.prelaunch import check_before_launch
+
+        check_before_launch(self.placed_config())  # a GPU job that will not fit, refused before any worker
         self.check()
         from transformers import AutoTokenizer
 

@@ -51,3 +51,51 @@ def test_devices_are_matched_to_the_table_by_name_and_this_cpu_machine_is_not_ch
     unknown = matching_accelerator("Some Future GPU", 10 * 2**30)
     assert unknown.memory_bytes == 10 * 2**30 and "assumed" in unknown.source
     assert local_cluster(load_config(None, [])) is None  # no GPU here: hybridflow train skips the check
+
+
+def test_the_python_api_with_register_placement_is_checked_at_build_before_any_worker(monkeypatch, tmp_path):
+    """RLTrainer.build runs the same check on its pools as declared (register_placement's included), on this
+    machine's GPUs (stubbed here: 4 small ones); trainer.memory_check=false (--force) skips it."""
+    import controller.planner.prelaunch as prelaunch
+    from controller.models.builtin import resolve_model_path
+    from controller.planner.hardware import Accelerator, Cluster
+    from controller.rl.trainer import RLTrainer
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    job = [f"model_path={model}", "trainer.launcher=ray", "trainer.nproc=2", "actor.engine.tensor_parallel=1",
+           "actor.engine.pipeline_parallel=1", "critic.engine.tensor_parallel=1", "critic.engine.pipeline_parallel=1",
+           "trainer.run_dir=null"]
+
+    def gpus(mib):
+        return Cluster(1, 4, Accelerator("small-gpu", int(mib * 2**20), 1e14, 1e12, 1e11, 1e10, "test", reserved_bytes=0))
+
+    def trainer(*extra):
+        built = RLTrainer(load_config(ROOT / "examples/ppo_tiny.yaml", [*job, *extra]))
+        built.register_placement("critic", 2)
+        return built
+
+    monkeypatch.setattr(prelaunch, "local_cluster", lambda config: gpus(64))
+    roomy = prelaunch.check_before_launch(trainer().placed_config())
+    assert [s.roles for s in roomy.sets] == [("actor",), ("critic",)]  # the declared pool is a set of its own
+    monkeypatch.setattr(prelaunch, "local_cluster", lambda config: gpus(4))
+    small = trainer()
+    with pytest.raises(MemoryCheckError, match=r"predicted not to fit its devices \(1x4xsmall-gpu, 0.00 GiB usable each\)"):
+        small.build()
+    assert not small.groups  # refused before any worker started
+    assert prelaunch.check_before_launch(trainer("trainer.memory_check=false").placed_config()) is None
+
+
+def test_hybridflow_train_refuses_before_any_process_and_force_skips_the_check(monkeypatch, capsys):
+    import controller.planner.prelaunch as prelaunch
+    from controller.cli import main
+
+    monkeypatch.setattr(prelaunch, "local_cluster", lambda config: parse_cluster("2x8xA100-80GB"))
+    # Every role at TP1: too big. (torchrun: no Ray cluster to join for the placement check that follows.)
+    command = ["train", "--config", str(ROOT / "examples/paper_ppo.yaml"), *PAPER_7B, "trainer.launcher=torchrun",
+               "trainer.rdzv_endpoint=127.0.0.1:29999"]
+    assert main(command) == 2
+    assert "predicted not to fit its devices (2x8xA100-80GB" in capsys.readouterr().err
+    # --force: past the memory check, to the next one (the config-only model has no tokenizer to load)
+    assert main([*command[:1], "--force", *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "predicted not to fit" not in err and "tokenizer" in err, err
