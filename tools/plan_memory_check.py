@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.bench_gpu_train import SHAPES  # noqa: E402
-from tools.bench_models import SHAPES as MODEL_SHAPES  # noqa: E402
+from tools.bench_gpu_train import write_checkpoint  # noqa: E402
+from tools.bench_models import make_checkpoint  # noqa: E402
 
 # (model, TP, PP, precision, distributed optimizer) on 4 processes. SmolLM2's 3 KV heads allow TP 1 (or 3).
 CASES = [
@@ -36,19 +36,6 @@ CASES = [
     ("smollm2", 1, 2, "bf16", False),
 ]
 WORLD = 4
-
-
-def write_checkpoint(name: str, path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from controller.models.char_tokenizer import save_char_tokenizer
-
-    shape = SHAPES["smollm2"] if name == "smollm2" else MODEL_SHAPES[name]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape))
-    model.save_pretrained(path, safe_serialization=True)
-    save_char_tokenizer(path, shape["vocab_size"])
 
 
 def inner(args) -> None:
@@ -131,7 +118,10 @@ def main() -> int:
         for case in CASES:
             if case[0] not in models:
                 models[case[0]] = Path(tmp) / case[0]
-                write_checkpoint(case[0], models[case[0]])
+                if case[0] == "smollm2":
+                    write_checkpoint("smollm2", models[case[0]])
+                else:
+                    make_checkpoint(case[0], models[case[0]], tokenizer=True)
             result = check(case, models[case[0]], Path(tmp))
             results.append(result)
             first = result["ranks"][0]["measured"]

@@ -145,7 +145,7 @@ def samples_of(measured: dict, figures: dict) -> list:
 
 
 def main() -> int:
-    from controller.planner.calibrate import load_calibration, measure, save_calibration
+    from controller.planner.calibrate import load_calibration, recalibrate, save_calibration
     from controller.planner.fit import fit_costs, predict
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -162,7 +162,7 @@ def main() -> int:
         figures, measured = earlier["calibration"], earlier["measured"]
     else:
         if not args.no_calibrate:
-            save_calibration({**measure(), **{k: v for k, v in _saved().items() if k == "host_costs"}})
+            recalibrate()
         figures = load_calibration()
         with tempfile.TemporaryDirectory() as tmp:
             measured = [measure_run(name, RUNS[name], args.steps, Path(tmp)) for name in args.runs]
@@ -215,16 +215,6 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
-
-
-def _saved() -> dict:
-    from controller.planner.calibrate import load_calibration
-    from controller.planner.hardware import ClusterError
-
-    try:
-        return load_calibration()
-    except ClusterError:
-        return {}
 
 
 def rank(measured: list[dict], figures: dict, steps: int) -> dict:

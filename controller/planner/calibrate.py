@@ -34,7 +34,8 @@ from pathlib import Path
 from controller.planner.hardware import Accelerator, Cluster, ClusterError
 from controller.planner.timing import HOST_COSTS, Efficiency
 
-__all__ = ["calibration_path", "load_calibration", "local_cluster", "local_efficiency", "measure", "save_calibration"]
+__all__ = ["calibration_path", "load_calibration", "local_cluster", "local_efficiency", "measure",
+           "recalibrate", "save_calibration"]
 
 
 def calibration_path() -> Path:
@@ -133,6 +134,17 @@ def save_calibration(figures: dict, path: Path | None = None) -> Path:
     tmp.write_text(json.dumps(figures, indent=2))
     tmp.replace(path)
     return path
+
+
+def recalibrate(path: Path | None = None) -> tuple[dict, Path]:
+    """Measure this machine again and save it, keeping the host costs fitted to its runs (refit by
+    ``tools/plan_vs_measured.py --fit``); the figures and where they went."""
+    figures = measure()
+    try:
+        figures["host_costs"] = load_calibration(path)["host_costs"]
+    except (ClusterError, KeyError, ValueError):
+        pass
+    return figures, save_calibration(figures, path)
 
 
 def load_calibration(path: Path | None = None) -> dict:

@@ -108,16 +108,10 @@ def run_plan(args) -> int:
     from controller.planner.search import PlanError, search
     from controller.planner.workload import job_workload
 
-    from controller.planner.calibrate import (load_calibration, local_cluster, local_efficiency, measure,
-                                              save_calibration)
+    from controller.planner.calibrate import load_calibration, local_cluster, local_efficiency, recalibrate
 
     if args.calibrate:
-        figures = measure()
-        try:  # the host costs fitted to this machine's runs stay (tools/plan_vs_measured.py --fit refits them)
-            figures["host_costs"] = load_calibration()["host_costs"]
-        except (ClusterError, KeyError, ValueError):
-            pass
-        path = save_calibration(figures)
+        figures, path = recalibrate()
         print(f"calibrated {figures['machine']['cpu']} ({figures['machine']['cores']} cores): "
               f"GEMM {figures['fp32_flops'] / 1e9:.1f} GFLOP/s fp32, {figures['bf16_flops'] / 1e9:.1f} bf16; memory "
               f"{figures['memory_bandwidth'] / 1e9:.1f} GB/s; gloo {figures['gloo_latency_s'] * 1e6:.0f} us, "
@@ -130,8 +124,9 @@ def run_plan(args) -> int:
         config = load_config(args.config, args.overrides)
         efficiency = None
         if args.cluster == "local":
-            cluster = local_cluster(config.trainer.nnodes * config.trainer.nproc)
-            efficiency = local_efficiency()
+            figures = load_calibration()
+            cluster = local_cluster(config.trainer.nnodes * config.trainer.nproc, figures)
+            efficiency = local_efficiency(figures)
         else:
             cluster = parse_cluster(args.cluster)
         if args.network_gbps is not None:

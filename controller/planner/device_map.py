@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from controller.planner.hardware import GIB, Accelerator, Cluster
 from controller.planner.options import Pin
-from controller.planner.prelaunch import job_sets
+from controller.planner.prelaunch import gpu_cluster, job_sets
 from controller.planner.search import best_on_split
 from controller.planner.timing import Efficiency
 from controller.planner.workload import job_workload
@@ -35,15 +35,11 @@ _NOMINAL_GLOO = dict(bandwidth=1e9, latency=200e-6)
 
 
 def job_cluster(nodes: int, devices_per_node: int, processes: int, device_bytes: int) -> tuple[Cluster, Efficiency]:
-    """The job's devices: ``nodes`` x ``devices_per_node`` GPUs of ``device_bytes`` each, or ``processes`` CPU
-    processes sharing ``device_bytes`` of RAM on this machine."""
-    from hybridengine.device import accelerator_available, accelerator_properties
-
-    if accelerator_available():
-        from controller.planner.hardware import matching_accelerator
-
-        name, _ = accelerator_properties()
-        return Cluster(nodes, devices_per_node, matching_accelerator(name, device_bytes)), Efficiency()
+    """The job's devices: ``nodes`` x ``devices_per_node`` GPUs of this machine's kind (``prelaunch.gpu_cluster``),
+    or ``processes`` CPU processes sharing ``device_bytes`` of RAM on this machine."""
+    gpus = gpu_cluster(nodes, devices_per_node)
+    if gpus is not None:
+        return gpus, Efficiency()
     from controller.planner.calibrate import load_calibration, local_cluster, local_efficiency
     from controller.planner.hardware import ClusterError
 

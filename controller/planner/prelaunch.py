@@ -23,7 +23,8 @@ from controller.planner.timing import Efficiency
 from controller.planner.workload import Workload, job_workload
 from hybridengine.model.spec import ModelConfigError
 
-__all__ = ["MemoryCheckError", "check_before_launch", "check_job_memory", "job_plan", "job_sets", "local_cluster"]
+__all__ = ["MemoryCheckError", "check_before_launch", "check_job_memory", "gpu_cluster", "job_plan", "job_sets",
+           "local_cluster"]
 
 
 class MemoryCheckError(PlanError):
@@ -125,6 +126,11 @@ def check_before_launch(config) -> Plan | None:
 
 def local_cluster(config) -> Cluster | None:
     """This machine's GPUs as the job's cluster (trainer.nnodes x nproc of the first GPU's kind), None on CPU."""
+    return gpu_cluster(config.trainer.nnodes, config.trainer.nproc)
+
+
+def gpu_cluster(nodes: int, devices_per_node: int) -> Cluster | None:
+    """``nodes`` x ``devices_per_node`` GPUs of this machine's first GPU's kind and memory; None on CPU."""
     from hybridengine.device import accelerator_available, accelerator_properties
 
     if not accelerator_available():
@@ -132,5 +138,5 @@ def local_cluster(config) -> Cluster | None:
     from controller.planner.hardware import matching_accelerator
 
     name, memory = accelerator_properties()
-    return Cluster(config.trainer.nnodes, config.trainer.nproc, matching_accelerator(name, memory))
+    return Cluster(nodes, devices_per_node, matching_accelerator(name, memory))
 
