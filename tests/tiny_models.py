@@ -106,3 +106,49 @@ def make_llama3(path: Path, layers: int = 2, vocab: int = 256, head_dim: int = 3
                          "original_max_position_embeddings": original_max_position_embeddings},
     )
     return _perturb_norms_and_save(LlamaForCausalLM(config), path)
+
+
+def make_qwen3_moe(path: Path, layers: int = 2, experts: int = 8, topk: int = 2, vocab: int = 256, hidden: int = 64,
+                   expert_ffn: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                   norm_topk_prob: bool = True, seed: int = 0) -> Path:
+    """A random Qwen3-MoE checkpoint (q/k norm, ``experts`` routed experts, top-``topk`` renormalized).
+
+    The router is scaled up so that routing is decisive: near-ties between the k-th and (k+1)-th expert
+    would let rounding noise choose differently in HF and megatron.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=expert_ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=norm_topk_prob, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, initializer_range=0.05, router_aux_loss_coef=0.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return _perturb_norms_and_save(_decisive_router(Qwen3MoeForCausalLM(config)), path)
+
+
+def make_qwen2_moe(path: Path, layers: int = 2, experts: int = 4, topk: int = 2, vocab: int = 256, hidden: int = 64,
+                   expert_ffn: int = 32, shared_ffn: int = 48, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    """A random Qwen2-MoE checkpoint: QKV bias, routed experts without renormalization, and a shared expert
+    behind a sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=expert_ffn,
+        shared_expert_intermediate_size=shared_ffn, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=False,
+        max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.05,
+        router_aux_loss_coef=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return _perturb_norms_and_save(_decisive_router(Qwen2MoeForCausalLM(config)), path)
+
+
+def _decisive_router(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    return model

@@ -19,6 +19,7 @@ patch exists and when it can go.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -65,6 +66,11 @@ TORCH = LibraryShim(
               why="megatron-core's static inference engine (and vLLM's CPU worker) time steps with "
                   "torch.cuda.Event, which a CPU build cannot create; a wall-clock event stands in.",
               remove_when="neither times with torch.cuda.Event off CUDA."),
+        Patch("host_streams",
+              why="megatron-core's all-to-all token dispatcher (mixtures of experts) copies its split sizes to "
+                  "the host on a side torch.cuda.Stream and waits on an event it records; a CPU build has no "
+                  "streams, so a stream that runs everything in program order stands in.",
+              remove_when="megatron-core's token dispatcher skips its side stream off CUDA."),
         Patch("cuda_to_cpu_mode",
               why="megatron-core creates scratch tensors with a literal CUDA device, calls .cuda() on tied "
                   "embeddings and compares tensor.type() with CUDA names; a TorchFunctionMode maps them to CPU.",
@@ -192,7 +198,42 @@ def emulate_cuda_on_cpu() -> bool:
         # (batch_p2p_sync=True, the default). gloo ops are waited on, so nothing to do.
         _synchronize_does_nothing()
         restore_timing_events()
+        _streams_run_in_program_order()
     return True
+
+
+class _HostStream:
+    """A stream on a CPU build: work runs in program order, so waiting is done and events are at once."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or _WallClockEvent()
+        event.record(self)
+        return event
+
+    def __eq__(self, other) -> bool:  # one host stream: every stand-in is the same
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_HOST_STREAM = _HostStream()
+
+
+@TORCH.applies("host_streams")
+def _streams_run_in_program_order() -> None:
+    torch.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
 class _WallClockEvent:

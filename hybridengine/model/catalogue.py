@@ -11,6 +11,12 @@ Names follow megatron-core's local layer spec; decoder-layer entries carry
 the suffix after ``decoder.layers.{i}.`` (HF: after ``model.layers.{i}.``,
 vLLM: after ``model.layers.{i}.`` with the global layer index). Shapes are
 those of one TP rank's shard.
+
+A mixture of experts' layer has a router and, per expert, an fc1 / fc2 pair
+(``EXPERT_ENTRIES``; megatron numbers a rank's experts locally, HF
+globally). A rank holds the experts of its expert-parallel rank, each cut
+over the expert-tensor-parallel ranks (``ExpertShard``); the router and a
+shared expert split over TP as the dense MLP does.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from hybridengine.model.spec import ModelSpec
 
 __all__ = [
     "ShardKind", "ShardGeometry", "CatalogueEntry", "REPLICATED", "COLUMNS", "FC1", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
-    "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup",
+    "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup", "ExpertShard", "EXPERT_ENTRIES",
 ]
 
 
@@ -84,6 +90,18 @@ def _has_qk_norm(s: ModelSpec) -> bool:
     return s.qk_layernorm
 
 
+def _dense_mlp(s: ModelSpec) -> bool:
+    return s.moe is None
+
+
+def _routed(s: ModelSpec) -> bool:
+    return s.moe is not None
+
+
+def _shared_expert(s: ModelSpec) -> bool:
+    return s.moe is not None and s.moe.has_shared_expert
+
+
 LAYER_ENTRIES: tuple[CatalogueEntry, ...] = (
     CatalogueEntry("input_layernorm.weight", _same(REPLICATED), ("input_layernorm.weight",),
                    "input_layernorm.weight", lambda s, t: (s.hidden_size,)),
@@ -103,17 +121,69 @@ LAYER_ENTRIES: tuple[CatalogueEntry, ...] = (
     CatalogueEntry("pre_mlp_layernorm.weight", _same(REPLICATED), ("post_attention_layernorm.weight",),
                    "post_attention_layernorm.weight", lambda s, t: (s.hidden_size,)),
     CatalogueEntry("mlp.linear_fc1.weight", _same(FC1), ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                   "mlp.gate_up_proj.weight", lambda s, t: (2 * s.ffn_hidden_size // t, s.hidden_size)),
+                   "mlp.gate_up_proj.weight", lambda s, t: (2 * s.ffn_hidden_size // t, s.hidden_size), _dense_mlp),
     CatalogueEntry("mlp.linear_fc2.weight", _same(COLUMNS), ("mlp.down_proj.weight",),
-                   "mlp.down_proj.weight", lambda s, t: (s.hidden_size, s.ffn_hidden_size // t)),
+                   "mlp.down_proj.weight", lambda s, t: (s.hidden_size, s.ffn_hidden_size // t), _dense_mlp),
+    # A mixture of experts: the router (every TP rank scores every expert) and the shared expert (Qwen2-MoE).
+    CatalogueEntry("mlp.router.weight", _same(REPLICATED), ("mlp.gate.weight",), "mlp.gate.weight",
+                   lambda s, t: (s.moe.num_experts, s.hidden_size), _routed),
+    CatalogueEntry("mlp.shared_experts.linear_fc1.weight", _same(FC1),
+                   ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+                   "mlp.shared_expert.gate_up_proj.weight",
+                   lambda s, t: (2 * s.moe.shared_expert_ffn_hidden_size // t, s.hidden_size), _shared_expert),
+    CatalogueEntry("mlp.shared_experts.linear_fc2.weight", _same(COLUMNS), ("mlp.shared_expert.down_proj.weight",),
+                   "mlp.shared_expert.down_proj.weight",
+                   lambda s, t: (s.hidden_size, s.moe.shared_expert_ffn_hidden_size // t), _shared_expert),
+    CatalogueEntry("mlp.shared_experts.gate_weight", _same(REPLICATED), ("mlp.shared_expert_gate.weight",),
+                   "mlp.shared_expert_gate.weight", lambda s, t: (1, s.hidden_size), _shared_expert),
 )
 _LAYER_BY_SUFFIX = {e.suffix: e for e in LAYER_ENTRIES}
+
+# One routed expert: "{expert}" is its local index in megatron's names, its global one in HF's. Shapes are
+# those of one expert-tensor-parallel shard (``t``: the ETP size). vLLM stacks every expert into one tensor,
+# so there is no per-expert vLLM name.
+EXPERT_ENTRIES: tuple[CatalogueEntry, ...] = (
+    CatalogueEntry("mlp.experts.local_experts.{expert}.linear_fc1.weight", _same(FC1),
+                   ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"), None,
+                   lambda s, t: (2 * s.moe.expert_ffn_hidden_size // t, s.hidden_size), _routed),
+    CatalogueEntry("mlp.experts.local_experts.{expert}.linear_fc2.weight", _same(COLUMNS),
+                   ("mlp.experts.{expert}.down_proj.weight",), None,
+                   lambda s, t: (s.hidden_size, s.moe.expert_ffn_hidden_size // t), _routed),
+)
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_EXPERT_BY_SUFFIX = {e.suffix.split("}.", 1)[1]: e for e in EXPERT_ENTRIES}
 
 # The transformer-engine spec fuses each norm into the linear layer after it: same tensor, other name.
 TRANSFORMER_ENGINE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+# ... and its grouped expert MLP numbers the experts' weights in the parameter name.
+_GROUPED_EXPERT_NAME = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank holds: expert-parallel rank ``ep_rank`` of ``ep`` holds experts
+    [ep_rank E / ep, (ep_rank + 1) E / ep), each split over ``etp`` expert-tensor-parallel ranks
+    (None: as many as the dense TP size)."""
+
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ep_rank < self.ep:
+            raise ValueError(f"expert-parallel rank {self.ep_rank} outside EP size {self.ep}")
+
+    def size(self, tp: int) -> int:
+        """The ETP size at dense TP size ``tp``."""
+        return tp if self.etp is None else self.etp
+
+    def experts(self, spec: ModelSpec) -> range:
+        """The global indices of the experts this rank holds."""
+        per_rank = spec.moe.num_experts // self.ep
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -150,22 +220,33 @@ class StageParam:
     hf_names: tuple[str, ...] = field(default=(), compare=False)  # HF tensors, global layer index
     vllm_name: str | None = field(default=None, compare=False)  # vLLM's name, global layer index
     geometry: ShardGeometry | None = field(default=None, compare=False)  # how TP shards are cut and join
+    expert: int | None = None  # a routed expert's global index: split over the ETP ranks, not the TP ranks
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def _param(entry: CatalogueEntry, spec: ModelSpec, tp: int, name: str, layer: int | None) -> StageParam:
+def _param(entry: CatalogueEntry, spec: ModelSpec, tp: int, name: str, layer: int | None,
+           expert: int | None = None) -> StageParam:
     prefix_hf = "" if layer is None else f"model.layers.{layer}."
     vllm = None if entry.vllm_name is None else prefix_hf + entry.vllm_name
     geometry = entry.geometry(spec)
-    return StageParam(name, entry.shape(spec, tp), geometry.kind, layer,
-                      tuple(prefix_hf + n for n in entry.hf_names), vllm, geometry)
+    hf_names = tuple(prefix_hf + (n if expert is None else n.format(expert=expert)) for n in entry.hf_names)
+    return StageParam(name, entry.shape(spec, tp), geometry.kind, layer, hf_names, vllm, geometry, expert)
 
 
-def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> list[StageParam]:
-    """Every parameter of stage ``pp_rank`` of ``pp`` at TP size ``tp``, in a fixed order."""
+def _expert_params(spec: ModelSpec, tp: int, experts: ExpertShard, local_layer: int, layer: int) -> list[StageParam]:
+    """The routed experts' parameters of one layer on a rank of ``experts``, local expert after local expert."""
+    etp = experts.size(tp)
+    return [_param(entry, spec, etp, f"decoder.layers.{local_layer}.{entry.suffix.format(expert=local)}", layer, expert)
+            for local, expert in enumerate(experts.experts(spec)) for entry in EXPERT_ENTRIES]
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, experts: ExpertShard | None = None) -> list[StageParam]:
+    """Every parameter of stage ``pp_rank`` of ``pp`` at TP size ``tp``, in a fixed order; a mixture of experts'
+    routed experts those of ``experts`` (None: every expert, split as the dense TP)."""
+    experts = experts or ExpertShard()
     params: list[StageParam] = []
     if pp_rank == 0:
         params.append(_param(_stage_entry(EMBEDDING, spec), spec, tp, EMBEDDING, None))
@@ -173,6 +254,8 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> list[StageP
         for entry in LAYER_ENTRIES:
             if entry.present(spec):
                 params.append(_param(entry, spec, tp, f"decoder.layers.{local}.{entry.suffix}", layer))
+        if spec.moe is not None:
+            params += _expert_params(spec, tp, experts, local, layer)
     if pp_rank == pp - 1:
         params.append(_param(_stage_entry(FINAL_NORM, spec), spec, tp, FINAL_NORM, None))
         # With tied embeddings a single stage has no output layer of its own; the last of several keeps a copy.
@@ -184,21 +267,34 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> list[StageP
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def lookup(name: str, spec: ModelSpec, pp_rank: int, pp: int, tp: int = 1) -> StageParam:
-    """The catalogue's description of megatron parameter ``name`` on stage ``pp_rank`` (at TP ``tp``).
+def lookup(name: str, spec: ModelSpec, pp_rank: int, pp: int, tp: int = 1,
+           experts: ExpertShard | None = None) -> StageParam:
+    """The catalogue's description of megatron parameter ``name`` on stage ``pp_rank`` (at TP ``tp``; a routed
+    expert's on a rank of ``experts``).
 
-    Accepts the transformer-engine names of the fused norms as well.
+    Accepts the transformer-engine names of the fused norms and grouped experts as well.
     """
     match = _LAYER_NAME.match(name)
     if match:
         suffix = TRANSFORMER_ENGINE_ALIASES.get(match.group(2), match.group(2))
-        entry = _LAYER_BY_SUFFIX.get(suffix)
-        if entry is not None:
+        grouped = _GROUPED_EXPERT_NAME.match(suffix)
+        if grouped:
+            suffix = f"mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
+        routed = _EXPERT_NAME.match(suffix) if spec.moe is not None else None
+        entry = _EXPERT_BY_SUFFIX[routed.group(2)] if routed else _LAYER_BY_SUFFIX.get(suffix)
+        if entry is not None and entry.present(spec):
             layers = spec.layers_of_stage(pp_rank, pp)
             local = int(match.group(1))
             if local >= len(layers):
                 raise KeyError(f"megatron parameter {name!r}: stage {pp_rank} of {pp} holds {len(layers)} layers")
-            return _param(entry, spec, tp, name, layers[local])
+            if routed is None:
+                return _param(entry, spec, tp, name, layers[local])
+            experts = experts or ExpertShard()
+            held = experts.experts(spec)
+            if int(routed.group(1)) >= len(held):
+                raise KeyError(f"megatron parameter {name!r}: an expert-parallel rank of {experts.ep} holds "
+                               f"{len(held)} of the {spec.moe.num_experts} experts")
+            return _param(entry, spec, experts.size(tp), name, layers[local], held[int(routed.group(1))])
     elif name in (EMBEDDING, FINAL_NORM, OUTPUT_LAYER):
         return _param(_stage_entry(name, spec), spec, tp, name, None)
     raise KeyError(f"no Hugging Face source known for megatron parameter {name!r}")

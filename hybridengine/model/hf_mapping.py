@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridengine.model.catalogue import ShardKind, lookup
+from hybridengine.model.catalogue import ExpertShard, ShardKind, lookup
 from hybridengine.model.geometry import Reader, ShardGeometry
 from hybridengine.model.spec import ModelSpec
 
@@ -36,17 +36,28 @@ class ParamSource:
     pp_rank: int = 0
     pipeline_parallel: int = 1
     geometry: ShardGeometry | None = None
+    experts: ExpertShard | None = None  # the experts of the rank (routed-expert parameters)
+    expert: int | None = None  # a routed expert's global index: cut over the ETP ranks
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
 
 
-def hf_source(name: str, spec: ModelSpec, pp_rank: int, pipeline_parallel: int) -> ParamSource:
-    """The HF tensors behind megatron parameter ``name`` on pipeline stage ``pp_rank``."""
-    param = lookup(name, spec, pp_rank, pipeline_parallel)
-    return ParamSource(param.kind, param.hf_names, name, pp_rank, pipeline_parallel, param.geometry)
+def hf_source(name: str, spec: ModelSpec, pp_rank: int, pipeline_parallel: int,
+              experts: ExpertShard | None = None) -> ParamSource:
+    """The HF tensors behind megatron parameter ``name`` on pipeline stage ``pp_rank`` (a routed expert's on a
+    rank holding ``experts``)."""
+    param = lookup(name, spec, pp_rank, pipeline_parallel, experts=experts)
+    return ParamSource(param.kind, param.hf_names, name, pp_rank, pipeline_parallel, param.geometry, experts,
+                       param.expert)
 
 
 def cut_shard(source: ParamSource, read: Reader, spec: ModelSpec, tp_rank: int, tp: int) -> torch.Tensor:
-    """The TP rank's shard of one megatron parameter, reading only what it needs."""
-    shape = lookup(source.name, spec, source.pp_rank, source.pipeline_parallel, tp).shape
+    """The TP rank's shard of one megatron parameter, reading only what it needs. For a routed expert
+    ``tp_rank`` / ``tp`` are the expert-tensor-parallel rank and size."""
+    experts = ExpertShard(source.experts.ep, source.experts.ep_rank, tp) if source.is_expert else None
+    shape = lookup(source.name, spec, source.pp_rank, source.pipeline_parallel, tp, experts).shape
     return source.geometry.cut(read, source.hf_names, tp_rank, shape)
 
 

@@ -2,7 +2,8 @@
 
 Read from ``config.json`` of a Llama / Qwen2 / Qwen3 / Mistral-family
 decoder-only LM (causal LM, or sequence classification for critics and
-reward models) and checked against a TP/PP layout before any process group
+reward models), or of a mixture of experts of the Qwen3-MoE / Qwen2-MoE
+families (``MoESpec``: routed experts, and Qwen2-MoE's gated shared expert), and checked against a TP/PP layout before any process group
 forms, so a bad pairing fails with one message that names the value and what
 would work. The spec is also the one place that knows which layers a
 pipeline stage holds (``layers_of_stage``) and how many embedding rows the
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from hybridengine.parallel.layout import divisors
 
-__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling",
+__all__ = ["ModelSpec", "MoESpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling",
            "real_vocab_rows"]
 
 # architecture -> (family, has a scalar head)
@@ -30,9 +31,13 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForSequenceClassification": ("llama", True),
     "Qwen2ForSequenceClassification": ("qwen2", True),
     "Qwen3ForSequenceClassification": ("qwen3", True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", False),
 }
 # Families whose attention normalizes each query and key head (RMSNorm over head_dim) before RoPE.
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -45,6 +50,28 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts MLP of every decoder layer: ``num_experts`` routed experts, ``topk`` per token.
+
+    The router is a [num_experts, hidden] linear; a token's probabilities are a softmax over all
+    experts, of which the top ``topk`` are kept, renormalized to sum to one when ``norm_topk_prob``
+    (Qwen3-MoE's released models) and as they are otherwise (Qwen2-MoE). Each expert is a SwiGLU MLP of
+    ``expert_ffn_hidden_size``. Qwen2-MoE adds a shared expert that every token goes through
+    (``shared_expert_ffn_hidden_size``; 0: none), scaled by a sigmoid gate ([1, hidden]).
+    """
+
+    num_experts: int
+    topk: int
+    expert_ffn_hidden_size: int
+    norm_topk_prob: bool
+    shared_expert_ffn_hidden_size: int = 0
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_ffn_hidden_size > 0
 
 
 class ModelConfigError(ValueError):
@@ -78,6 +105,11 @@ class ModelSpec:
     rope_scaling: Llama3RopeScaling | None = None
     # Embedding / output-layer rows; None: the vocabulary is not padded (see with_padded_vocab).
     padded_vocab_size: int | None = None
+    moe: MoESpec | None = None  # a mixture of experts: every layer's MLP is routed experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
 
     @property
     def is_value_model(self) -> bool:
@@ -131,7 +163,7 @@ class ModelSpec:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        qkv_bias = True if family == "qwen2" else bool(config.get("attention_bias", False))
+        qkv_bias = True if family in QKV_BIAS_FAMILIES else bool(config.get("attention_bias", False))
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -148,6 +180,7 @@ class ModelSpec:
             qkv_bias=qkv_bias,
             qk_layernorm=family in QK_NORM_FAMILIES,
             rope_scaling=rope_scaling,
+            moe=_read_moe(config, source) if family in MOE_FAMILIES else None,
             # HF writes id2label (one entry per label), not num_labels, into config.json.
             num_labels=(len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 1)))
             if value_head else 0,
@@ -165,8 +198,11 @@ class ModelSpec:
         return cls.from_hf_config(config, str(config_path))
 
     # ---------------------------------------------------------- validation
-    def check_layout(self, tensor_parallel: int, pipeline_parallel: int) -> None:
-        """Raise if the model cannot be split ``tensor_parallel`` x ``pipeline_parallel`` ways."""
+    def check_layout(self, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
+                     expert_tensor_parallel: int | None = None) -> None:
+        """Raise if the model cannot be split ``tensor_parallel`` x ``pipeline_parallel`` ways, its experts
+        ``expert_parallel`` ways (whole experts per rank) and each expert ``expert_tensor_parallel`` ways
+        (None: as ``tensor_parallel``, megatron's default)."""
         tp, pp = tensor_parallel, pipeline_parallel
         checks = [
             ("attention heads", self.num_attention_heads),
@@ -174,6 +210,15 @@ class ModelSpec:
             ("FFN hidden size", self.ffn_hidden_size),
             ("vocab size", self.vocab_rows),
         ]
+        if self.moe is None:
+            if expert_parallel != 1 or expert_tensor_parallel not in (None, 1):
+                raise ModelConfigError(
+                    f"expert_parallel {expert_parallel} / expert_tensor_parallel {expert_tensor_parallel} need a "
+                    f"mixture-of-experts model; {self.architecture} is dense (leave both at their defaults)")
+        else:
+            checks = checks[:2] + [("shared expert's FFN hidden size", self.moe.shared_expert_ffn_hidden_size)] \
+                + checks[3:]
+            self._check_experts(expert_parallel, tp if expert_tensor_parallel is None else expert_tensor_parallel)
         for what, size in checks:
             if size % tp != 0:
                 valid = [d for d in divisors(size) if all(s % d == 0 for _, s in checks)]
@@ -192,6 +237,18 @@ class ModelSpec:
                 f"valid PP sizes: {divisors(self.num_layers)}"
             )
 
+    def _check_experts(self, ep: int, etp: int) -> None:
+        moe = self.moe
+        for name, value in (("expert_parallel", ep), ("expert_tensor_parallel", etp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
+        if moe.num_experts % ep:
+            raise ModelConfigError(f"expert_parallel {ep} does not divide the {moe.num_experts} experts; "
+                                   f"valid EP sizes: {divisors(moe.num_experts)}")
+        if moe.expert_ffn_hidden_size % etp:
+            raise ModelConfigError(f"expert_tensor_parallel {etp} does not divide the experts' FFN hidden size "
+                                   f"{moe.expert_ffn_hidden_size}; valid sizes: {divisors(moe.expert_ffn_hidden_size)}")
+
     def layers_of_stage(self, pp_rank: int, pipeline_parallel: int) -> range:
         """The global layer indices that pipeline stage ``pp_rank`` of ``pipeline_parallel`` holds.
 
@@ -208,6 +265,29 @@ class ModelSpec:
             if layer in layers:
                 return stage, layers.index(layer)
         raise ValueError(f"layer {layer} is outside the model's {self.num_layers} layers")
+
+
+def _read_moe(config: dict, source: str) -> MoESpec:
+    """The experts of a Qwen3-MoE / Qwen2-MoE config.json; refuses what the engine does not build."""
+    layers = int(config["num_hidden_layers"])
+    dense = sorted(set(config.get("mlp_only_layers") or []))
+    step = int(config.get("decoder_sparse_step", 1))
+    if dense or step != 1:
+        raise ModelConfigError(
+            f"{source}: every decoder layer must be a mixture of experts; mlp_only_layers {dense} and "
+            f"decoder_sparse_step {step} make some of the {layers} layers dense (supported: [] and 1)")
+    num_experts = int(config.get("num_experts", config.get("num_local_experts", 0)))
+    topk = int(config.get("num_experts_per_tok", 0))
+    if num_experts < 1 or not 1 <= topk <= num_experts:
+        raise ModelConfigError(f"{source}: need num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
+                               f"got {num_experts} experts and {topk} per token")
+    return MoESpec(
+        num_experts=num_experts,
+        topk=topk,
+        expert_ffn_hidden_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=int(config.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def _read_rope(config: dict, source: str) -> tuple[float, Llama3RopeScaling | None]:

@@ -5,6 +5,16 @@ fastest, then data-parallel, then pipeline-parallel, so
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
+Mixture-of-experts layers fold their own grid over the same ranks, as
+megatron does: within a pipeline stage the TP x DP ranks are regrouped into
+expert-tensor-parallel (ETP, fastest), expert-parallel (EP) and expert-data-
+parallel ranks, so
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
+
+EP rank e holds experts [e E/ep, (e+1) E/ep), each split ETP ways. A dense
+model keeps EP 1 and ETP equal to TP, which is the dense grid itself.
+
 A layout holds no process group; whoever owns the processes builds groups
 from the rank lists it returns. Training and generation each have their own
 layout in the same processes, so nothing here is global.
@@ -15,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["ParallelLayout", "MeshCoordinate", "divisors"]
+__all__ = ["ExpertCoordinate", "ParallelLayout", "MeshCoordinate", "divisors"]
 
 
 def divisors(n: int) -> list[int]:
@@ -29,20 +39,40 @@ class MeshCoordinate(NamedTuple):
     dp_rank: int
 
 
+class ExpertCoordinate(NamedTuple):
+    etp_rank: int
+    ep_rank: int
+    edp_rank: int
+    pp_rank: int
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    expert_parallel: int = 1  # EP: the experts of a layer split into this many groups of whole experts
+    expert_tensor_parallel: int | None = None  # ETP: each expert split this many ways; None: as TP
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} size must be a positive integer, got {value!r}")
+        etp = self.expert_tensor_parallel
+        if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel size must be a positive integer or None (as TP), got {etp!r}")
+        stage = self.tp * self.dp
+        if stage % (self.etp * self.ep):
+            fits = [e for e in divisors(stage) if (stage // e) % self.etp == 0]
+            raise ValueError(
+                f"expert_parallel {self.ep} x expert_tensor_parallel {self.etp} = {self.ep * self.etp} does not "
+                f"divide the {stage} ranks of a pipeline stage (tensor_parallel {self.tp} x data_parallel "
+                f"{self.dp}); EP sizes that fit with ETP {self.etp}: {fits}")
 
     @classmethod
-    def for_world(cls, world_size: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> "ParallelLayout":
+    def for_world(cls, world_size: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> "ParallelLayout":
         """The layout that fills ``world_size`` ranks, data-parallel over what TP*PP leaves."""
         model_parallel = tensor_parallel * pipeline_parallel
         if world_size % model_parallel != 0:
@@ -50,7 +80,8 @@ class ParallelLayout:
                 f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel = "
                 f"{tensor_parallel} * {pipeline_parallel} = {model_parallel}"
             )
-        return cls(tensor_parallel, pipeline_parallel, world_size // model_parallel)
+        return cls(tensor_parallel, pipeline_parallel, world_size // model_parallel, expert_parallel,
+                   expert_tensor_parallel)
 
     @property
     def tp(self) -> int:
@@ -63,6 +94,24 @@ class ParallelLayout:
     @property
     def dp(self) -> int:
         return self.data_parallel
+
+    @property
+    def ep(self) -> int:
+        return self.expert_parallel
+
+    @property
+    def etp(self) -> int:
+        return self.tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of each expert shard."""
+        return self.tp * self.dp // (self.etp * self.ep)
+
+    @property
+    def has_expert_grid(self) -> bool:
+        """The expert grid differs from the dense one (EP > 1 or ETP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
 
     @property
     def world_size(self) -> int:
@@ -81,6 +130,55 @@ class ParallelLayout:
         if not (0 <= tp_rank < self.tp and 0 <= pp_rank < self.pp and 0 <= dp_rank < self.dp):
             raise ValueError(f"coordinate (tp={tp_rank}, pp={pp_rank}, dp={dp_rank}) outside {self}")
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def expert_coordinate(self, rank: int) -> ExpertCoordinate:
+        """Where ``rank`` sits in the expert grid (see the module docstring)."""
+        pp_rank = self.coordinate(rank).pp_rank
+        local = rank % (self.tp * self.dp)
+        return ExpertCoordinate(local % self.etp, (local // self.etp) % self.ep,
+                                local // (self.etp * self.ep), pp_rank)
+
+    def expert_rank_of(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+        return etp_rank + self.etp * (ep_rank + self.ep * (edp_rank + self.edp * pp_rank))
+
+    def _expert_groups(self, varying: str) -> list[list[int]]:
+        """The rank lists along the expert-grid dimensions named in ``varying`` ("t", "e", "d"), the others fixed."""
+        sizes = {"t": self.etp, "e": self.ep, "d": self.edp}
+        fixed = [k for k in "ted" if k not in varying]
+        groups = []
+        for pp_rank in range(self.pp):
+            for key in _product(*(range(sizes[k]) for k in fixed)):
+                group = []
+                for moving in _product(*(range(sizes[k]) for k in varying)):
+                    at = {**dict(zip(fixed, key)), **dict(zip(varying, moving))}
+                    group.append(self.expert_rank_of(at["t"], at["e"], at["d"], pp_rank))
+                groups.append(sorted(group))
+        return groups
+
+    def expert_tp_groups(self) -> list[list[int]]:
+        """The ranks that split one expert (ETP)."""
+        return self._expert_groups("t")
+
+    def expert_parallel_groups(self) -> list[list[int]]:
+        """The ranks that together hold every expert of a layer once per ETP shard (EP)."""
+        return self._expert_groups("e")
+
+    def expert_tp_ep_groups(self) -> list[list[int]]:
+        """ETP x EP: the ranks that together hold a layer's experts once (megatron's tp_ep)."""
+        return self._expert_groups("te")
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """The replicas of one expert shard: their gradients are averaged (megatron's expt_dp)."""
+        return self._expert_groups("d")
+
+    def expert_model_parallel_groups(self) -> list[list[int]]:
+        """ETP x EP x PP: the ranks that hold one replica of every expert (megatron's tp_ep_pp)."""
+        return [sorted(self.expert_rank_of(t, e, d, p) for p in range(self.pp) for e in range(self.ep)
+                       for t in range(self.etp)) for d in range(self.edp)]
+
+    def stage_groups(self) -> list[list[int]]:
+        """Every rank of one pipeline stage (TP x DP; megatron's tp_dp_cp without context parallelism)."""
+        return [[r for r in range(self.world_size) if self.coordinate(r).pp_rank == p] for p in range(self.pp)]
 
     def is_collect_rank(self, rank: int) -> bool:
         """TP rank 0 of the last pipeline stage: the rank whose outputs stand for its DP replica."""
@@ -103,4 +201,13 @@ class ParallelLayout:
         ]
 
     def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+        experts = f"xEP{self.ep}" if self.ep > 1 else ""
+        if self.etp != self.tp:
+            experts += f"xETP{self.etp}"
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}"
+
+
+def _product(*ranges):
+    from itertools import product
+
+    return product(*ranges)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineConfig", "OptimConfig", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES", "as_config",
+__all__ = ["EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES", "as_config",
            "check_precision"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -50,6 +50,24 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class RouterOptions:
+    """A mixture of experts' router in training: its auxiliary losses and expert capacity."""
+
+    aux_loss_coeff: float = 0.0  # the load-balancing loss (Switch-style, per micro-batch) x this; 0: off
+    z_loss_coeff: float = 0.0  # the router z-loss (mean squared logsumexp of the logits) x this; 0: off
+    capacity_factor: float | None = None  # tokens beyond this x the even share of an expert are dropped; None: none
+
+    def __post_init__(self) -> None:
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"moe_{name} must be a number >= 0 (0: off), got {value!r}")
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise ValueError(f"moe_capacity_factor must be a number > 0 or null (dropless), got {factor!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How a model is split, stored and fed: TP/PP sizes, precision, micro-batches, seed."""
 
@@ -75,9 +93,17 @@ class EngineConfig:
     # recompute_num_layers layers per recomputed block (megatron's "uniform" method).
     recompute_granularity: str | None = None
     recompute_num_layers: int = 1  # "full" only: layers per recomputed block
+    # Mixture-of-experts models only. EP: a layer's experts split into this many groups of whole experts,
+    # over the data-parallel (x tensor-parallel) ranks of a pipeline stage, as megatron folds them.
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # ETP: each expert split this many ways; null: as tensor_parallel
+    moe_aux_loss_coeff: float = 0.0  # the router's load-balancing loss coefficient; 0: off
+    moe_z_loss_coeff: float = 0.0  # the router's z-loss coefficient; 0: off
+    moe_capacity_factor: float | None = None  # tokens over this x an expert's even share are dropped; null: none
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        self.router  # RouterOptions checks the moe_* values
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ValueError(f"max_tokens_per_micro_batch must be a positive integer or null (fixed micro-batches of "
@@ -91,12 +117,20 @@ class EngineConfig:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"make_vocab_size_divisible_by must be a positive integer (megatron uses 128) or null "
                              f"(no padding), got {value!r}")
-        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+        etp = self.expert_tensor_parallel
+        if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel must be a positive integer or null (as tensor_parallel), "
+                             f"got {etp!r}")
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.fused_output_layer, bool):
             raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
+
+    @property
+    def router(self) -> RouterOptions:
+        return RouterOptions(self.moe_aux_loss_coeff, self.moe_z_loss_coeff, self.moe_capacity_factor)
 
     @property
     def params_dtype(self) -> torch.dtype:

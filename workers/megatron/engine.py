@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hybridengine.model.catalogue import ExpertShard
 from hybridengine.parallel.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
@@ -37,10 +38,12 @@ from workers.megatron.micro_batches import (
     RunOutputs,
     build_micro_batch,
     fixed_groups,
+    split_to_count,
     token_budget_groups,
 )
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
+from workers.megatron.routing_monitor import RoutingMonitor
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
 
@@ -65,11 +68,13 @@ class MegatronEngine:
         g = self.groups
         self.model_config, module = build_gpt_stage(
             self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype, pg_collection=g.collection,
-            recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers)
+            recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers,
+            ep=layout.ep, etp=layout.etp, router=config.router)
         # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
         # activations between pipeline stages change shape: megatron sends each shape ahead.
         self.model_config.variable_seq_lengths = layout.pp > 1
-        load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp)
+        load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp, self.experts, g.etp_rank)
+        self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe else None
         self.optimizer = self.scheduler = None
         self.optim_config = optim
         self.output_deferred = False
@@ -82,6 +87,17 @@ class MegatronEngine:
     @property
     def layout(self) -> ParallelLayout:
         return self.groups.layout
+
+    @property
+    def experts(self) -> ExpertShard:
+        """The routed experts this rank holds (a mixture of experts)."""
+        layout = self.layout
+        return ExpertShard(layout.ep, self.groups.ep_rank, layout.etp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Activations between layers are split over the TP ranks along the sequence (MoE with TP > 1)."""
+        return bool(self.model_config.sequence_parallel)
 
     # ---------------------------------------------------------------- setup
     def _wrap_for_training(self, module, optim: OptimConfig):
@@ -133,7 +149,11 @@ class MegatronEngine:
             groups = fixed_groups(len(batch), self.config.micro_batch_size)
         else:
             groups = token_budget_groups(batch.batch["attention_mask"].long().sum(-1).tolist(), budget)
-        return [build_micro_batch(batch.batch, rows, self.device) for rows in groups]
+            if self.layout.has_expert_grid and self.layout.dp > 1:
+                # The experts' all-to-all spans data-parallel ranks: every rank runs as many micro-batches.
+                groups = split_to_count(groups, int(self.dp_max([len(groups)])[0]))
+        width_multiple = self.layout.tp if self.sequence_parallel else 1
+        return [build_micro_batch(batch.batch, rows, self.device, width_multiple) for rows in groups]
 
     def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> RunOutputs:
         """Every micro-batch of ``batch`` through the schedule; the last stage's statistics, one dict per micro-batch.
@@ -187,6 +207,15 @@ class MegatronEngine:
         p2p = P2PCommunicator(pp_group=groups.pp, config=self.model_config)
         return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=p2p,
                        pg_collection=groups)
+
+    def routing_metrics(self) -> dict[str, float]:
+        """A mixture of experts' ``moe/...`` routing figures (``RoutingMonitor``) of the passes since the last
+        call, then forgotten; collective over the pool. Empty for a dense model."""
+        if self.routing is None:
+            return {}
+        metrics = self.routing.metrics()
+        self.routing.reset()
+        return metrics
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -295,7 +324,7 @@ class MegatronEngine:
         """
         if self.groups.pp_rank != self.layout.pp - 1:
             return
-        return_hidden_states(self.module().output_layer)
+        return_hidden_states(self.module().output_layer, self.groups.tp_group if self.sequence_parallel else None)
         self.output_deferred = True
 
     def output_weight(self) -> torch.Tensor:
@@ -326,8 +355,9 @@ class MegatronEngine:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=g.pool_group)
         write = g.tp_rank == 0 and g.dp_rank == 0
+        write_experts = g.etp_rank == 0 and layout.expert_coordinate(g.grid_rank).edp_rank == 0
         weight_map = export_hf_shard(self.module(), self.spec, out, g.tp_rank, layout.tp, g.pp_rank, layout.pp, g.tp_group,
-                                     write, dtype)
+                                     write, dtype, self.experts, g.etp_group, write_experts)
         maps: list[dict] = [None] * layout.world_size  # type: ignore[list-item]
         dist.all_gather_object(maps, weight_map, group=g.pool_group)
         if g.is_first:

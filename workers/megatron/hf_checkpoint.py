@@ -1,9 +1,12 @@
 """Hugging Face checkpoint directories in and out of a megatron model shard.
 
 Import: every rank opens the safetensors files lazily and reads only the
-rows or columns of its own TP/PP shard. Export: the TP ranks of each pipeline
-stage gather their shards, TP rank 0 of DP replica 0 merges them into HF
-tensors and writes one safetensors file per stage; together with the index
+rows or columns of its own TP/PP shard (and of its experts' expert-TP
+shards). Export: the TP ranks of each pipeline stage gather their shards,
+TP rank 0 of DP replica 0 merges them into HF tensors and writes one
+safetensors file per stage; a mixture of experts' routed experts are
+gathered over the expert-TP ranks and written, a file per stage and
+expert-parallel rank, by the first replica of each. Together with the index
 and config that rank 0 writes, transformers loads the directory directly.
 No rank ever holds the whole model.
 """
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hybridengine.model.catalogue import ExpertShard
 from hybridengine.model.hf_mapping import cut_shard, hf_source, merge_shards
 from hybridengine.model.spec import ModelSpec
 
@@ -98,15 +102,19 @@ def _trainable_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor
         yield name, tensor
 
 
-def load_hf_shard(model: torch.nn.Module, reader: HFCheckpointReader, spec: ModelSpec, tp_rank: int, tp: int, pp_rank: int, pp: int) -> None:
-    """Copy this rank's shard of every parameter of ``model`` from the checkpoint."""
+def load_hf_shard(model: torch.nn.Module, reader: HFCheckpointReader, spec: ModelSpec, tp_rank: int, tp: int, pp_rank: int, pp: int,
+                  experts: ExpertShard | None = None, etp_rank: int = 0) -> None:
+    """Copy this rank's shard of every parameter of ``model`` from the checkpoint; routed experts those of
+    ``experts``, cut for expert-TP rank ``etp_rank``."""
+    experts = experts or ExpertShard()
     with torch.no_grad():
         for name, param in _trainable_state(model):
-            source = hf_source(name, spec, pp_rank, pp)
-            shard = cut_shard(source, reader.read, spec, tp_rank, tp)
+            source = hf_source(name, spec, pp_rank, pp, experts)
+            rank, size = (etp_rank, experts.size(tp)) if source.is_expert else (tp_rank, tp)
+            shard = cut_shard(source, reader.read, spec, rank, size)
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(
-                    f"{name}: checkpoint gives shape {tuple(shard.shape)} for TP rank {tp_rank}, "
+                    f"{name}: checkpoint gives shape {tuple(shard.shape)} for TP rank {rank}, "
                     f"the model expects {tuple(param.shape)}; does config.json match the weights?"
                 )
             param.copy_(shard.to(param.dtype))
@@ -114,29 +122,40 @@ def load_hf_shard(model: torch.nn.Module, reader: HFCheckpointReader, spec: Mode
 
 def export_hf_shard(
     model: torch.nn.Module, spec: ModelSpec, out_dir: Path, tp_rank: int, tp: int, pp_rank: int, pp: int, tp_group, write: bool,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, experts: ExpertShard | None = None, etp_group=None, write_experts: bool = False,
 ) -> dict[str, str]:
     """Gather the stage's TP shards; where ``write``, merge and save them (in ``dtype``; None: the model's).
+    Routed experts (those of ``experts``) are gathered over ``etp_group`` and saved where ``write_experts``.
 
-    Returns the stage's weight map.
+    Returns the weight map of what this rank wrote.
     """
-    tensors: dict[str, torch.Tensor] = {}
+    experts = experts or ExpertShard()
+    dense: dict[str, torch.Tensor] = {}
+    routed: dict[str, torch.Tensor] = {}
     for name, param in _trainable_state(model):
         if name == "output_layer.weight" and spec.tie_word_embeddings and not spec.is_value_model:
             continue  # a copy of the embedding that the last stage keeps for tied weights
-        source = hf_source(name, spec, pp_rank, pp)
+        source = hf_source(name, spec, pp_rank, pp, experts)
+        size, group, writes, into = ((experts.size(tp), etp_group, write_experts, routed) if source.is_expert
+                                     else (tp, tp_group, write, dense))
         local = param.detach().to(dtype or param.dtype).contiguous()
-        if tp > 1 and source.kind != "replicated":
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local, group=tp_group)
+        if size > 1 and source.kind != "replicated":
+            shards = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(shards, local, group=group)
         else:
             shards = [local]
-        if write:
-            tensors.update({k: v.clone() for k, v in merge_shards(source, shards, spec).items()})
-    file_name = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
-    if write:
-        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
-    return {name: file_name for name in tensors}
+        if writes:
+            into.update({k: v.clone() for k, v in merge_shards(source, shards, spec).items()})
+    weight_map = {}
+    stage_file = f"model-{pp_rank + 1:05d}-of-{pp:05d}"
+    for tensors, file_name, writes in (
+            (dense, f"{stage_file}.safetensors", write),
+            (routed, f"{stage_file}-experts-{experts.ep_rank + 1:03d}-of-{experts.ep:03d}.safetensors",
+             write_experts and spec.moe is not None)):
+        if writes:
+            save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+            weight_map.update({name: file_name for name in tensors})
+    return weight_map
 
 
 def write_hf_index(out_dir: Path, weight_maps: list[dict[str, str]], config_source: Path,

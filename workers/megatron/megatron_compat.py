@@ -68,6 +68,16 @@ MEGATRON = LibraryShim(
               why="CheckpointFunction.backward reruns the forward inside autograd's backward thread, where the "
                   "thread's CUDA-to-CPU mode is not in effect; it enters one.",
               remove_when="megatron-core runs on a CPU build without the CUDA-to-CPU mode."),
+        Patch("host_split_sizes",
+              why="the all-to-all token dispatcher moves its split sizes to the host as numpy arrays through "
+                  "moe_utils.maybe_move_tensor_to_cpu, which leaves a tensor already on the host a tensor; "
+                  "all_to_all_single takes sequences, so a host tensor asked for as numpy becomes one.",
+              remove_when="maybe_move_tensor_to_cpu honours as_numpy for host tensors."),
+        Patch("uneven_collectives_on_gloo",
+              why="with expert tensor parallelism the token dispatcher all-gathers and reduce-scatters uneven "
+                  "splits (tensor_parallel.mappings._gather_along_first_dim / _reduce_scatter_along_first_dim "
+                  "with split sizes), which gloo refuses; each split is padded to the largest and trimmed after.",
+              remove_when="gloo takes uneven all-gather and reduce-scatter lists."),
         Patch("static_inference_on_host",
               why="the static inference engine's pipeline logits broadcast asserts a CUDA tensor "
                   "(communication_utils._is_cuda); the broadcast itself works on gloo, so CPU tensors pass.",
@@ -106,6 +116,11 @@ MEGATRON = LibraryShim(
               why="RotaryEmbedding passes only the factor to its private _apply_scaling (Llama 3.x bounds left at "
                   "their defaults); it is called with all four, and inv_freq replaced (forward's memo cleared).",
               remove_when="megatron-core's RotaryEmbedding takes all four Llama 3.x scaling values."),
+        Patch("router_gemm_without_te",
+              why="megatron-core's router linear (moe_utils.RouterGatingLinearFunction) tests te_general_gemm, a "
+                  "name only bound when transformer-engine imports; without it the name is bound to None, which "
+                  "selects the torch matmul megatron-core means to fall back on.",
+              remove_when="moe_utils binds te_general_gemm = None when transformer-engine is missing."),
         Patch("deferred_output_layer",
               why="the last stage returns hidden states for the fused output layer + log-prob op: the output "
                   "layer's forward is shadowed on the instance, relying on how GPTModel calls it.",
@@ -121,6 +136,67 @@ def _module(name: str, patch: str):
     return MEGATRON.import_module(name, patch=patch)
 
 
+@MEGATRON.applies("router_gemm_without_te")
+def _router_gemm_without_transformer_engine() -> None:
+    moe_utils = _module("megatron.core.transformer.moe.moe_utils", "router_gemm_without_te")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+@MEGATRON.applies("host_split_sizes")
+def _host_split_sizes() -> None:
+    patch = "host_split_sizes"
+    dispatcher = _module("megatron.core.transformer.moe.token_dispatcher", patch)
+    move = MEGATRON.require(dispatcher, "maybe_move_tensor_to_cpu", patch=patch)
+    MEGATRON.require_parameters(move, ("tensor", "as_numpy", "record_stream"), patch=patch)
+
+    @functools.wraps(move)
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+@MEGATRON.applies("uneven_collectives_on_gloo")
+def _uneven_collectives_on_gloo() -> None:
+    patch = "uneven_collectives_on_gloo"
+    mappings = _module("megatron.core.tensor_parallel.mappings", patch)
+    gather = MEGATRON.require(mappings, "_gather_along_first_dim", patch=patch)
+    reduce_scatter = MEGATRON.require(mappings, "_reduce_scatter_along_first_dim", patch=patch)
+    MEGATRON.require_parameters(gather, ("input_", "group", "output_split_sizes"), patch=patch)
+    MEGATRON.require_parameters(reduce_scatter, ("input_", "group", "input_split_sizes"), patch=patch)
+
+    def padded(part: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([part, part.new_zeros((rows - part.shape[0], *part.shape[1:]))]) if part.shape[0] < rows \
+            else part.contiguous()
+
+    @functools.wraps(gather)
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or len(set(sizes)) == 1 or torch.distributed.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(sizes)
+        parts = [input_.new_empty((rows, *input_.shape[1:])) for _ in sizes]
+        torch.distributed.all_gather(parts, padded(input_, rows), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        sizes = None if input_split_sizes is None else [int(n) for n in input_split_sizes]
+        if sizes is None or len(set(sizes)) == 1 or torch.distributed.get_backend(group) != "gloo":
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        rows = max(sizes)
+        parts = [padded(part, rows) for part in torch.split(input_, sizes)]
+        output = input_.new_empty((rows, *input_.shape[1:]))
+        torch.distributed.reduce_scatter(output, parts, group=group)
+        return output[:sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 # ------------------------------------------------------------------ the CPU path
 def prepare_megatron() -> None:
     """Make megatron-core usable in this process and thread (a no-op with CUDA).
@@ -130,6 +206,7 @@ def prepare_megatron() -> None:
     every thread that runs megatron code.
     """
     global _cpu_patched
+    _router_gemm_without_transformer_engine()
     if accelerator_available() or not torch_compat.emulate_cuda_on_cpu():
         return
     if not _cpu_patched:
@@ -139,6 +216,8 @@ def prepare_megatron() -> None:
         _recompute_without_cuda_generator()
         _recompute_in_cuda_to_cpu_mode()
         _static_inference_on_host()
+        _host_split_sizes()
+        _uneven_collectives_on_gloo()
     torch_compat.restore_timing_events()  # vLLM, built in the same process, swaps in its own
     torch_compat.enter_thread()
 
@@ -295,15 +374,26 @@ def fork_checkpoint_results_queue() -> None:
 
 
 @MEGATRON.applies("deferred_output_layer")
-def return_hidden_states(output_layer: torch.nn.Module) -> None:
+def return_hidden_states(output_layer: torch.nn.Module, sequence_parallel_group: Any = None) -> None:
     """From now on ``output_layer`` (the last stage's ColumnParallelLinear) hands its input back unchanged.
 
     An instance attribute shadows the class's forward; GPTModel then transposes what it gets
-    ([S, B, H]) to [B, S, H] as it would the logits.
+    ([S, B, H]) to [B, S, H] as it would the logits. Under sequence parallelism (``sequence_parallel_group``:
+    the TP group) each rank holds a slice of the sequence: it is gathered first; the fused op's backward
+    already sums the hidden states' gradient over TP, so each rank keeps its slice of it.
     """
     MEGATRON.require_parameters(type(output_layer).forward, ("weight", "runtime_gather_output"),
                                 patch="deferred_output_layer")
-    output_layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+    if sequence_parallel_group is None:
+        output_layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+        return
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    def forward(hidden_states, weight=None, runtime_gather_output=None):
+        return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                    group=sequence_parallel_group), None
+
+    output_layer.forward = forward
 
 
 # ------------------------------------------------------------------ RoPE

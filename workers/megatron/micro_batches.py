@@ -107,8 +107,11 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def build_micro_batch(batch: dict[str, torch.Tensor], rows: list[int], device: torch.device | None = None) -> MicroBatch:
-    """The rows ``rows`` of ``batch`` (a mapping with input_ids, attention_mask, responses), on ``device``."""
+def build_micro_batch(batch: dict[str, torch.Tensor], rows: list[int], device: torch.device | None = None,
+                      width_multiple: int = 1) -> MicroBatch:
+    """The rows ``rows`` of ``batch`` (a mapping with input_ids, attention_mask, responses), on ``device``,
+    trimmed to the longest row rounded up to a multiple of ``width_multiple`` (sequence parallelism splits
+    the width over the TP ranks)."""
     index = torch.tensor(rows, dtype=torch.long)
     part = {key: value.index_select(0, index.to(value.device)).to(device) for key, value in batch.items()}
     index = index.to(device)
@@ -116,12 +119,15 @@ def build_micro_batch(batch: dict[str, torch.Tensor], rows: list[int], device: t
     check_contiguous_rows(mask, part.get("position_ids"))
     shift = left_pad_counts(mask)
     valid = mask.long().sum(-1)
-    width = max(int(valid.max()), 1)
+    width = -(-max(int(valid.max()), 1) // width_multiple) * width_multiple
     response_length = part["responses"].shape[1]
     prompt_valid = mask[:, : mask.shape[1] - response_length].long().sum(-1)
     response_index = (prompt_valid.unsqueeze(1) - 1 + torch.arange(response_length, device=mask.device)).clamp(0, width - 1)
     mb = MicroBatch(part)
-    mb.update(input_ids=roll_rows(part["input_ids"], shift)[:, :width].contiguous(), rows=index,
+    ids = roll_rows(part["input_ids"], shift)[:, :width]
+    if ids.shape[1] < width:  # rounded up past the batch's own width: padding on the right
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+    mb.update(input_ids=ids.contiguous(), rows=index,
               response_index=response_index)
     return mb
 
@@ -133,3 +139,21 @@ def original_order(values: list[torch.Tensor], micro: list[MicroBatch]) -> torch
     out = torch.empty_like(stacked)
     out[rows] = stacked
     return out
+
+
+def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` with the largest split in two (its longer rows first) until there are ``count``.
+
+    Ranks whose passes meet in collectives (a mixture of experts' all-to-all spans data-parallel ranks) must
+    run as many micro-batches as each other; a token budget may cut them differently.
+    """
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        group = groups[largest]
+        if len(group) < 2:
+            raise ValueError(f"{sum(map(len, groups))} sequences on this data-parallel rank cannot fill {count} "
+                             f"micro-batches, the most another rank of its expert-parallel group runs")
+        half = (len(group) + 1) // 2
+        groups[largest:largest + 1] = [group[:half], group[half:]]
+    return groups

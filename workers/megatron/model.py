@@ -5,6 +5,12 @@ Llama 3.x scaling), GQA, optional QKV bias, optional q/k norm (Qwen3), tied
 or untied embeddings, a vocabulary padded to ``spec.vocab_rows``. The local layer spec is used
 unless transformer-engine is installed and a GPU is present. A value model
 (critic, reward model) swaps the vocab output layer for a scalar head.
+
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE) get megatron's MoE layer in every
+decoder layer: a top-k softmax router, the experts as a sequential MLP
+(grouped GEMM with transformer-engine on a GPU), an optional gated shared
+expert, token dispatch by all-to-all over the expert-parallel group. With
+TP > 1 an MoE model runs sequence-parallel, as megatron requires.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import torch.nn.functional as F
 
 from hybridengine.device import accelerator_available
 from hybridengine.model.spec import ModelSpec
+from workers.megatron.config import RouterOptions
 from workers.megatron.rope import install_rope
 
-__all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "ValueHead"]
+__all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "moe_config", "uses_transformer_engine",
+           "ValueHead"]
 
 
 class ValueHead(torch.nn.Module):
@@ -36,28 +44,71 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def layer_spec(qk_layernorm: bool = False):
-    """megatron's layer spec; ``qk_layernorm``: an RMSNorm over each query and key head (Qwen3)."""
+def uses_transformer_engine() -> bool:
+    """transformer-engine's layers (fused norms, grouped expert GEMM): with a GPU and the package installed."""
+    if not accelerator_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
+    """megatron's layer spec; ``qk_layernorm``: an RMSNorm over each query and key head (Qwen3);
+    ``num_experts``: a mixture-of-experts MLP (None: dense)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if accelerator_available():
-        try:
-            import transformer_engine  # noqa: F401
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    if uses_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-        except ImportError:
-            pass
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
+                                                          qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+
+
+def moe_config(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None,
+               router: RouterOptions | None = None) -> dict:
+    """TransformerConfig's mixture-of-experts settings for ``spec`` (empty for a dense model).
+
+    Routing as the HF families route: a softmax over every expert, the top k kept, renormalized when
+    ``norm_topk_prob`` (megatron's top-k-then-softmax is the same probabilities) and not otherwise
+    (megatron's pre-softmax). Dropless unless ``router.capacity_factor`` is set.
+    """
+    if spec.moe is None:
+        return {}
+    moe, router = spec.moe, router or RouterOptions()
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.has_shared_expert,
+        moe_router_load_balancing_type="aux_loss" if router.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=router.aux_loss_coeff,
+        moe_z_loss_coeff=router.z_loss_coeff or None,
+        moe_expert_capacity_factor=router.capacity_factor,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=uses_transformer_engine(),
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if etp is None else etp,
+        # megatron trains MoE with TP only sequence-parallel: each TP rank routes its own slice of the tokens.
+        sequence_parallel=tp > 1,
+    )
 
 
 def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True,
-               recompute_granularity: str | None = None, recompute_num_layers: int = 1):
+               recompute_granularity: str | None = None, recompute_num_layers: int = 1, ep: int = 1,
+               etp: int | None = None, router: RouterOptions | None = None):
     """The TransformerConfig of a Llama-family model at TP x PP; training and generation share it.
 
     ``dtype`` bf16 sets megatron's bf16 flag with it (parameters, activations and pipeline messages in
     bf16; attention softmax in fp32). ``recompute_granularity`` "full" / "selective": megatron's
     activation recomputation ("full": blocks of ``recompute_num_layers`` layers, the uniform method).
+    ``ep`` / ``etp`` / ``router``: a mixture of experts' parallelism and routing options (``moe_config``).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -96,6 +147,7 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         **recompute,
+        **moe_config(spec, tp, ep, etp, router),
     )
 
 
@@ -106,7 +158,7 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.qk_layernorm),
+        transformer_layer_spec=layer_spec(spec.qk_layernorm, spec.moe.num_experts if spec.moe else None),
         vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -124,10 +176,10 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
 
 
 def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, *,
-                    pg_collection, **recompute):
-    """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``recompute``:
-    gpt_config's recompute settings."""
-    config = gpt_config(spec, tp, pp, dtype, **recompute)
+                    pg_collection, **settings):
+    """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``settings``:
+    gpt_config's recompute and expert settings."""
+    config = gpt_config(spec, tp, pp, dtype, **settings)
     tied = spec.tie_word_embeddings and not spec.is_value_model
     model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:

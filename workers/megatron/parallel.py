@@ -34,11 +34,16 @@ class MegatronGroups:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep_rank: int  # the expert grid (layout.expert_coordinate); 0 and the dense groups for a dense grid
+    etp_rank: int
     tp_group: Any
     pp_group: Any
     dp_group: Any
     pool_group: Any  # every rank of the grid
     collection: Any  # megatron's ProcessGroupCollection
+    ep_group: Any = None  # the expert-parallel group (whole experts)
+    etp_group: Any = None  # the expert-tensor-parallel group (one expert's shards)
+    edp_group: Any = None  # the replicas of this rank's expert shards
 
     @property
     def grid_rank(self) -> int:
@@ -98,19 +103,28 @@ def training_groups(layout: ParallelLayout, seed: int, process_group: Any = None
     dp = _mine(layout.dp_groups(), me, ranks)
     mp = _mine(layout.model_parallel_groups(), me, ranks)
     embd = _mine(_embedding_groups(layout), me, ranks)
+    stage = _mine(layout.stage_groups(), me, ranks)
     single = subgroup([dist.get_rank()])
     pool = subgroup(ranks)
-    # Without context or expert parallelism, megatron's derived groups are these: dp_cp = dp,
-    # tp_cp = tp, the expert groups are the dense ones (expt_dp = dp, tp_ep_pp = mp), and the
-    # distributed optimizer's single instance spans the pool.
+    # The expert grid folds over each stage's TP x DP ranks (ParallelLayout's docstring); a dense grid's is
+    # ETP = TP, EP = 1: expt_tp = tp, expt_dp = dp, tp_ep = tp, tp_ep_pp = mp.
+    expert = layout.expert_coordinate(me)
+    ep = _mine(layout.expert_parallel_groups(), me, ranks)
+    etp = _mine(layout.expert_tp_groups(), me, ranks)
+    edp = _mine(layout.expert_dp_groups(), me, ranks)
+    tp_ep = _mine(layout.expert_tp_ep_groups(), me, ranks)
+    tp_ep_pp = _mine(layout.expert_model_parallel_groups(), me, ranks)
+    # Without context parallelism: dp_cp = dp, tp_cp = tp, tp_dp_cp = a stage's ranks; the distributed
+    # optimizer's single instance spans the pool.
     collection = ProcessGroupCollection(
-        tp=tp, pp=pp, dp=dp, mp=mp, embd=embd, pos_embd=single, cp=single, dp_cp=dp, tp_cp=tp,
-        ep=single, expt_tp=single, expt_dp=dp, tp_ep_pp=mp, intra_dp_cp=dp, intra_expt_dp=dp,
+        tp=tp, pp=pp, dp=dp, mp=mp, embd=embd, pos_embd=single, cp=single, dp_cp=dp, tp_cp=tp, tp_dp_cp=stage,
+        ep=ep, expt_tp=etp, expt_dp=edp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp, intra_dp_cp=dp, intra_expt_dp=edp,
         intra_dist_opt=pool,
     )
     # The model-parallel RNG (dropout in TP regions) is per process: the grid built last seeds it.
-    model_parallel_cuda_manual_seed(seed, tp_rank=coord.tp_rank, ep_rank=0, etp_rank=0)
+    model_parallel_cuda_manual_seed(seed, tp_rank=coord.tp_rank, ep_rank=expert.ep_rank, etp_rank=expert.etp_rank)
     return MegatronGroups(
         layout=layout, ranks=ranks, tp_rank=coord.tp_rank, pp_rank=coord.pp_rank, dp_rank=coord.dp_rank,
-        tp_group=tp, pp_group=pp, dp_group=dp, pool_group=pool, collection=collection,
+        ep_rank=expert.ep_rank, etp_rank=expert.etp_rank, tp_group=tp, pp_group=pp, dp_group=dp, pool_group=pool,
+        collection=collection, ep_group=ep, etp_group=etp, edp_group=edp,
     )

@@ -35,6 +35,7 @@ def run_ppo_epochs(
     layout = engine.layout
     per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
+    engine.routing_metrics()  # from here on: the update's own passes
     for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
         tokens, sequences = engine.dp_sum(normalizer_counts(mini.batch["response_mask"]))
         engine.zero_grad()
@@ -42,6 +43,7 @@ def run_ppo_epochs(
         # (the engine undoes the schedule's division by the number of micro-batches).
         stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
         step_metrics = engine.optimizer_step()
+        step_metrics.update(engine.routing_metrics())
         padding = PaddingStats(*engine.dp_sum([stats.padding.real, stats.padding.before, stats.padding.after]))
         step_metrics.update({"padding_fraction_before": padding.fraction_before,
                              "padding_fraction_after": padding.fraction_after})

@@ -36,14 +36,16 @@ def check_training_setup(
     The returned spec has the vocabulary padded for the engine's TP size
     (``make_vocab_size_divisible_by``). Covers: an unsupported or unreadable
     config.json, TP that does not divide heads / KV groups / FFN, PP that does not divide the layers, a
-    world size other than TP*PP*DP, missing or truncated safetensors files,
+    world size other than TP*PP*DP, EP that does not divide the experts or EP x ETP a stage's ranks, missing or truncated safetensors files,
     and batch sizes that do not split into mini- and micro-batches.
     """
     spec = ModelSpec.from_pretrained(model_path).with_padded_vocab(
         engine.make_vocab_size_divisible_by, engine.tensor_parallel
     )
-    spec.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
-    layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel)
+    spec.check_layout(engine.tensor_parallel, engine.pipeline_parallel, engine.expert_parallel,
+                      engine.expert_tensor_parallel)
+    layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel,
+                                      engine.expert_parallel, engine.expert_tensor_parallel)
     reader = HFCheckpointReader(model_path)
     if batch_size is not None:
         mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.dp, engine.micro_batch_multiple)
