@@ -40,7 +40,8 @@ def main():
         # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
         role = Critic if ModelSpec.from_pretrained(args.model).is_value_model else ReferencePolicy
         group = WorkerGroup(pool, role, role="export", kwargs=dict(
-            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
+            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                                       **experts}))
         group.save_hf(str(out / "exported"))
         return
     inputs = torch.load(out / "inputs.pt", weights_only=False)

@@ -1,6 +1,7 @@
 """Run under torchrun: PPO updates with checkpoint save / resume, results to a file.
 
     resume_program.py MODEL ROOT OUT --tp T --pp P --phase full|resume [--dist-opt] [--precision P] [--mini-batch M]
+                      [--ep E]
 full:   updates on batches 0, 1, 2; checkpoint after update 0; HF export after update 0 and at the end.
 resume: load ROOT's latest checkpoint; HF export; checkpoint again (OUT/resaved); updates on batches 1, 2;
         HF export at the end.
@@ -42,11 +43,13 @@ def main():
     parser.add_argument("--dist-opt", action="store_true")
     parser.add_argument("--precision")  # omitted: the engine's default
     parser.add_argument("--mini-batch", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel (a mixture of experts)")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model,
         engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
+                **({"expert_parallel": args.ep} if args.ep > 1 else {}),
                 **({"precision": args.precision} if args.precision else {})},
         optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine",
                "use_distributed_optimizer": args.dist_opt},
