@@ -443,7 +443,8 @@ def model_split_problem(key: str, spec: Any, engine: EngineConfig) -> str | None
     the TP size; None when it can. ``key`` names the role in the message."""
     try:
         padded = spec.with_padded_vocab(engine.make_vocab_size_divisible_by, engine.tensor_parallel)
-        padded.check_layout(engine.tensor_parallel, engine.pipeline_parallel)
+        padded.check_layout(engine.tensor_parallel, engine.pipeline_parallel, engine.expert_parallel,
+                            engine.expert_tensor_parallel)
     except ValueError as exc:
         return f"{key}: {exc}"
     return None
@@ -516,7 +517,12 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if world % mp:
             problems.append(f"{key}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
             continue
-        layout = ParallelLayout.for_world(world, eng.tensor_parallel, eng.pipeline_parallel)
+        try:
+            layout = ParallelLayout.for_world(world, eng.tensor_parallel, eng.pipeline_parallel, eng.expert_parallel,
+                                              eng.expert_tensor_parallel)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
         if role == "actor":
             actor_layout = layout
         spec = role_specs.get(key)

@@ -98,7 +98,12 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
         problems.append(f"actor: tensor_parallel x pipeline_parallel = {mp} does not divide the {world} processes "
                         f"(trainer.nnodes x nproc)")
     elif data.batch_size >= 1:
-        layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel)
+        try:
+            layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel,
+                                              engine.expert_parallel, engine.expert_tensor_parallel)
+        except ValueError as exc:
+            problems.append(f"actor: {exc}")
+            layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel)
         if data.batch_size % layout.dp:
             problems.append(f"data.batch_size {data.batch_size} does not divide over {layout.dp} data-parallel ranks")
         elif (data.batch_size // layout.dp) % engine.micro_batch_multiple:

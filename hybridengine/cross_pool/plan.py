@@ -55,7 +55,13 @@ from hybridengine.reshard.plan import (
     ReshardPlan,
     plan_reshard,
 )
-from hybridengine.reshard.weight_plan import GenParamSource, WeightPlan, bucket_blocks, bucket_sources
+from hybridengine.reshard.weight_plan import (
+    GenParamSource,
+    WeightPlan,
+    bucket_blocks,
+    bucket_sources,
+    refuse_routed_experts,
+)
 
 __all__ = [
     "CROSS_POOL_METHODS", "Bucket", "CrossPoolPlan", "LinkBytes", "Route", "Segment", "cross_pool_generation_layouts",
@@ -261,6 +267,7 @@ def plan_cross_pool(train: ParallelLayout, gen: GenerationLayout, gen_dp: int, m
 
 def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
     """Generation shard (gen_tp, gen_pp)'s parameters and their pieces, as the colocated plan joins them."""
+    refuse_routed_experts(spec)
     return WeightPlan(spec, plan.colocated).sources(plan.colocated_rank(gen_tp, gen_pp))
 
 

@@ -22,11 +22,11 @@ from hybridengine.model.catalogue import StageParam, stage_params
 from hybridengine.model.geometry import Piece, join_blocks
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
-from hybridengine.reshard.plan import GenerationLayout, ReshardPlan, plan_reshard
+from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 from hybridengine.reshard.schedule import GatherSchedule, gather_schedule
 
 __all__ = ["GenParamSource", "WeightPlan", "bucket_blocks", "bucket_sources", "default_bucket_bytes",
-           "expected_bytes_received", "generation_sources", "in_place_min_bytes", "plan_weights"]
+           "expected_bytes_received", "generation_sources", "in_place_min_bytes", "plan_weights", "refuse_routed_experts"]
 
 
 @dataclass(frozen=True)
@@ -188,5 +188,15 @@ class WeightPlan:
 def plan_weights(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) -> WeightPlan:
     """The plan of ``spec``'s weights from ``train`` to ``gen``; refuses a generation layout the model's heads
     do not split into, or the training layout cannot reach (listing the legal ones)."""
+    refuse_routed_experts(spec)
     spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel)
     return WeightPlan(spec, plan_reshard(train, gen))
+
+
+def refuse_routed_experts(spec: ModelSpec) -> None:
+    """The weight path does not carry a mixture of experts' routed experts into a generation engine yet."""
+    if spec.moe is not None:
+        raise ReshardLayoutError(
+            f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): the hybrid "
+            "engine does not reshard routed experts into a generation engine yet, so RL cannot sync its weights; "
+            "train it with hybridflow sft (megatron with expert parallelism) for now")

@@ -119,7 +119,7 @@ class EngineConfig:
                              f"(no padding), got {value!r}")
         etp = self.expert_tensor_parallel
         if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
-            raise ValueError(f"expert_tensor_parallel must be a positive integer or null (as tensor_parallel), "
+            raise ValueError(f"expert_tensor_parallel must be a positive integer or null (the dense TP size), "
                              f"got {etp!r}")
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             value = getattr(self, name)
