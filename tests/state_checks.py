@@ -6,13 +6,15 @@ from hybridengine.parallel.layout import ParallelLayout
 
 
 def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, precision: str, trains: bool,
-                           distributed_optimizer: bool = False, vocab_multiple: int = 128) -> None:
+                           distributed_optimizer: bool = False, vocab_multiple: int = 128, ep: int = 1,
+                           etp: int | None = None) -> None:
     """Every rank's weights, gradients and optimizer bytes equal the planner's prediction, to the byte."""
     spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
-    layout = ParallelLayout.for_world(len(measured), tp, pp)
+    layout = ParallelLayout.for_world(len(measured), tp, pp, ep, etp)
     for rank, got in enumerate(measured):
         at = layout.coordinate(rank)
-        want = stage_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, trains, distributed_optimizer)
+        want = stage_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, trains, distributed_optimizer,
+                           ep, etp, layout.expert_coordinate(rank).edp_rank)
         expected = {"weights": want.weights, "gradients": want.gradients, "optimizer": want.optimizer}
         assert got == expected, (f"rank {rank} ({layout}, {precision}, distributed optimizer {distributed_optimizer}): "
                                  f"measured {got}, predicted {expected}")

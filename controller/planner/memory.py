@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, stage_params
+from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
@@ -63,31 +63,48 @@ class StateMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-# megatron-core's local GPT layer registers its parameters in this order (the module's named_parameters()).
+# megatron-core's local GPT layer registers its parameters in this order (the module's named_parameters());
+# a mixture of experts' MLP: the router, the routed experts (local order, fc1 then fc2), the shared expert.
 _LAYER_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                 "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
                 "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                "mlp.linear_fc2.weight")
+                "mlp.linear_fc2.weight", "mlp.router.weight", "mlp.experts", "mlp.shared_experts.linear_fc1.weight",
+                "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 
 
 def megatron_order(params: list) -> list:
     """``stage_params``' entries in the order of the megatron module's ``named_parameters()``."""
     def key(p):
         if p.name == EMBEDDING:
-            return (0, 0, 0)
+            return (0, 0, 0, 0)
         if p.layer is None:
-            return (2, 0 if p.name != OUTPUT_LAYER else 1, 0)
+            return (2, 0 if p.name != OUTPUT_LAYER else 1, 0, 0)
         suffix = p.name.split(".", 3)[3]
-        return (1, p.layer, _LAYER_ORDER.index(suffix))
+        if p.expert is not None:  # mlp.experts.local_experts.{j}.linear_fc{1,2}.weight
+            local, which = suffix.split(".")[3], suffix.split(".")[4]
+            return (1, p.layer, _LAYER_ORDER.index("mlp.experts"), 2 * int(local) + (which == "linear_fc2"))
+        return (1, p.layer, _LAYER_ORDER.index(suffix), 0)
     return sorted(params, key=key)
 
 
+Numels = tuple[tuple[int, bool], ...]  # (numel, is the shared embedding) per parameter, in megatron's order
+
+
 @lru_cache(maxsize=4096)
-def _stage_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int) -> tuple[tuple[int, bool], ...]:
-    """(numel, is the shared embedding) of each parameter of the stage, in megatron's order."""
+def _stage_buffers(spec: ModelSpec, tp: int, pp: int, pp_rank: int, ep: int = 1,
+                   etp: int | None = None) -> tuple[Numels, Numels]:
+    """The stage's dense parameters and its routed experts' (those of one expert-parallel rank, at ETP
+    ``etp``), each as megatron's DDP buffers them: two buffers, reduced over DP and expert-DP."""
     shared = spec.tie_word_embeddings and not spec.is_value_model and pp > 1
-    return tuple((p.numel, shared and p.name in (EMBEDDING, OUTPUT_LAYER))
-                 for p in megatron_order(stage_params(spec, tp, pp, pp_rank)))
+    params = megatron_order(stage_params(spec, tp, pp, pp_rank, ExpertShard(ep, 0, etp)))
+    dense = tuple((p.numel, shared and p.name in (EMBEDDING, OUTPUT_LAYER)) for p in params if p.expert is None)
+    return dense, tuple((p.numel, False) for p in params if p.expert is not None)
+
+
+def _stage_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int, ep: int = 1, etp: int | None = None) -> Numels:
+    """(numel, is the shared embedding) of each parameter of the stage, in megatron's order."""
+    dense, experts = _stage_buffers(spec, tp, pp, pp_rank, ep, etp)
+    return dense + experts
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -135,10 +152,11 @@ def _owned(bucket: list[tuple[int, int]], bucket_start: int, dp: int, dp_rank: i
     return sum(overlaps), sum(1 for o in overlaps if o)
 
 
-def weight_bytes(spec: ModelSpec, tp: int, pp: int, precision: str) -> int:
-    """The largest stage's parameters in ``precision`` (the engine's module, nothing else)."""
+def weight_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, ep: int = 1, etp: int | None = None) -> int:
+    """The largest stage's parameters in ``precision`` (the engine's module, nothing else); a mixture of experts'
+    routed experts those of one rank at EP ``ep`` x ETP ``etp`` (None: TP)."""
     size = dtype_bytes(precision)
-    return max(sum(n for n, _ in _stage_numels(spec, tp, pp, r)) for r in range(pp)) * size
+    return max(sum(n for n, _ in _stage_numels(spec, tp, pp, r, ep, etp)) for r in range(pp)) * size
 
 
 _STEP_COUNTER = 4  # torch's Adam keeps a float32 step counter per parameter it updates
@@ -146,33 +164,48 @@ _MOMENTS = 8  # exp_avg and exp_avg_sq, fp32
 
 
 def stage_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank: int, precision: str, trains: bool,
-                distributed_optimizer: bool = False) -> StateMemory:
-    """The model state of the rank at pipeline stage ``pp_rank`` and DP rank ``dp_rank`` (any TP rank: they hold alike)."""
+                distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None,
+                edp_rank: int = 0) -> StateMemory:
+    """The model state of the rank at pipeline stage ``pp_rank`` and DP rank ``dp_rank`` (any TP rank: they hold
+    alike). A mixture of experts' routed experts are those of one rank at EP ``ep`` x ETP ``etp`` (None: TP), in
+    a buffer of their own that the distributed optimizer shards over the expert-DP ranks (``edp_rank``)."""
     size = dtype_bytes(precision)
-    numels = _stage_numels(spec, tp, pp, pp_rank)
-    count = sum(n for n, _ in numels)
+    dense, experts = _stage_buffers(spec, tp, pp, pp_rank, ep, etp)
+    count = sum(n for n, _ in dense + experts)
     if not trains:
         return StateMemory(count * size)
     master = 4 if size == 2 else 0  # bf16: an fp32 master copy; fp32: the parameter itself
     if not distributed_optimizer:
-        return StateMemory(count * size, count * 4, count * (master + _MOMENTS) + len(numels) * _STEP_COUNTER)
-    buckets = _buckets(numels, dp, distributed=True)
-    padded = buckets[-1][-1][1]
-    owned = params = start = 0
-    for bucket in buckets:
-        elements, touched = _owned(bucket, start, dp, dp_rank)
-        owned, params, start = owned + elements, params + touched, bucket[-1][1]
+        params = len(dense) + len(experts)
+        return StateMemory(count * size, count * 4, count * (master + _MOMENTS) + params * _STEP_COUNTER)
+    edp = tp * dp // ((tp if etp is None else etp) * ep)
+    padded = owned = params = 0
+    for numels, ranks, rank in ((dense, dp, dp_rank), (experts, edp, edp_rank)):
+        if not numels:
+            continue
+        buckets = _buckets(numels, ranks, distributed=True)
+        padded += buckets[-1][-1][1]
+        start = 0
+        for bucket in buckets:
+            elements, touched = _owned(bucket, start, ranks, rank)
+            owned, params, start = owned + elements, params + touched, bucket[-1][1]
     return StateMemory(padded * size, padded * 4, owned * (master + _MOMENTS) + params * _STEP_COUNTER)
 
 
 @lru_cache(maxsize=8192)
 def state_memory(spec: ModelSpec, tp: int, pp: int, dp: int, precision: str, trains: bool,
-                 distributed_optimizer: bool = False) -> StateMemory:
-    """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (``spec`` padded
-    as the engine pads it)."""
-    ranks = range(dp) if trains and distributed_optimizer else range(1)
-    return max((stage_state(spec, tp, pp, s, dp, r, precision, trains, distributed_optimizer)
-                for s in range(pp) for r in ranks), key=lambda m: m.total)
+                 distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None) -> StateMemory:
+    """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (a mixture of
+    experts' at EP ``ep`` x ETP ``etp``; ``spec`` padded as the engine pads it)."""
+    from hybridengine.parallel.layout import ParallelLayout
+
+    if not (trains and distributed_optimizer):
+        return max((stage_state(spec, tp, pp, s, dp, 0, precision, trains, False, ep, etp) for s in range(pp)),
+                   key=lambda m: m.total)
+    layout = ParallelLayout(tp, pp, dp, ep, etp)
+    return max((stage_state(spec, tp, pp, layout.coordinate(r).pp_rank, dp, layout.coordinate(r).dp_rank, precision,
+                            trains, True, ep, etp, layout.expert_coordinate(r).edp_rank)
+                for r in range(layout.world_size)), key=lambda m: m.total)
 
 
 # ------------------------------------------------------------------ activations and KV

@@ -105,6 +105,11 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
     alg, rollout, trainer = config.algorithm, config.rollout, config.trainer
     sequences = config.data.batch_size * rollout.sampling.n
     policy = load(config.actor.model_path or config.model_path)
+    if policy.is_moe:
+        raise ModelConfigError(
+            f"{policy.architecture} is a mixture of experts: the planner's memory model counts each rank's experts "
+            f"(stage_state's ep / etp), but its search and time model do not choose expert parallelism yet; set "
+            f"the layout by hand (actor.engine.expert_parallel)")
     separate_rollout = trainer.mode != "sync" or "rollout" in trainer.placement
     from_update = old_log_probs_from_update(alg.old_log_prob_source, config.ppo.ppo_epochs,
                                             config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward)

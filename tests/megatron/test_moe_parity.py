@@ -12,6 +12,7 @@ import torch
 
 from test_actor_parity import LR, hf_model, make_inputs, reference_step
 from conftest import TESTS, run_torchrun
+from state_checks import assert_state_predicted
 from tiny_models import make_qwen2_moe, make_qwen3_moe
 
 TEMPERATURE = 0.7
@@ -31,6 +32,10 @@ def run_moe_parity(model_dir, tmp_path, tp, pp, ep, etp, nproc, extra=()):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     ref = reference_step(model_dir, batch, train, "token-mean")
+    # The planner's memory model, to the byte, with each rank's experts (and their own DDP buffer).
+    dist_opt = "--dist-opt" in extra
+    assert_state_predicted(model_dir, result["state_bytes"], tp, pp, "fp32", True, dist_opt, ep=ep, etp=etp)
+    assert_state_predicted(model_dir, result["ref_state_bytes"], tp, pp, "fp32", False, ep=ep, etp=etp)
 
     mask = batch.batch["response_mask"].bool()
     got = result["log_probs"].batch
@@ -50,7 +55,7 @@ def run_moe_parity(model_dir, tmp_path, tp, pp, ep, etp, nproc, extra=()):
 
 
 @pytest.mark.parametrize("tp,pp,ep,etp,nproc,extra", [
-    pytest.param(1, 1, 2, None, 4, (), id="EP2xDP4"),
+    pytest.param(1, 1, 2, None, 4, ("--dist-opt",), id="EP2xDP4-distopt"),
     # Sequence-parallel (megatron trains MoE under TP only so); the actor keeps megatron's output layer (the
     # logits path), the reference policy the fused one.
     pytest.param(2, 1, 2, None, 4, ("--logits-output",), id="EP2xTP2"),

@@ -15,6 +15,8 @@ TP > 1 an MoE model runs sequence-parallel, as megatron requires.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -46,13 +48,7 @@ class ValueHead(torch.nn.Module):
 
 def uses_transformer_engine() -> bool:
     """transformer-engine's layers (fused norms, grouped expert GEMM): with a GPU and the package installed."""
-    if not accelerator_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return accelerator_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
