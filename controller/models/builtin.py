@@ -3,6 +3,8 @@
 ``builtin:tiny-arithmetic`` is a small random Llama (4 layers, hidden 128,
 4 heads / 2 KV heads: head dim 32, which vLLM's CPU attention runs) with a
 character-level tokenizer, written once into the run's directory.
+``builtin:tiny-arithmetic-moe`` is its mixture-of-experts twin, a Qwen3-MoE
+of the same attention with 8 experts (FFN 64) per layer, 2 per token.
 ``builtin:tiny-chat`` is the same model with 1024 positions and a chat
 template (each turn ``<s>role:content</s>;``, EOS ending the turn), for
 multi-turn (agent) rollouts. ``builtin:tiny-deberta-reward`` is a random DeBERTa-v2 reward model
@@ -25,6 +27,9 @@ _TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_key_value_heads=2)
 BUILTIN_MODELS = {
     "tiny-arithmetic": dict(_TINY, max_position_embeddings=128),
+    "tiny-arithmetic-moe": dict(_TINY, architectures=["Qwen3MoeForCausalLM"], max_position_embeddings=128, head_dim=32,
+                                moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                router_aux_loss_coef=0.0),
     "tiny-chat": dict(_TINY, max_position_embeddings=1024),
     # 76M parameters: the planner's measured runs (tools/plan_vs_measured.py) at a size where compute dominates
     "small-arithmetic": dict(_TINY, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -69,13 +74,16 @@ def resolve_model_path(name: str, work_dir: str | Path) -> str:
         raise ValueError(f"unknown built-in model {name!r}; built-ins: {known}")
     path = Path(work_dir) / f"builtin-{key}"
     if not (path / "config.json").is_file():
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
 
+        values = dict(BUILTIN_MODELS[key])
+        architecture = values.pop("architectures", ["LlamaForCausalLM"])[0]
+        model_class = getattr(transformers, architecture)
         torch.manual_seed(0)
-        config = LlamaConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-                             initializer_range=0.05, **BUILTIN_MODELS[key])
+        config = model_class.config_class(bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                                          initializer_range=0.05, **values)
         tmp = path.with_name(path.name + ".tmp")
-        LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        model_class(config).save_pretrained(tmp, safe_serialization=True)
         save_char_tokenizer(tmp, config.vocab_size)
         if key in _CHAT_TEMPLATES:
             from transformers import AutoTokenizer
