@@ -73,3 +73,59 @@ def test_qwen3_moe_matches_hf(qwen3_moe, tmp_path, tp, pp, ep, etp, nproc, extra
 def test_qwen2_moe_shared_expert_with_expert_tp1_under_tp2(tmp_path_factory, tmp_path):
     model = make_qwen2_moe(tmp_path_factory.mktemp("tiny_qwen2_moe"))
     run_moe_parity(model, tmp_path, 2, 1, 2, 1, 4)
+
+
+def forced_routing(model, routes):
+    """``model`` (an HF Qwen3-MoE) routing every token to ``routes`` [B, S, layers, k] instead of its own top-k;
+    the gate weights are its softmax's, renormalized over the given experts as norm_topk_prob says."""
+    import torch.nn.functional as F
+
+    for layer, block in enumerate(model.model.layers):
+        gate = block.mlp.gate
+
+        def forward(hidden, gate=gate, layer=layer):
+            logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            chosen = routes[:, :, layer].reshape(-1, gate.top_k)
+            top = probs.gather(1, chosen)
+            if gate.norm_topk_prob:
+                top = top / top.sum(-1, keepdim=True)
+            return logits, top.to(logits.dtype), chosen
+
+        gate.forward = forward
+    return model
+
+
+def test_replayed_routes_are_what_every_pass_routes_by(qwen3_moe, tmp_path, monkeypatch):
+    """Routes given with the batch (random experts, not the model's choice) are replayed at TP2 x PP2 x EP2
+    (sequence-parallel slices, each stage its own layers, experts across ranks): log-probs, the loss, the
+    gradient norm and the weights after the step equal HF's model forced to the same routes, to 1e-5."""
+    import test_actor_parity
+
+    batch, train = make_inputs(qwen3_moe)
+    b = batch.batch
+    g = torch.Generator().manual_seed(5)
+    routes = torch.rand(*b["input_ids"].shape, 2, 8, generator=g).topk(2, -1).indices  # [B, S, layers, k]
+    batch.batch["routed_experts"] = routes
+    torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
+    args = [str(qwen3_moe), str(tmp_path), "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1",
+            "--temperature", str(TEMPERATURE)]
+    proc = run_torchrun(TESTS / "megatron" / "parity_program.py", args, 4, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+
+    monkeypatch.setattr(test_actor_parity, "hf_model", lambda path: forced_routing(hf_model(path), routes))
+    ref = reference_step(qwen3_moe, batch, train, "token-mean")
+    own = test_actor_parity.reference_log_probs(hf_model(qwen3_moe), batch)[0]
+    mask = batch.batch["response_mask"].bool()
+    assert (own - ref["log_probs"]).abs()[mask].max() > 0.05  # the routes are not the model's own choice
+    got = result["log_probs"].batch
+    torch.testing.assert_close(got["old_log_probs"][mask], ref["log_probs"][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(result["ref_log_probs"].batch["ref_log_prob"][mask], ref["log_probs"][mask],
+                               atol=1e-5, rtol=0)
+    for replica in result["metrics"]:
+        assert replica["actor/pg_loss"][0] == pytest.approx(ref["pg_loss"], abs=1e-5)
+        assert replica["actor/grad_norm"][0] == pytest.approx(ref["grad_norm"], abs=1e-5)
+    after = hf_model(tmp_path / "after_step").state_dict()
+    for name, expected in ref["state"].items():
+        torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

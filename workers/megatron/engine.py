@@ -17,6 +17,7 @@ the hidden states or logits); what the step function computes from it
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +45,7 @@ from workers.megatron.micro_batches import (
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 from workers.megatron.routing_monitor import RoutingMonitor
+from workers.megatron.routing_replay import ROUTED_EXPERTS, RoutingReplay, check_replay
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
 
@@ -75,6 +77,7 @@ class MegatronEngine:
         self.model_config.variable_seq_lengths = layout.pp > 1
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp, self.experts, g.etp_rank)
         self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe else None
+        self.replay: RoutingReplay | None = None  # built at the first batch with routes to replay
         self.optimizer = self.scheduler = None
         self.optim_config = optim
         self.output_deferred = False
@@ -164,6 +167,8 @@ class MegatronEngine:
         comes back in the micro-batches' order: ``RunOutputs.rows`` restores the batch's.
         """
         prepare_megatron()
+        if ROUTED_EXPERTS in batch.batch:
+            check_replay(self.spec, self.config.recompute_granularity)
         micro = self.micro_batches(batch)
         mask = batch.batch["attention_mask"]
         padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=sum(mb["input_ids"].numel() for mb in micro))
@@ -180,7 +185,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb["input_ids"]
-            output = model(ids, _position_ids(ids), None, **keep_dtype)
+            with self._routes_of(mb):
+                output = model(ids, _position_ids(ids), None, **keep_dtype)
             return output, partial(loss_func, mb)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -195,6 +201,15 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return RunOutputs(stats, micro, padding)
+
+    def _routes_of(self, mb: MicroBatch):
+        """Within: ``mb``'s forward, its routers replaying its ``routed_experts`` when it has them."""
+        if ROUTED_EXPERTS not in mb:
+            return contextlib.nullcontext()
+        if self.replay is None:
+            self.replay = RoutingReplay(self.module(), self.spec, self.spec.layers_of_stage(
+                self.groups.pp_rank, self.layout.pp), self.groups.tp_rank, self.layout.tp, self.sequence_parallel)
+        return self.replay.replaying(mb[ROUTED_EXPERTS])
 
     def _schedule(self) -> Callable:
         """megatron's forward-backward schedule for this grid (1F1B over the PP group when PP > 1)."""

@@ -88,6 +88,7 @@ def moe_config(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None,
         moe_z_loss_coeff=router.z_loss_coeff or None,
         moe_expert_capacity_factor=router.capacity_factor,
         moe_token_dispatcher_type="alltoall",
+        moe_enable_routing_replay=True,  # idle until a batch brings routes (workers.megatron.routing_replay)
         moe_grouped_gemm=uses_transformer_engine(),
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,

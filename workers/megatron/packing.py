@@ -42,5 +42,7 @@ def _rolled_index(shift: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def roll_rows(tokens: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Row i rolled left by shift[i]: out[i, t] = tokens[i, (t + shift[i]) % S]."""
-    return tokens.gather(1, _rolled_index(shift, tokens.shape[1]))
+    """Row i rolled left by shift[i]: out[i, t] = tokens[i, (t + shift[i]) % S] (any dimensions after t ride along)."""
+    index = _rolled_index(shift, tokens.shape[1])
+    index = index.reshape(*index.shape, *(1,) * (tokens.dim() - 2)).expand_as(tokens)
+    return tokens.gather(1, index)
