@@ -92,3 +92,13 @@ def test_summary_command_reads_sections_and_exits_nonzero_on_a_failure(tmp_path)
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["sections"]["train"] == {"status": "failed", "seconds": 20.0} and not written["ok"]
     assert math.isclose(written["grpo"]["s_per_step"], 2.0)
+
+
+def test_the_moe_section_reaches_the_summary():
+    from tools.bench_gpu_train import build_summary, format_summary
+
+    figures = {"max_abs_log_prob_difference": 2e-6, "update_tokens_per_s": 900.0, "moe/load_max_over_mean": 1.75}
+    summary = build_summary([("moe", "ok", 20.0)], {"moe": {"device": "cuda:0", "fp32": figures, "bf16": figures}})
+    assert summary["ok"] and summary["moe"]["fp32"] == figures
+    assert ("moe (tiny Qwen3-MoE actor vs transformers, cuda:0): fp32 log-prob max diff 2.0e-06, update 900 tok/s, "
+            "expert load max/mean 1.75; bf16") in format_summary(summary)

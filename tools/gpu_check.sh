@@ -19,6 +19,9 @@
 #            (tools/bench_gpu_train.py train)                                     -> train.json
 #   rollout  the megatron rollout engine on the hybrid engine's generation buffer, TP1: generated tokens/s
 #            (tools/bench_gpu_train.py rollout)                                   -> rollout.json
+#   moe      a mixture of experts on the GPU: the built-in Qwen3-MoE actor (8 experts, top-2) in fp32 and bf16, its
+#            log-probs against transformers on the same device, update tokens/s, routing figures
+#            (tools/check_moe_gpu.py)                                             -> moe.json
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
 #            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
@@ -31,7 +34,7 @@
 #   8 files at most); the tarball is refreshed after every section, so a run cut short still returns its logs.
 # The CPU dry run (every command line, YAML key and JSON path, at tiny sizes and 2 GRPO steps; no GPU needed):
 #   PYTHON=.venv/bin/python GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SECTIONS="train rollout grpo" bash tools/gpu_check.sh
-# (the dry run's default sections are install reward train rollout grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
+# (the dry run's default sections are install reward train rollout moe grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
 # machine) and the same pins built for this machine's Python:
 #   GPU_WHEELS_PYTHON=3.11 GPU_WHEELS_DIR=build/gpu-wheels-py311 bash tools/gpu_wheels.sh
 #   PYTHON=/path/to/torch-only/python GPU_CHECK_WHEELS=build/gpu-wheels-py311 GPU_CHECK_SITE=build/gpu-site-py311 \
@@ -54,9 +57,9 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch's extension build: parallel nvc
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PACK="${GPU_CHECK_PACK:-0}"
 if [ "$DRY" = 1 ]; then
-  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train rollout grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train rollout moe grpo}"
 else
-  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train rollout grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train rollout moe grpo}"
 fi
 mkdir -p "$OUT"
 if [ "$PACK" = 1 ]; then export SEC="build/gpu-check-sections"; else export SEC="$OUT/sections"; fi
@@ -119,6 +122,8 @@ rollout() {
     $(dry_args --allow-cpu --shape tiny --batch 8 --prompt 16 --response 16 --repeats 2)
 }
 
+moe() { "$PY" tools/check_moe_gpu.py --json "$SEC/moe.json" $(dry_args --allow-cpu --batch 8); }
+
 grpo() {
   rm -rf "$GRPO_RUN"
   "$PY" -m controller.cli train --config examples/gpu_grpo.yaml trainer.run_dir="$GRPO_RUN" \
@@ -127,7 +132,7 @@ grpo() {
   "$PY" tools/bench_gpu_train.py grpo-summary "$GRPO_RUN" --json "$SEC/grpo.json"
 }
 export GRPO_RUN
-export -f build ops kernels import_check install dry_args reward train rollout grpo
+export -f build ops kernels import_check install dry_args reward train rollout moe grpo
 
 # ------------------------------------------------------------------ running them
 START=$SECONDS
@@ -160,12 +165,12 @@ echo "gpu_check: sections: $SECTIONS; budget ${BUDGET}s; logs in $SEC; python $P
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for name in build ops kernels install reward train rollout grpo; do
+for name in build ops kernels install reward train rollout moe grpo; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 90 ;;
     install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
-    rollout) run_section rollout 120 ;;
+    rollout) run_section rollout 120 ;; moe) run_section moe 90 ;;
     grpo) run_section grpo 180 ;;
   esac
 done

@@ -203,7 +203,11 @@ def emulate_cuda_on_cpu() -> bool:
 
 
 class _HostStream:
-    """A stream on a CPU build: work runs in program order, so waiting is done and events are at once."""
+    """A stream on a CPU build: work runs in program order, so waiting is done and events are at once.
+    A class (it stands in for ``torch.cuda.Stream`` in annotations too, ``Stream | None``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
 
     def wait_stream(self, stream) -> None:
         pass
@@ -231,7 +235,7 @@ _HOST_STREAM = _HostStream()
 
 @TORCH.applies("host_streams")
 def _streams_run_in_program_order() -> None:
-    torch.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.Stream = _HostStream
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 

@@ -1,0 +1,112 @@
+"""A mixture of experts on the GPU: the megatron actor's log-probs against HF transformers on the same device.
+
+    python tools/check_moe_gpu.py --json moe.json          # cuda:0: fp32, then bf16 (a torchrun job of one process)
+    python tools/check_moe_gpu.py --allow-cpu               # the same on the CPU (a dry run)
+
+The built-in Qwen3-MoE (builtin:tiny-arithmetic-moe: 8 experts, 2 per token) goes through the MoE path the
+GPU takes: megatron's router and token dispatcher on CUDA tensors, the experts as a sequential MLP (or
+transformer-engine's grouped GEMM where it is installed). Prints and writes, per precision, the largest
+log-prob difference from HF's model on the same tokens, the update's tokens/s and the routing figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_train import make_batch  # noqa: E402
+
+TOLERANCE = {"fp32": 1e-3, "bf16": 0.1}  # fp32 on the GPU: TF32-free matmuls, kernels' own sums; bf16: rounding
+
+
+def hf_log_probs(model_dir: str, batch, device, dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    b = batch.batch
+    with torch.no_grad():
+        logits = model(b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits.float()
+    length = b["responses"].shape[1]
+    log_p = torch.log_softmax(logits[:, -length - 1:-1], -1)
+    return log_p.gather(-1, b["responses"].to(device).unsqueeze(-1)).squeeze(-1).cpu()
+
+
+def inner(args) -> dict:
+    from controller import ResourcePool, WorkerGroup
+    from hybridengine.device import accelerator_available
+    from workers.actor import Actor
+
+    device = torch.device("cuda", 0) if accelerator_available() else torch.device("cpu")
+    batch = make_batch(256, args.batch, args.prompt, args.response)
+    batch.meta_info["temperature"] = 1.0
+    tokens = args.batch * (args.prompt + args.response)
+    results = {"device": str(device), "sequences": args.batch, "seq_len": args.prompt + args.response}
+    pool = ResourcePool([1])
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        actor = WorkerGroup(pool, Actor, role=f"actor_{precision}", kwargs=dict(
+            model_path=args.model_dir, engine={"precision": precision, "micro_batch_size": 4,
+                                               "moe_aux_loss_coeff": 0.01},
+            optim={"lr": 1e-5}, ppo={"ppo_mini_batch_size": args.batch, "shuffle": False}))
+        got = actor.compute_log_prob(batch).batch["old_log_probs"]
+        difference = float((got - hf_log_probs(args.model_dir, batch, device, dtype)).abs().max())
+        start = time.perf_counter()
+        metrics = actor.update_actor(batch)[0]
+        seconds = time.perf_counter() - start
+        results[precision] = {
+            "max_abs_log_prob_difference": difference, "ok": difference <= TOLERANCE[precision],
+            "update_tokens_per_s": round(tokens / seconds, 1), "grad_norm": metrics["actor/grad_norm"][0],
+            **{key.removeprefix("actor/"): values[0] for key, values in metrics.items()
+               if key.startswith("actor/moe/") and "/layer_" not in key},
+        }
+        print(f"{precision}: log-prob difference from HF {difference:.2e} (tolerance {TOLERANCE[precision]}); "
+              f"update {results[precision]['update_tokens_per_s']} tokens/s")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when no GPU is visible")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=48)
+    parser.add_argument("--response", type=int, default=16)
+    parser.add_argument("--json")
+    parser.add_argument("--inner", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inner:
+        Path(args.inner).write_text(json.dumps(inner(args)))
+        return 0
+    from controller.models.builtin import resolve_model_path
+    from hybridengine.device import accelerator_available
+
+    if not accelerator_available() and not args.allow_cpu:
+        raise SystemExit("no GPU visible (give --allow-cpu for a dry run on the CPU)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = resolve_model_path("builtin:tiny-arithmetic-moe", tmp)
+        out = Path(tmp) / "moe.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
+                   "--inner", str(out), "--model-dir", model_dir, "--batch", str(args.batch),
+                   "--prompt", str(args.prompt), "--response", str(args.response)]
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        code = subprocess.call(command, env={**os.environ, "PYTHONPATH": path})
+        if code != 0 or not out.exists():
+            raise SystemExit(f"the torchrun job failed (exit code {code})")
+        results = json.loads(out.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if all(results[p]["ok"] for p in ("fp32", "bf16")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
