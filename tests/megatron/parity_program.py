@@ -22,8 +22,6 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1, help="expert_parallel (a mixture of experts)")
-    parser.add_argument("--etp", type=int, default=None, help="expert_tensor_parallel (default: as --tp)")
     parser.add_argument("--agg", default="token-mean")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
@@ -33,15 +31,13 @@ def main():
                         help="the actor keeps megatron's output layer (fused_output_layer: false)")
     args = parser.parse_args()
     out = Path(args.out)
-    experts = {"expert_parallel": args.ep, "expert_tensor_parallel": args.etp} if args.ep > 1 or args.etp else {}
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     if args.role == "export":
         # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
         role = Critic if ModelSpec.from_pretrained(args.model).is_value_model else ReferencePolicy
         group = WorkerGroup(pool, role, role="export", kwargs=dict(
-            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
-                                       **experts}))
+            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
         group.save_hf(str(out / "exported"))
         return
     inputs = torch.load(out / "inputs.pt", weights_only=False)
@@ -52,17 +48,14 @@ def main():
         kwargs=dict(
             model_path=args.model,
             engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
-                    "fused_output_layer": not args.logits_output, **experts},
+                    "fused_output_layer": not args.logits_output},
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": args.dist_opt},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
                  "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},
         ),
     )
-    dp = int(os.environ["WORLD_SIZE"]) // (args.tp * args.pp)
     ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
-        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
-                                       "micro_batch_size": 4 if dp <= 2 else 2,
-                                       **experts}))
+        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4}))
     batch = inputs["batch"]
     batch.meta_info["temperature"] = args.temperature
     log_probs = actor.compute_log_prob(batch)
