@@ -1,8 +1,8 @@
 """Run under torchrun: the actor and reference policy of a mixture of experts at several layouts, one launch.
 
-    torchrun --nproc-per-node 4 moe_parity_program.py MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node 4 moe_parity_program.py OUT_DIR
 
-OUT_DIR/cases.json lists the cases, each {"tp", "pp", "ep", "etp", "dist_opt", "logits_output", "export"}; case i
+OUT_DIR/cases.json lists the cases, each {"model", "tp", "pp", "ep", "etp", "dist_opt", "logits_output", "export"}; case i
 reads OUT_DIR/inputs_{i}.pt (batch and training tensors; a batch with routed_experts replays them) and writes
 OUT_DIR/result_{i}.pt, its weights after one step to OUT_DIR/after_step_{i} and, with "export", the reference
 policy's (untrained) weights to OUT_DIR/exported_{i}. Every case is a pair of worker groups of its own on the
@@ -21,7 +21,8 @@ from controller.runtime.process_exit import exit_process
 from workers.actor import Actor, ReferencePolicy
 
 
-def run_case(pool, model: str, out: Path, i: int, case: dict) -> None:
+def run_case(pool, out: Path, i: int, case: dict) -> None:
+    model = case["model"]
     experts = {"expert_parallel": case["ep"], "expert_tensor_parallel": case.get("etp")}
     layout = {"precision": "fp32", "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"], **experts}
     dp = pool.world_size // (case["tp"] * case["pp"])
@@ -49,13 +50,12 @@ def run_case(pool, model: str, out: Path, i: int, case: dict) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("model")
     parser.add_argument("out")
     args = parser.parse_args()
     out = Path(args.out)
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     for i, case in enumerate(json.loads((out / "cases.json").read_text())):
-        run_case(pool, args.model, out, i, case)
+        run_case(pool, out, i, case)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run under torchrun: PPO updates with checkpoint save / resume, results to a file.
 
     resume_program.py MODEL ROOT OUT --tp T --pp P --phase full|resume [--dist-opt] [--precision P] [--mini-batch M]
-                      [--ep E]
+                      [--ep E] [--also-ep E2]
 full:   updates on batches 0, 1, 2; checkpoint after update 0; HF export after update 0 and at the end.
 resume: load ROOT's latest checkpoint; HF export; checkpoint again (OUT/resaved); updates on batches 1, 2;
         HF export at the end.
@@ -44,17 +44,28 @@ def main():
     parser.add_argument("--precision")  # omitted: the engine's default
     parser.add_argument("--mini-batch", type=int, default=4)
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel (a mixture of experts)")
+    parser.add_argument("--also-ep", type=int, default=None,
+                        help="resume: also load the checkpoint at this EP in the same processes, to OUT/ep{N}")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
-        model_path=args.model,
-        engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
-                **({"expert_parallel": args.ep} if args.ep > 1 else {}),
-                **({"precision": args.precision} if args.precision else {})},
-        optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10, "lr_decay_style": "cosine",
-               "use_distributed_optimizer": args.dist_opt},
-        ppo={"ppo_mini_batch_size": args.mini_batch, "ppo_epochs": 2, "shuffle": True},
-    ))
+
+    def actor_at(ep: int, role: str) -> WorkerGroup:
+        return WorkerGroup(pool, Actor, role=role, kwargs=dict(
+            model_path=args.model,
+            engine={"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
+                    **({"expert_parallel": ep} if ep > 1 else {}),
+                    **({"precision": args.precision} if args.precision else {})},
+            optim={"lr": 1e-3, "adam_eps": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10,
+                   "lr_decay_style": "cosine", "use_distributed_optimizer": args.dist_opt},
+            ppo={"ppo_mini_batch_size": args.mini_batch, "ppo_epochs": 2, "shuffle": True},
+        ))
+
+    actor = actor_at(args.ep, "actor")
+    if args.phase == "resume" and args.also_ep:  # another expert split, loaded before anything trains on
+        other, where = actor_at(args.also_ep, "actor_other"), os.path.join(args.out, f"ep{args.also_ep}")
+        other.load_checkpoint(args.root)
+        other.save_hf(os.path.join(where, "weights_loaded"))
+        other.save_checkpoint(os.path.join(where, "resaved"), 1)
     metrics = []
     if args.phase == "full":
         for update in range(3):

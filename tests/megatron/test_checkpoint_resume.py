@@ -200,33 +200,28 @@ def test_an_optimizer_of_another_kind_is_refused_by_name(model, uninterrupted, t
 
 
 def test_moe_resume_is_exact_and_loads_at_another_expert_split(tmp_path_factory, tmp_path):
-    """A Qwen3-MoE saved at EP2 (x DP4) resumes exactly at EP2, and loads at EP4, each rank then holding
-    other experts: the weights and the re-saved checkpoint are the saved ones, bit for bit."""
+    """A Qwen3-MoE saved at EP2 (x DP4) resumes exactly at EP2, and loads at EP4 (in the same processes), each
+    rank then holding other experts: the weights and the re-saved checkpoint are the saved ones, bit for bit."""
     from tiny_models import make_qwen3_moe
 
     moe = make_qwen3_moe(tmp_path_factory.mktemp("moe"))
-    root, out = tmp_path / "root", tmp_path / "full"
-    out.mkdir()
-    args = ["--mini-batch", "8", "--precision", "fp32"]
+    root, out, same = tmp_path / "root", tmp_path / "full", tmp_path / "same"
 
-    def launch(ep, target, phase):
+    def launch(target, phase, *extra):
         target.mkdir(exist_ok=True)
-        proc = run_torchrun(PROGRAM, [str(moe), str(root), str(target), *args, "--ep", str(ep), "--phase", phase], 4,
-                            timeout=400)
+        proc = run_torchrun(PROGRAM, [str(moe), str(root), str(target), "--mini-batch", "8", "--precision", "fp32",
+                                      "--ep", "2", "--phase", phase, *extra], 4, timeout=400)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
         return torch.load(target / f"metrics_{phase}.pt")
 
-    full = launch(2, out, "full")
-    resumed = launch(2, tmp_path / "same", "resume")
+    full = launch(out, "full")
+    resumed = launch(same, "resume", "--also-ep", "4")
     for got, expected in zip(resumed, full[1:]):
         for key in STATISTICS:
             assert got[key] == expected[key], key
-    for a, b in ((out / "weights_final", tmp_path / "same" / "weights_final"),
-                 (out / "weights_after_0", tmp_path / "same" / "weights_loaded")):
+    for a, b in ((out / "weights_final", same / "weights_final"), (out / "weights_after_0", same / "weights_loaded"),
+                 (out / "weights_after_0", same / "ep4" / "weights_loaded")):
         saved, got = all_tensors(a), all_tensors(b)
-        assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
-    launch(4, tmp_path / "ep4", "resume")
-    saved, loaded = all_tensors(out / "weights_after_0"), all_tensors(tmp_path / "ep4" / "weights_loaded")
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+        assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved), b
     assert_same_checkpoint(checkpoint_tensors(root / "step_00000001", tmp_path),
-                           checkpoint_tensors(tmp_path / "ep4" / "resaved" / "step_00000001", tmp_path))
+                           checkpoint_tensors(same / "ep4" / "resaved" / "step_00000001", tmp_path))

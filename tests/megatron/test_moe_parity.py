@@ -3,8 +3,8 @@
 A tiny random Qwen3-MoE (8 experts, top-2, renormalized) at EP2 (DP4, the distributed optimizer), EP2 x TP2
 (sequence-parallel; the actor through megatron's output layer) and EP2 x PP2; the same model replaying given
 routes at TP2 x PP2 x EP2 (ETP1); and a Qwen2-MoE (shared expert behind a sigmoid gate, no renormalization) at
-TP2 x EP2 with ETP1. Each model's cases run in one 4-process torchrun launch on CPU (gloo all-to-all), a pair
-of worker groups per case (``moe_parity_program.py``). In fp32 the log-probs, entropies, the PPO loss, the
+TP2 x EP2 with ETP1. Every case runs in one 4-process torchrun launch on CPU (gloo all-to-all), a pair of
+worker groups per case (``moe_parity_program.py``). In fp32 the log-probs, entropies, the PPO loss, the
 gradient norm and every weight after one Adam step agree with HF's model and a hand-written step to 1e-5, as
 the dense parity test (``test_actor_parity``) demands; the planner's memory model equals every rank's state to
 the byte; and the reference policy's export of the weights it loaded is the checkpoint, bit for bit.
@@ -31,37 +31,38 @@ QWEN3_CASES = {  # name -> the case (moe_parity_program.py's keys)
 QWEN2_CASES = {"TP2xEP2xETP1": dict(tp=2, pp=1, ep=2, etp=1, export=True)}
 
 
-def launch(model_dir, out, cases: dict) -> dict:
-    """Every case of ``cases`` in one launch: name -> (case, result, batch, train)."""
+def launch(out, cases: dict) -> dict:
+    """Every case of ``cases`` (name -> (model directory, case)) in one launch: name -> (model directory, case,
+    result, batch, train, out, index)."""
     inputs = {}
-    for i, (name, case) in enumerate(cases.items()):
+    for i, (name, (model_dir, case)) in enumerate(cases.items()):
         batch, train = make_inputs(model_dir)
         if case.get("routes"):  # random experts for every token and layer: not the model's own choice
             g = torch.Generator().manual_seed(5)
             batch.batch["routed_experts"] = torch.rand(*batch.batch["input_ids"].shape, 2, 8, generator=g).topk(2, -1).indices
         torch.save({"batch": batch, "train": train, "temperature": TEMPERATURE}, out / f"inputs_{i}.pt")
         inputs[name] = batch, train
-    (out / "cases.json").write_text(json.dumps(list(cases.values())))
-    proc = run_torchrun(TESTS / "megatron" / "moe_parity_program.py", [str(model_dir), str(out)], 4, timeout=600)
+    (out / "cases.json").write_text(json.dumps([{**case, "model": str(model_dir)} for model_dir, case in cases.values()]))
+    proc = run_torchrun(TESTS / "megatron" / "moe_parity_program.py", [str(out)], 4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return {name: (case, torch.load(out / f"result_{i}.pt", weights_only=False), *inputs[name], out, i)
-            for i, (name, case) in enumerate(cases.items())}
+    return {name: (model_dir, case, torch.load(out / f"result_{i}.pt", weights_only=False), *inputs[name], out, i)
+            for i, (name, (model_dir, case)) in enumerate(cases.items())}
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    return make_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+def runs(tmp_path_factory):
+    """Both models' cases, in one launch."""
+    qwen3 = make_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    qwen2 = make_qwen2_moe(tmp_path_factory.mktemp("tiny_qwen2_moe"))
+    cases = {**{name: (qwen3, case) for name, case in QWEN3_CASES.items()},
+             **{name: (qwen2, case) for name, case in QWEN2_CASES.items()}}
+    return launch(tmp_path_factory.mktemp("moe_runs"), cases)
 
 
-@pytest.fixture(scope="module")
-def qwen3_runs(qwen3_moe, tmp_path_factory):
-    return launch(qwen3_moe, tmp_path_factory.mktemp("qwen3_moe_runs"), QWEN3_CASES)
-
-
-def assert_matches(model_dir, run, ref):
+def assert_matches(run, ref):
     """The case's log-probs (actor and reference), entropies, loss, grad norm, weights after the step and state
     bytes equal the HF reference step's (1e-5) and the planner's (to the byte)."""
-    case, result, batch, _, out, i = run
+    model_dir, case, result, batch, _, out, i = run
     tp, pp, ep, etp = case["tp"], case["pp"], case["ep"], case.get("etp")
     assert_state_predicted(model_dir, result["state_bytes"], tp, pp, "fp32", True, case.get("dist_opt", False),
                            ep=ep, etp=etp)
@@ -90,11 +91,11 @@ def assert_matches(model_dir, run, ref):
 
 
 @pytest.mark.parametrize("name", [n for n in QWEN3_CASES if not QWEN3_CASES[n].get("routes")])
-def test_qwen3_moe_matches_hf(qwen3_moe, qwen3_runs, name):
-    run = qwen3_runs[name]
-    _, result, batch, train, _, _ = run
-    assert result["layout"].startswith(f"TP{QWEN3_CASES[name]['tp']}xPP{QWEN3_CASES[name]['pp']}")
-    assert_matches(qwen3_moe, run, reference_step(qwen3_moe, batch, train, "token-mean"))
+def test_qwen3_moe_matches_hf(runs, name):
+    run = runs[name]
+    model_dir, case, result, batch, train, _, _ = run
+    assert result["layout"].startswith(f"TP{case['tp']}xPP{case['pp']}")
+    assert_matches(run, reference_step(model_dir, batch, train, "token-mean"))
     for replica in result["metrics"]:  # dropless routing over a random router: every slot kept, imbalanced
         assert replica["actor/moe/dropped_token_fraction"][0] == pytest.approx(0.0, abs=1e-12)
         assert 1.0 < replica["actor/moe/load_max_over_mean"][0] <= 8 / 2
@@ -123,23 +124,23 @@ def forced_routing(model, routes):
     return model
 
 
-def test_replayed_routes_are_what_every_pass_routes_by(qwen3_moe, qwen3_runs, monkeypatch):
+def test_replayed_routes_are_what_every_pass_routes_by(runs, monkeypatch):
     """Routes given with the batch (random experts, not the model's choice) are replayed at TP2 x PP2 x EP2
     (sequence-parallel slices, each stage its own layers, experts across ranks): log-probs, the loss, the
     gradient norm and the weights after the step equal HF's model forced to the same routes, to 1e-5. The
     same case exports its reference policy's weights: the HF round trip at this layout."""
-    run = qwen3_runs["replay-TP2xPP2xEP2xETP1"]
-    _, _, batch, train, _, _ = run
+    run = runs["replay-TP2xPP2xEP2xETP1"]
+    model_dir, _, _, batch, train, _, _ = run
     routes = batch.batch["routed_experts"]
     monkeypatch.setattr(test_actor_parity, "hf_model", lambda path: forced_routing(hf_model(path), routes))
-    ref = reference_step(qwen3_moe, batch, train, "token-mean")
-    own = test_actor_parity.reference_log_probs(hf_model(qwen3_moe), batch)[0]  # unforced
+    ref = reference_step(model_dir, batch, train, "token-mean")
+    own = test_actor_parity.reference_log_probs(hf_model(model_dir), batch)[0]  # unforced
     mask = batch.batch["response_mask"].bool()
     assert (own - ref["log_probs"]).abs()[mask].max() > 0.05  # the routes are not the model's own choice
-    assert_matches(qwen3_moe, run, ref)
+    assert_matches(run, ref)
 
 
-def test_qwen2_moe_shared_expert_with_expert_tp1_under_tp2(tmp_path_factory, tmp_path):
-    model = make_qwen2_moe(tmp_path_factory.mktemp("tiny_qwen2_moe"))
-    run = launch(model, tmp_path, QWEN2_CASES)["TP2xEP2xETP1"]
-    assert_matches(model, run, reference_step(model, run[2], run[3], "token-mean"))
+def test_qwen2_moe_shared_expert_with_expert_tp1_under_tp2(runs):
+    run = runs["TP2xEP2xETP1"]
+    model_dir, _, _, batch, train, _, _ = run
+    assert_matches(run, reference_step(model_dir, batch, train, "token-mean"))
