@@ -34,6 +34,7 @@ from functools import lru_cache
 
 from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
+from hybridengine.parallel.layout import ParallelLayout
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
            "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order",
@@ -197,8 +198,6 @@ def state_memory(spec: ModelSpec, tp: int, pp: int, dp: int, precision: str, tra
                  distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None) -> StateMemory:
     """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (a mixture of
     experts' at EP ``ep`` x ETP ``etp``; ``spec`` padded as the engine pads it)."""
-    from hybridengine.parallel.layout import ParallelLayout
-
     if not (trains and distributed_optimizer):
         return max((stage_state(spec, tp, pp, s, dp, 0, precision, trains, False, ep, etp) for s in range(pp)),
                    key=lambda m: m.total)

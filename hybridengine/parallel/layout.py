@@ -23,6 +23,7 @@ layout in the same processes, so nothing here is global.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import NamedTuple
 
 __all__ = ["ExpertCoordinate", "ParallelLayout", "MeshCoordinate", "divisors"]
@@ -147,9 +148,9 @@ class ParallelLayout:
         fixed = [k for k in "ted" if k not in varying]
         groups = []
         for pp_rank in range(self.pp):
-            for key in _product(*(range(sizes[k]) for k in fixed)):
+            for key in product(*(range(sizes[k]) for k in fixed)):
                 group = []
-                for moving in _product(*(range(sizes[k]) for k in varying)):
+                for moving in product(*(range(sizes[k]) for k in varying)):
                     at = {**dict(zip(fixed, key)), **dict(zip(varying, moving))}
                     group.append(self.expert_rank_of(at["t"], at["e"], at["d"], pp_rank))
                 groups.append(sorted(group))
@@ -206,8 +207,3 @@ class ParallelLayout:
             experts += f"xETP{self.etp}"
         return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}"
 
-
-def _product(*ranges):
-    from itertools import product
-
-    return product(*ranges)

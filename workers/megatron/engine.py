@@ -76,7 +76,8 @@ class MegatronEngine:
         # activations between pipeline stages change shape: megatron sends each shape ahead.
         self.model_config.variable_seq_lengths = layout.pp > 1
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp, self.experts, g.etp_rank)
-        self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe else None
+        # Routing figures are an update's (run_ppo_epochs reads them): a forward-only engine keeps none.
+        self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe and optim is not None else None
         self.replay: RoutingReplay | None = None  # built at the first batch with routes to replay
         self.optimizer = self.scheduler = None
         self.optim_config = optim
@@ -225,7 +226,7 @@ class MegatronEngine:
 
     def routing_metrics(self) -> dict[str, float]:
         """A mixture of experts' ``moe/...`` routing figures (``RoutingMonitor``) of the passes since the last
-        call, then forgotten; collective over the pool. Empty for a dense model."""
+        call, then forgotten; collective over the pool. Empty for a dense model or a forward-only engine."""
         if self.routing is None:
             return {}
         metrics = self.routing.metrics()
