@@ -168,7 +168,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 for name in build ops kernels install reward train rollout moe grpo; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
-    build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 90 ;;
+    build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 150 ;;
     install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
     rollout) run_section rollout 120 ;; moe) run_section moe 90 ;;
     grpo) run_section grpo 180 ;;

@@ -113,7 +113,9 @@ class _LogProbRole(EngineRole):
 
         def step(mb: MicroBatch, output: torch.Tensor):
             log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
-            return torch.zeros(()), {"log_probs": log_prob, "entropy": entropy}
+            # A forward-only pass's loss is zero, on the output's device: megatron takes the MoE aux-loss
+            # scale's device from it, and keeps that scale for the next backward.
+            return output.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
 
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:  # not the last pipeline stage
@@ -204,7 +206,7 @@ class Actor(_LogProbRole):
         def step(mb: MicroBatch, output: torch.Tensor):
             log_prob, _ = response_log_probs(self.engine, mb, output, 1.0)
             mask = mb["response_mask"].to(log_prob.dtype)
-            return torch.zeros(()), {"nll_sum": -(log_prob * mask).sum(-1), "tokens": mask.sum(-1)}
+            return output.new_zeros(()), {"nll_sum": -(log_prob * mask).sum(-1), "tokens": mask.sum(-1)}
 
         outputs = self.engine.run(data, step, forward_only=True)
         if not outputs:

@@ -55,7 +55,7 @@ class Critic(EngineRole):
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:
         def step(mb: MicroBatch, output: torch.Tensor):
-            return torch.zeros(()), {"values": response_values(mb, output)}
+            return output.new_zeros(()), {"values": response_values(mb, output)}
 
         outputs = self.engine.run(data, step, forward_only=True)
         return DataProto({"values": outputs.rows("values")}) if outputs else None

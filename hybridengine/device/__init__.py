@@ -21,6 +21,7 @@ __all__ = [
     "device_type",
     "dist_backend",
     "device_for_local_rank",
+    "compute_device",
     "reset_peak_memory",
     "peak_memory",
     "current_memory",
@@ -148,6 +149,15 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def compute_device() -> torch.device:
+    """The device this process computes on now: its current GPU (set by ``device_for_local_rank`` or
+    ``use_device``), or the CPU. Where a built model is moved: megatron creates its own layers' weights
+    there, but torch modules inside them (the local spec's norms) start on the CPU."""
+    if not accelerator_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _on_accelerator(device: torch.device | None) -> bool:

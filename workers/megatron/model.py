@@ -20,7 +20,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from hybridengine.device import accelerator_available
+from hybridengine.device import accelerator_available, compute_device
 from hybridengine.model.spec import ModelSpec
 from workers.megatron.config import RouterOptions
 from workers.megatron.rope import install_rope
@@ -169,7 +169,8 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
     install_rope(model, spec)
     # megatron's torch norms keep fp32 weights whatever params_dtype says; in bf16 every parameter is bf16,
     # as Float16Module makes a trained stage and as vLLM holds the model (RoPE frequencies are no buffer: fp32).
-    return model.to(dtype=config.params_dtype)
+    # Those torch norms are also built on the CPU: the whole stage goes to this process's device.
+    return model.to(device=compute_device(), dtype=config.params_dtype)
 
 
 def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, *,
@@ -180,5 +181,5 @@ def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torc
     tied = spec.tie_word_embeddings and not spec.is_value_model
     model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:
-        model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype)
+        model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype).to(compute_device())
     return config, model
