@@ -22,7 +22,7 @@ LONGEST_MODULES = [
     "rollout/test_rollout_engines.py", "rollout/test_family_generation.py", "test_sft_cli.py",
     "megatron/test_actor_parity.py", "test_examples.py", "test_researcher_api.py", "megatron/test_sft_parity.py",
     "megatron/test_hybrid_engine.py", "rollout/test_agent_rollout.py", "test_one_step_off.py", "test_ray_groups.py",
-    "test_docs_examples.py", "test_rollout_pool.py", "test_torchrun_groups.py", "test_async_mode.py",
+    "test_docs_examples.py", "test_torchrun_groups.py", "test_async_mode.py",
 ]
 
 

@@ -147,7 +147,7 @@ def test_without_an_address_a_driver_starts_its_own_cluster_whatever_runs_here(c
 
 
 # The demo's job (examples/ppo_tiny.yaml: PPO, actor and critic at TP2 x PP2), shortened, generating with the
-# megatron rollout at the same layout (vLLM under Ray is test_rollout_pool's; it starts in several times the time).
+# megatron rollout at the same layout (vLLM under Ray is test_train_cli's GRPO runs; it starts in several times the time).
 DEMO_JOB = ["trainer.nnodes=2", "trainer.nproc=2", "data.batch_size=8", "data.train_size=64", "data.val_size=8",
             "rollout.engine=megatron", "rollout.tensor_parallel=2", "rollout.pipeline_parallel=2",
             "ppo.ppo_mini_batch_size=8", "critic_ppo.ppo_mini_batch_size=8", "rollout.sampling.max_new_tokens=4",

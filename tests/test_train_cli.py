@@ -2,8 +2,9 @@
 
 Every algorithm runs end to end, the runs spread over both launchers and both
 rollout engines (one process each, so the suite stays short, except PPO at the
-demo's TP2 x PP2, with sequence-level TIS; more TP/PP runs are in the rollout
-and megatron tests);
+demo's TP2 x PP2, with sequence-level TIS, and GRPO on Ray at TP2; more TP/PP
+runs are in the rollout and megatron tests); the GRPO job runs again with its
+rollout on a pool of its own, and must train exactly as it did colocated;
 stopping a run of the demo task and resuming it must reproduce the
 uninterrupted run's metrics exactly. (Learning-length runs are tools, not
 tests: tools/precision_learning.py measures the demo task's reward rising in
@@ -69,16 +70,25 @@ def read_metrics(run_dir: Path) -> list[dict]:
 RUNS = [("ppo", "torchrun"), ("ppo", "ray"), ("grpo", "ray"), ("rloo", "torchrun"), ("remax", "ray"),
         ("reinforce_plus_plus", "torchrun")]
 # Half the runs at the default bf16 (the demo's own run among them), half at fp32, over both rollout engines.
-FP32_RUNS = {("ppo", "ray"), ("rloo", "torchrun"), ("reinforce_plus_plus", "torchrun")}
+FP32_RUNS = {("ppo", "ray"), ("grpo", "ray"), ("reinforce_plus_plus", "torchrun")}
 # |rollout - actor| log-prob on the sampled tokens, max and mean: fp32 kernels agree to rounding; in bf16 the
 # two engines round differently (measured on these runs: up to ~0.02 max, ~0.005 mean).
 AGREEMENT = {"fp32": (1e-3, 1e-4), "bf16": (0.1, 0.02)}
 
 
-@pytest.mark.parametrize("algorithm,launcher", RUNS, ids=[f"{a}-{launcher}" for a, launcher in RUNS])
-def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, launcher):
-    # The Ray runs generate with megatron's engine, the torchrun runs with vLLM: both engines, both launchers.
-    engine = "vllm" if launcher == "torchrun" else "megatron"
+# GRPO on Ray, colocated: vLLM generation resharded in place on the actor's two processes (TP2), in fp32, with
+# Safe-RLHF's cost scored beside the reward. test_a_rollout_on_its_own_pool_trains_exactly_as_a_colocated_one
+# runs the same job with its rollout on a pool of its own.
+GRPO_RAY = ["trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.micro_batch_size=4",
+            "data.batch_size=8", "ppo.ppo_mini_batch_size=16", "trainer.total_steps=2", "trainer.val_every=2",
+            "algorithm.safe_rlhf_cost_fn=format_check", "algorithm.safe_rlhf_cost_limit=-1.0",
+            "algorithm.safe_rlhf_lambda_lr=0.5"]
+
+
+def cli_job(algorithm: str, launcher: str) -> tuple[list[str], str]:
+    """The `hybridflow train` arguments of one (algorithm, launcher) run (bar run_dir and model_path), and its precision."""
+    # vLLM generates under torchrun and for GRPO on Ray, megatron's engine for the other Ray runs.
+    engine = "vllm" if launcher == "torchrun" or algorithm == "grpo" else "megatron"
     # PPO under torchrun runs the demo's own layout: actor and critic at TP2 x PP2 on 4 processes.
     layout = ["trainer.nproc=4", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=2",
               "critic.engine.tensor_parallel=2", "critic.engine.pipeline_parallel=2", "data.batch_size=8",
@@ -88,15 +98,34 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, laun
     if (algorithm, launcher) == ("ppo", "ray"):
         layout = ["trainer.placement={critic: 1}"]  # split placement: the critic on its own pool of processes
     if (algorithm, launcher) == ("grpo", "ray"):  # Safe-RLHF: a cost scored beside the reward, a Lagrange multiplier
-        layout = ["algorithm.safe_rlhf_cost_fn=format_check", "algorithm.safe_rlhf_cost_limit=-1.0",
-                  "algorithm.safe_rlhf_lambda_lr=0.5", "trainer.total_steps=2", "trainer.val_every=2"]
+        layout = GRPO_RAY
     precision = "fp32" if (algorithm, launcher) in FP32_RUNS else "bf16"
     if precision == "fp32":
-        layout += ["actor.engine.precision=fp32", "critic.engine.precision=fp32"]
-    proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={tmp_path}", f"model_path={model}",
-                      f"trainer.launcher={launcher}", f"algorithm.name={algorithm}", f"rollout.engine={engine}",
-                      *TINY, *ALGORITHMS[algorithm], *layout)
+        layout = [*layout, "actor.engine.precision=fp32", "critic.engine.precision=fp32"]
+    return ["--config", "examples/ppo_tiny.yaml", f"trainer.launcher={launcher}", f"algorithm.name={algorithm}",
+            f"rollout.engine={engine}", *TINY, *ALGORITHMS[algorithm], *layout], precision
+
+
+def train_run(run_dir: Path, model: str, job: list[str]) -> subprocess.CompletedProcess:
+    proc = hybridflow("train", *job, f"trainer.run_dir={run_dir}", f"model_path={model}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def grpo_ray_colocated(tmp_path_factory, model) -> tuple[Path, subprocess.CompletedProcess]:
+    """The GRPO-on-Ray run, once for the module: its own test checks it, the rollout-pool test compares against it."""
+    run_dir = tmp_path_factory.mktemp("grpo-ray")
+    return run_dir, train_run(run_dir, model, cli_job("grpo", "ray")[0])
+
+
+@pytest.mark.parametrize("algorithm,launcher", RUNS, ids=[f"{a}-{launcher}" for a, launcher in RUNS])
+def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, launcher, request):
+    job, precision = cli_job(algorithm, launcher)
+    if (algorithm, launcher) == ("grpo", "ray"):
+        tmp_path, proc = request.getfixturevalue("grpo_ray_colocated")
+    else:
+        proc = train_run(tmp_path, model, job)
     # A quiet console by default (the PPO torchrun run is the demo's own CLI and layout): nothing from vLLM,
     # megatron, Ray or transformers at WARNING / INFO on stdout.
     assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]
@@ -126,6 +155,37 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, laun
     assert "[hybridflow]   metrics:" in proc.stdout
     assert (tmp_path / "plots" / "reward.png").is_file() == ((algorithm, launcher) == ("ppo", "torchrun"))
     assert (tmp_path / "checkpoints" / "trainer" / "latest").is_file()  # saved at the end
+
+
+# The rollout-pool run agrees with the colocated one on these, step by step (the transfer is bit-exact, the seeds
+# the same, both at two generation replicas of TP1).
+SAME = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+        "rollout/logprob_diff_max", "safe_rlhf/cost/mean", "val/reward/mean", "val/response_length/mean")
+
+
+def test_a_rollout_on_its_own_pool_trains_exactly_as_a_colocated_one(tmp_path, model, grpo_ray_colocated):
+    """GRPO on Ray with ``trainer.placement.rollout``: generation on two processes of its own, the weights sent
+    across pools by the actor after every update, against the same job colocated."""
+    job = cli_job("grpo", "ray")[0]
+    proc = train_run(tmp_path, model, [*job, "trainer.placement={rollout: 2}"])
+    separate, colocated = read_metrics(tmp_path), read_metrics(grpo_ray_colocated[0])
+    assert [m["step"] for m in separate] == [m["step"] for m in colocated] == [1, 2]
+    for ours, theirs in zip(separate, colocated):
+        for key in SAME:
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), (key, ours, theirs)
+    assert "val/reward/mean" in separate[-1]
+    # The transfer: every generation rank received exactly its shard (here TP1: the whole model), once a step.
+    for step in separate:
+        assert step["weight_transfer/bytes"] == step["weight_transfer/bound_bytes"] > 0
+        assert step["timing_s/weight_transfer"] > 0 and "reshard/bytes_received" not in step
+    assert "weight_transfer/bytes" not in colocated[0]
+    stated = re.search(r"rollout on its own pool \(2 processes, genTP1xPP1 x 2 replicas\) fed by the actor's "
+                       r"TP2xPP1xDP1: busiest link: p2p (\d+), broadcast (\d+) \(units of segment_bytes\); (\w+) chosen",
+                       proc.stderr)
+    assert stated, proc.stderr[-3000:]
+    p2p, broadcast, chosen = int(stated[1]), int(stated[2]), stated[3]
+    assert chosen == ("p2p" if p2p <= broadcast else "broadcast")
 
 
 DEMO = [*TINY[:7], "data.train_size=64", "data.val_size=8", "rollout.sampling.max_new_tokens=4",
