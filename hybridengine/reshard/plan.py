@@ -38,11 +38,16 @@ class ReshardLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationLayout:
+    """A generation engine's grid: TP x PP, and how a mixture of experts' routed experts split over the TP
+    ranks: each expert cut across them (False, vLLM's default), or whole experts per rank
+    (``expert_parallel``, vLLM's ``enable_expert_parallel``: EP size = the TP size)."""
+
     tensor_parallel: int
     pipeline_parallel: int = 1
+    expert_parallel: bool = False
 
     def __str__(self) -> str:
-        return f"genTP{self.tensor_parallel}xPP{self.pipeline_parallel}"
+        return f"genTP{self.tensor_parallel}xPP{self.pipeline_parallel}" + ("xEP" if self.expert_parallel else "")
 
 
 def legal_generation_layouts(train: ParallelLayout) -> list[GenerationLayout]:
