@@ -465,7 +465,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         ReshardLayoutError,
         plan_reshard,
     )
-    from hybridengine.reshard.weight_plan import plan_weights
+    from hybridengine.reshard.weight_plan import plan_weights, refuse_routed_experts
 
     problems: list[str] = []
     alg, trainer, rollout, data = config.algorithm, config.trainer, config.rollout, config.data
@@ -561,6 +561,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                 actor = config.actor.engine
                 plan_weights(model_spec.with_padded_vocab(actor.make_vocab_size_divisible_by, actor.tensor_parallel),
                              actor_layout, gen)
+                refuse_routed_experts(model_spec)
         except ValueError as exc:  # ReshardLayoutError, or a split the model's heads do not allow
             problems.append(f"rollout: {exc}")
     if model_spec is not None:

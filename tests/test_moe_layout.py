@@ -96,7 +96,7 @@ def test_bad_expert_layouts_and_rl_with_experts_are_refused_before_launch(tmp_pa
     with pytest.raises(ConfigError, match=r"actor: expert_parallel 8 x expert_tensor_parallel 2 = 16 does not divide "
                                           r"the 2 ranks of a pipeline stage .*EP sizes that fit with ETP 2: \[1\]"):
         check_sft_config(load_sft_config(EXAMPLES / "sft_tiny.yaml", ["actor.engine.expert_parallel=8"]), spec)
-    with pytest.raises(ConfigError, match="the hybrid engine does not reshard routed experts into a generation "
-                                          "engine yet.*train it with hybridflow sft"):
+    with pytest.raises(ConfigError, match="the hybrid engine reshards its experts, but no generation engine "
+                                          "loads them yet.*train it with hybridflow sft"):
         check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.engine.expert_parallel=2",
                                                               "actor.engine.tensor_parallel=1"]), spec)

@@ -243,9 +243,11 @@ def _expert_params(spec: ModelSpec, tp: int, experts: ExpertShard, local_layer: 
             for local, expert in enumerate(experts.experts(spec)) for entry in EXPERT_ENTRIES]
 
 
-def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, experts: ExpertShard | None = None) -> list[StageParam]:
+def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, experts: ExpertShard | None = None,
+                 routed: bool = True) -> list[StageParam]:
     """Every parameter of stage ``pp_rank`` of ``pp`` at TP size ``tp``, in a fixed order; a mixture of experts'
-    routed experts those of ``experts`` (None: every expert, split as the dense TP)."""
+    routed experts those of ``experts`` (None: every expert, split as the dense TP), or none (``routed=False``:
+    the dense part, which the micro-DP reshard plan moves)."""
     experts = experts or ExpertShard()
     params: list[StageParam] = []
     if pp_rank == 0:
@@ -254,7 +256,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, experts: Exper
         for entry in LAYER_ENTRIES:
             if entry.present(spec):
                 params.append(_param(entry, spec, tp, f"decoder.layers.{local}.{entry.suffix}", layer))
-        if spec.moe is not None:
+        if spec.moe is not None and routed:
             params += _expert_params(spec, tp, experts, local, layer)
     if pp_rank == pp - 1:
         params.append(_param(_stage_entry(FINAL_NORM, spec), spec, tp, FINAL_NORM, None))

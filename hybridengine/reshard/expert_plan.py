@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from math import gcd
 
 from hybridengine.model.spec import ModelSpec
-from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.parallel.layout import ParallelLayout, divisors
 from hybridengine.reshard.assignment import max_value_assignment
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 
-__all__ = ["EXPERT_UNIT_ROWS", "ExpertNeed", "ExpertPiece", "ExpertPlan", "plan_experts"]
+__all__ = ["EXPERT_UNIT_ROWS", "ExpertNeed", "ExpertPiece", "ExpertPlan", "check_expert_split", "held_units", "plan_experts"]
 
 EXPERT_UNIT_ROWS = 3  # per FFN unit: a gate row, an up row, a down column, each of hidden size
 
@@ -181,20 +181,27 @@ def _placement(spec: ModelSpec, layout: ReshardPlan) -> tuple[int, ...]:
     return tuple(chosen[k // unit] * unit + k % unit for k in range(experts))
 
 
-def plan_experts(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) -> ExpertPlan:
-    """The routed experts' plan from ``train`` to ``gen`` (the dense layout plan gives each rank its generation
-    TP and PP rank); refuses a generation layout the experts do not split into."""
+def check_expert_split(spec: ModelSpec, gen: GenerationLayout) -> None:
+    """Refuse a generation layout whose TP size the experts do not split into (whole experts: their count;
+    cut experts: their FFN size), naming the sizes that would."""
     if spec.moe is None:
         raise ValueError(f"{spec.architecture} has no routed experts to plan")
     experts, ffn = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
     tg = gen.tensor_parallel
     if gen.expert_parallel and experts % tg:
         raise ReshardLayoutError(f"generation expert parallelism over tensor_parallel={tg} ranks needs it to divide "
-                                 f"the {experts} experts; valid sizes: {[d for d in range(1, experts + 1) if experts % d == 0]}")
+                                 f"the {experts} experts; valid sizes: {divisors(experts)}")
     if not gen.expert_parallel and ffn % tg:
         raise ReshardLayoutError(f"generation tensor_parallel={tg} does not divide the experts' FFN hidden size {ffn}; "
-                                 f"valid sizes: {[d for d in range(1, ffn + 1) if ffn % d == 0]}, or whole experts "
-                                 f"per rank (expert_parallel) for a size that divides the {experts} experts")
+                                 f"valid sizes: {divisors(ffn)}, or whole experts per rank (expert_parallel) for a "
+                                 f"size that divides the {experts} experts")
+
+
+def plan_experts(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) -> ExpertPlan:
+    """The routed experts' plan from ``train`` to ``gen`` (the dense layout plan gives each rank its generation
+    TP and PP rank); refuses a generation layout the experts do not split into."""
+    check_expert_split(spec, gen)
+    experts, ffn = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
     layout = plan_reshard(train, gen)
     placement = _placement(spec, layout)
     width, per_rank = ffn // train.etp, experts // train.ep

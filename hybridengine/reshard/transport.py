@@ -5,7 +5,8 @@ parts (into a list, or into one flat output, which may be a slice of the
 generation buffer) and broadcast, each optionally asynchronous, and counts
 the bytes this rank receives, so the lower bound can be checked rather than
 claimed. ``gather_parts`` (every member's flat part, sizes possibly
-different or zero, to every member) is built on them. ``TorchTransport``
+different or zero, to every member) is built on them; ``exchange`` sends and
+receives point to point (the routed experts' pieces). ``TorchTransport``
 uses torch.distributed (gloo on CPU, NCCL on GPU); a point-to-point or RDMA
 transport implements the same methods.
 """
@@ -46,6 +47,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any, async_op: bool = False):
         """``src``'s tensor into ``tensor`` on every member (a handle with ``wait()`` when ``async_op``)."""
+
+    @abc.abstractmethod
+    def exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+        """Point to point over the world: each of ``sends`` to its peer (a global rank), each of ``receives``
+        filled from its peer; returns when every one is done. Every pair's sizes are known to both sides."""
 
     def gather_parts(self, group_key: Any, ranks: Sequence[int], own: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Every member's flat part, in ``ranks`` order; ``sizes`` (element counts) are known to all."""
@@ -100,6 +106,13 @@ class TorchTransport(Transport):
             raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected {len(group_key)} x {own.numel()}")
         self.bytes_received += own.numel() * own.element_size() * (len(group_key) - 1)
         return all_gather_single(out, own, group=self._groups[group_key], async_op=async_op)
+
+    def exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+        works = [dist.isend(t.contiguous(), peer) for peer, t in sorted(sends.items()) if t.numel()]
+        works += [dist.irecv(t, peer) for peer, t in sorted(receives.items()) if t.numel()]
+        for work in works:
+            work.wait()
+        self.bytes_received += sum(t.numel() * t.element_size() for t in receives.values())
 
     def broadcast(self, tensor: torch.Tensor, src: int, group_key: Any, async_op: bool = False):
         if len(group_key) == 1:

@@ -15,6 +15,7 @@ every rank computes the same plan and keeps its own part. The executors read it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 from hybridengine.device import CollectiveProfile
@@ -22,6 +23,7 @@ from hybridengine.model.catalogue import StageParam, stage_params
 from hybridengine.model.geometry import Piece, join_blocks
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.expert_plan import ExpertPlan, check_expert_split, plan_experts
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 from hybridengine.reshard.schedule import GatherSchedule, gather_schedule
 
@@ -55,10 +57,10 @@ def generation_sources(spec: ModelSpec, plan: ReshardPlan, rank: int) -> list[Ge
     gen = plan.gen
     train_shapes: dict[tuple[int, str], tuple[int, ...]] = {}
     for pp in range(plan.train.pp):
-        for p in stage_params(spec, plan.train.tp, plan.train.pp, pp):
+        for p in stage_params(spec, plan.train.tp, plan.train.pp, pp, routed=False):
             train_shapes[(pp, p.name)] = p.shape
     sources = []
-    for param in stage_params(spec, gen.tensor_parallel, gen.pipeline_parallel, me.gen_pp_rank):
+    for param in stage_params(spec, gen.tensor_parallel, gen.pipeline_parallel, me.gen_pp_rank, routed=False):
         stage, train_name = _training_stage_and_name(spec, plan, param)
         members = tuple(sorted(
             (m for m, (tp, pp) in enumerate(me.source_shards) if pp == stage), key=lambda m: me.source_shards[m][0]
@@ -145,7 +147,8 @@ def in_place_min_bytes(profile: CollectiveProfile) -> int:
 @dataclass(frozen=True)
 class WeightPlan:
     """``layout`` (the groups) for the model ``spec``: each rank's generation sources, gather schedule,
-    buckets and expected bytes, computed on first use and kept."""
+    buckets and expected bytes, computed on first use and kept. A mixture of experts' routed experts are
+    not in them: ``experts`` plans those."""
 
     spec: ModelSpec
     layout: ReshardPlan
@@ -160,8 +163,14 @@ class WeightPlan:
         return self.layout.gen
 
     def training_params(self, rank: int) -> list[StageParam]:
-        """The parameters of ``rank``'s training shard, in the catalogue's order."""
-        return stage_params(self.spec, self.train.tp, self.train.pp, self.train.coordinate(rank).pp_rank)
+        """The parameters of ``rank``'s training shard that this plan moves (all but routed experts), in the
+        catalogue's order."""
+        return stage_params(self.spec, self.train.tp, self.train.pp, self.train.coordinate(rank).pp_rank, routed=False)
+
+    @cached_property
+    def experts(self) -> ExpertPlan | None:
+        """A mixture of experts' routed experts: their own plan (``reshard.expert_plan``); None for a dense model."""
+        return None if self.spec.moe is None else plan_experts(self.spec, self.train, self.gen)
 
     def sources(self, rank: int) -> list[GenParamSource]:
         """For each parameter of ``rank``'s generation shard, which micro-DP members hold its pieces."""
@@ -187,16 +196,19 @@ class WeightPlan:
 
 def plan_weights(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) -> WeightPlan:
     """The plan of ``spec``'s weights from ``train`` to ``gen``; refuses a generation layout the model's heads
-    do not split into, or the training layout cannot reach (listing the legal ones)."""
-    refuse_routed_experts(spec)
-    spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel)
+    (or experts) do not split into, or the training layout cannot reach (listing the legal ones)."""
+    if spec.moe is not None:
+        check_expert_split(spec, gen)
+    spec.check_layout(gen.tensor_parallel, gen.pipeline_parallel,
+                      *((gen.tensor_parallel, 1) if spec.moe is not None and gen.expert_parallel else ()))
     return WeightPlan(spec, plan_reshard(train, gen))
 
 
 def refuse_routed_experts(spec: ModelSpec) -> None:
-    """The weight path does not carry a mixture of experts' routed experts into a generation engine yet."""
+    """No generation engine loads a mixture of experts' routed experts yet: an RL job with one is refused."""
     if spec.moe is not None:
         raise ReshardLayoutError(
             f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): the hybrid "
-            "engine does not reshard routed experts into a generation engine yet, so RL cannot sync its weights; "
-            "train it with hybridflow sft (megatron with expert parallelism) for now")
+            "engine reshards its experts, but no generation engine loads them yet (vLLM's fused experts and the "
+            "megatron rollout engine are next), so RL cannot sync its weights; train it with hybridflow sft "
+            "(megatron with expert parallelism) for now")

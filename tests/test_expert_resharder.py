@@ -1,0 +1,86 @@
+"""The routed experts' executor in real gloo processes: every rank's generation experts against the HF
+checkpoint's experts cut by hand (under the plan's placement), named as the catalogue names the generation
+stage's experts, with the bytes received equal to the plan's bound. All cases share one launch of 8 processes."""
+
+import pytest
+import torch
+
+from dist_utils import run_cases_in_processes
+from hybridengine.model.catalogue import ExpertShard, stage_params
+from hybridengine.model.hf_mapping import cut_shard, hf_source
+from hybridengine.model.spec import ModelSpec
+from hybridengine.parallel.layout import ParallelLayout
+from hybridengine.reshard.expert_resharder import ExpertResharder
+from hybridengine.reshard.plan import GenerationLayout
+from hybridengine.reshard.transport import TorchTransport
+from hybridengine.reshard.weight_plan import plan_weights
+from tiny_models import make_qwen3_moe
+
+# (training TP, PP, DP, EP, ETP) -> (generation TP, PP, whole experts per rank)
+CASES = {
+    "TP1xDP4xEP2->genTP2-slice": ((1, 1, 4, 2, 1), (2, 1, False)),
+    "TP1xDP4xEP4->genTP2xEP-placed": ((1, 1, 4, 4, 1), (2, 1, True)),
+    "TP2xDP2xEP2xETP2->genTP1": ((2, 1, 2, 2, 2), (1, 1, False)),
+    "TP2xPP2xDP2xEP2xETP1->genTP2xPP1xEP": ((2, 2, 2, 2, 1), (2, 1, True)),
+    "TP2xDP4xEP4xETP2->genTP4xEP-slice": ((2, 1, 4, 4, 2), (4, 1, True)),
+    "TP1xPP2xDP4xEP4->genTP1xPP2": ((1, 2, 4, 4, 1), (1, 2, False)),
+}
+
+
+def _case(rank, world_size, path, train_dims, gen_dims):
+    train, gen = ParallelLayout(*train_dims), GenerationLayout(*gen_dims)
+    if rank >= train.world_size:
+        return  # not in this case's world: the exchange is point to point, nothing to join
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    reader = HFCheckpointReader(path)
+    spec = ModelSpec.from_pretrained(path)
+    plan = plan_weights(spec, train, gen).experts
+    at = train.expert_coordinate(rank)
+    mine = ExpertShard(train.ep, at.ep_rank, train.etp)
+    params = {p.name: cut_shard(hf_source(p.name, spec, at.pp_rank, train.pp, mine), reader.read, spec, at.etp_rank,
+                                train.etp)
+              for p in stage_params(spec, train.tp, train.pp, at.pp_rank, experts=mine) if p.expert is not None}
+    before = {k: v.clone() for k, v in params.items()}
+    transport = TorchTransport()
+    got = ExpertResharder(plan, rank, params, transport).to_generation()
+
+    me = plan.layout.ranks[rank]
+    tg = gen.tensor_parallel
+    shard = ExpertShard(tg, me.gen_tp_rank, 1) if gen.expert_parallel else ExpertShard(1, 0, tg)
+    named = {p.name: p for p in stage_params(spec, tg, gen.pipeline_parallel, me.gen_pp_rank, experts=shard)
+             if p.expert is not None}
+    assert got.keys() == named.keys(), (rank, sorted(set(got) ^ set(named))[:4])
+    ffn = spec.moe.expert_ffn_hidden_size
+    a, b = (0, ffn) if gen.expert_parallel else (me.gen_tp_rank * ffn // tg, (me.gen_tp_rank + 1) * ffn // tg)
+    for name, p in named.items():
+        expert = plan.placement[p.expert]  # the catalogue numbers the generation experts; the plan places them
+        hf = f"model.layers.{p.layer}.mlp.experts.{expert}"
+        if name.endswith("linear_fc1.weight"):
+            want = torch.cat([reader.read(f"{hf}.gate_proj.weight")[a:b], reader.read(f"{hf}.up_proj.weight")[a:b]])
+        else:
+            want = reader.read(f"{hf}.down_proj.weight")[:, a:b]
+        assert tuple(got[name].shape) == p.shape and torch.equal(got[name], want), (rank, name)
+    assert transport.bytes_received == plan.bound(rank, 4) == plan.bytes_received(rank, 4), (rank, transport.bytes_received)
+    assert all(torch.equal(params[k], v) for k, v in before.items())  # training shards only read
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"), layers=2, experts=8, expert_ffn=32, heads=8, kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def outcomes(checkpoint):
+    return run_cases_in_processes(_case, 8, {name: (str(checkpoint), *dims) for name, dims in CASES.items()})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generation_experts_equal_the_checkpoint_at_the_bound(outcomes, case):
+    assert outcomes[case] is None, outcomes[case]
+
+
+def test_a_placement_that_moves_experts_is_among_the_cases(checkpoint):
+    spec = ModelSpec.from_pretrained(checkpoint)
+    placed = plan_weights(spec, ParallelLayout(1, 1, 4, 4, 1), GenerationLayout(2, 1, True)).experts.placement
+    assert placed != tuple(range(8))
