@@ -224,14 +224,17 @@ class Actor(_LogProbRole):
 
     @register(Dispatch.ONE_TO_ALL)
     def to_generation(
-        self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp", release_training: bool = False
+        self, tensor_parallel: int, pipeline_parallel: int = 1, method: str = "micro_dp", release_training: bool = False,
+        expert_parallel: bool = False,
     ) -> dict[str, Any]:
         """Reshard the actor's weights into the generation layout (3D-HybridEngine).
 
         ``release_training``: the training shards free their memory until
         ``to_training`` (micro-DP gather plans), leaving one copy of the weights.
+        ``expert_parallel``: a mixture of experts' routed experts whole on each generation TP rank.
         """
-        return self.hybrid.to_generation(GenerationLayout(tensor_parallel, pipeline_parallel), method, release_training)
+        gen = GenerationLayout(tensor_parallel, pipeline_parallel, expert_parallel)
+        return self.hybrid.to_generation(gen, method, release_training)
 
     @register(Dispatch.ONE_TO_ALL)
     def connect_generation_pool(self, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,

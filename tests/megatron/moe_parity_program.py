@@ -2,10 +2,12 @@
 
     torchrun --nproc-per-node 4 moe_parity_program.py OUT_DIR
 
-OUT_DIR/cases.json lists the cases, each {"model", "tp", "pp", "ep", "etp", "dist_opt", "logits_output", "export"}; case i
+OUT_DIR/cases.json lists the cases, each {"model", "tp", "pp", "ep", "etp", "dist_opt", "logits_output", "export",
+"reshard": [[generation TP, PP, whole experts], ...]}; case i
 reads OUT_DIR/inputs_{i}.pt (batch and training tensors; a batch with routed_experts replays them) and writes
 OUT_DIR/result_{i}.pt, its weights after one step to OUT_DIR/after_step_{i} and, with "export", the reference
-policy's (untrained) weights to OUT_DIR/exported_{i}. Every case is a pair of worker groups of its own on the
+policy's (untrained) weights to OUT_DIR/exported_{i}; with "reshard", the actor's generation weights at each
+generation layout (resharded, then back to training, before the step). Every case is a pair of worker groups of its own on the
 same processes (two grids per process), so one start-up serves them all.
 """
 
@@ -40,12 +42,18 @@ def run_case(pool, out: Path, i: int, case: dict) -> None:
     batch.meta_info["temperature"] = inputs["temperature"]
     if case.get("export"):
         ref.save_hf(str(out / f"exported_{i}"))
+    reshards = []  # before the step: the weights are the checkpoint's; the step after checks training is intact
+    for tensor_parallel, pipeline_parallel, whole in case.get("reshard", []):
+        stats = actor.to_generation(tensor_parallel, pipeline_parallel, expert_parallel=whole)
+        reshards.append({"stats": stats, "weights": actor.generation_weights()})
+        actor.to_training()
     log_probs = actor.compute_log_prob(batch)
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / f"after_step_{i}"))
     torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
-                "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes()}, out / f"result_{i}.pt")
+                "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(), "reshards": reshards},
+               out / f"result_{i}.pt")
 
 
 def main():

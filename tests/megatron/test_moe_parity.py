@@ -1,13 +1,14 @@
 """Mixtures of experts on megatron with expert parallelism against HF transformers in one process.
 
 A tiny random Qwen3-MoE (8 experts, top-2, renormalized) at EP2 (DP4, the distributed optimizer), EP2 x TP2
-(sequence-parallel; the actor through megatron's output layer) and EP2 x PP2; the same model replaying given
+(sequence-parallel; the actor through megatron's output layer), EP2 x PP2 and EP4; the same model replaying given
 routes at TP2 x PP2 x EP2 (ETP1); and a Qwen2-MoE (shared expert behind a sigmoid gate, no renormalization) at
 TP2 x EP2 with ETP1. Every case runs in one 4-process torchrun launch on CPU (gloo all-to-all), a pair of
 worker groups per case (``moe_parity_program.py``). In fp32 the log-probs, entropies, the PPO loss, the
 gradient norm and every weight after one Adam step agree with HF's model and a hand-written step to 1e-5, as
 the dense parity test (``test_actor_parity``) demands; the planner's memory model equals every rank's state to
-the byte; and the reference policy's export of the weights it loaded is the checkpoint, bit for bit.
+the byte; and the reference policy's export of the weights it loaded is the checkpoint, bit for bit. Four of
+the cases reshard the actor for generation first (the 3D-HybridEngine over experts, at the bound).
 """
 
 import json
@@ -23,12 +24,16 @@ from tiny_models import all_tensors, make_qwen2_moe, make_qwen3_moe
 
 TEMPERATURE = 0.7
 QWEN3_CASES = {  # name -> the case (moe_parity_program.py's keys)
-    "EP2xDP4-distopt": dict(tp=1, pp=1, ep=2, dist_opt=True),
+    "EP2xDP4-distopt": dict(tp=1, pp=1, ep=2, dist_opt=True, reshard=[[2, 1, True], [1, 1, False]]),
     "EP2xTP2-logits": dict(tp=2, pp=1, ep=2, logits_output=True),
     "EP2xPP2": dict(tp=1, pp=2, ep=2),
-    "replay-TP2xPP2xEP2xETP1": dict(tp=2, pp=2, ep=2, etp=1, routes=True, export=True),
+    # Whole experts on two generation ranks from four EP ranks: the placement moves experts 4 and 5 to generation
+    # rank 0 (and the routers' rows with them), where rank 2 holds them.
+    "EP4xDP4": dict(tp=1, pp=1, ep=4, reshard=[[2, 1, True]]),
+    "replay-TP2xPP2xEP2xETP1": dict(tp=2, pp=2, ep=2, etp=1, routes=True, export=True,
+                                    reshard=[[2, 1, False], [1, 2, True]]),
 }
-QWEN2_CASES = {"TP2xEP2xETP1": dict(tp=2, pp=1, ep=2, etp=1, export=True)}
+QWEN2_CASES = {"TP2xEP2xETP1": dict(tp=2, pp=1, ep=2, etp=1, export=True, reshard=[[1, 1, False]])}
 
 
 def launch(out, cases: dict) -> dict:
@@ -144,3 +149,51 @@ def test_qwen2_moe_shared_expert_with_expert_tp1_under_tp2(runs):
     run = runs["TP2xEP2xETP1"]
     model_dir, _, _, batch, train, _, _ = run
     assert_matches(run, reference_step(model_dir, batch, train, "token-mean"))
+
+
+@pytest.mark.parametrize("name", [n for n, (_, c) in {**{k: (0, v) for k, v in QWEN3_CASES.items()},
+                                                     **{k: (0, v) for k, v in QWEN2_CASES.items()}}.items() if c.get("reshard")])
+def test_the_hybrid_engine_reshards_experts_exactly_at_the_bound(runs, name):
+    """The actor's generation weights at each generation layout, on every rank: the dense part (the router, a
+    shared expert, attention) equals the checkpoint cut at the generation TP x PP, the routed experts equal the
+    checkpoint's under the plan's placement (whole, or cut across generation TP), the routers' rows follow the
+    placement; each rank received the dense plan's bytes plus the experts' bound, nothing more. (The step
+    after it, checked against HF above, shows training was left exactly as it was.)"""
+    from hybridengine.model.catalogue import ExpertShard, stage_params
+    from hybridengine.model.hf_mapping import cut_shard, hf_source
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import GenerationLayout
+    from hybridengine.reshard.weight_plan import plan_weights
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    model_dir, case, result, *_ = runs[name]
+    reader, spec = HFCheckpointReader(model_dir), ModelSpec.from_pretrained(model_dir)
+    train = ParallelLayout(case["tp"], case["pp"], 4 // (case["tp"] * case["pp"]), case["ep"], case.get("etp"))
+    ffn = spec.moe.expert_ffn_hidden_size
+    for (tg, pg, whole), reshard in zip(case["reshard"], result["reshards"]):
+        gen = GenerationLayout(tg, pg, whole)
+        plan = plan_weights(spec, train, gen)
+        placement = torch.tensor(plan.experts.placement)
+        if name == "EP4xDP4":
+            assert plan.experts.placement == (0, 1, 4, 5, 2, 3, 6, 7)
+        for rank, (stats, weights) in enumerate(zip(reshard["stats"], reshard["weights"])):
+            me = plan.layout.ranks[rank]
+            assert (stats["gen_tp_rank"], stats["gen_pp_rank"]) == (me.gen_tp_rank, me.gen_pp_rank)
+            assert stats["reshard/bytes_received"] == plan.expected_bytes(rank, 4) + plan.experts.bound(rank, 4), (gen, rank)
+            assert stats["reshard/expert_bytes_received"] == plan.experts.bound(rank, 4)
+            shard = ExpertShard(tg, me.gen_tp_rank, 1) if whole else ExpertShard(1, 0, tg)
+            params = stage_params(spec, tg, pg, me.gen_pp_rank, experts=shard)
+            assert weights.keys() == {p.name for p in params}, (gen, rank)
+            a, b = (0, ffn) if whole else (me.gen_tp_rank * ffn // tg, (me.gen_tp_rank + 1) * ffn // tg)
+            for p in params:
+                got = weights[p.name]
+                if p.expert is None:
+                    want = cut_shard(hf_source(p.name, spec, me.gen_pp_rank, pg), reader.read, spec, me.gen_tp_rank, tg)
+                    if p.name.endswith("mlp.router.weight"):
+                        want = want[placement]
+                else:
+                    hf = f"model.layers.{p.layer}.mlp.experts.{plan.experts.placement[p.expert]}"
+                    want = (torch.cat([reader.read(f"{hf}.gate_proj.weight")[a:b], reader.read(f"{hf}.up_proj.weight")[a:b]])
+                            if p.name.endswith("linear_fc1.weight") else reader.read(f"{hf}.down_proj.weight")[:, a:b])
+                assert torch.equal(got, want), (gen, rank, p.name)

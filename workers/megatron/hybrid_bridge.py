@@ -12,6 +12,7 @@ import torch
 from hybridengine.cross_pool.plan import plan_for_model
 from hybridengine.cross_pool.transfer import CrossPoolTransfer
 from hybridengine.reshard.baselines import BASELINES, RESHARD_METHODS
+from hybridengine.reshard.expert_resharder import ExpertResharder
 from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
@@ -29,6 +30,8 @@ class HybridBridge:
         self.bucket_bytes = bucket_bytes
         self.transport = TorchTransport()
         self.resharders: dict[GenerationLayout, Resharder] = {}
+        self.expert_resharders: dict[GenerationLayout, ExpertResharder] = {}
+        self._placed: tuple[int, ...] | None = None  # the expert placement the routers are in, while not training's
         self.weights: dict[str, torch.Tensor] = {}
         self.cross_pool: CrossPoolTransfer | None = None
 
@@ -49,33 +52,63 @@ class HybridBridge:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
 
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False) -> dict[str, Any]:
-        """Build this rank's generation weights; collective over all ranks. Returns timing and bytes."""
+        """Build this rank's generation weights; collective over all ranks. Returns timing and bytes.
+
+        A mixture of experts' routed experts go point to point (``ExpertResharder``), whatever ``method``
+        moves the rest; under generation expert parallelism the router's rows follow the plan's placement."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
         weights = plan_weights(self.engine.spec, self.engine.layout, gen)
         self.to_training()  # at most one generation state at a time; restores released shards
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
+        params = self._training_params()
+        dense = {p.name: params[p.name] for p in weights.training_params(rank)}
         if method == "micro_dp":
             if gen not in self.resharders:
-                self.resharders[gen] = Resharder(weights, rank, self._training_params(), self.transport,
-                                                 self.bucket_bytes)
+                self.resharders[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes)
             start = time.perf_counter()
             self.weights = self.resharders[gen].to_generation(release_training=release_training)
         else:
             start = time.perf_counter()
-            self.weights = BASELINES[method](weights, rank, self._training_params(), self.transport)
+            self.weights = BASELINES[method](weights, rank, dense, self.transport)
+        dense_bytes = self.transport.bytes_received - before
+        if weights.experts is not None:
+            if gen not in self.expert_resharders:
+                self.expert_resharders[gen] = ExpertResharder(weights.experts, rank, params, self.transport)
+            self.weights.update(self.expert_resharders[gen].to_generation())
+            self._place_router(weights.experts.placement)
         me = weights.layout.ranks[rank]
         return {
             "timing_s/reshard": time.perf_counter() - start,
             "reshard/bytes_received": self.transport.bytes_received - before,
+            **({"reshard/expert_bytes_received": self.transport.bytes_received - before - dense_bytes}
+               if weights.experts is not None else {}),
             "gen_tp_rank": me.gen_tp_rank,
             "gen_pp_rank": me.gen_pp_rank,
             "gen_dp_rank": me.gen_dp_rank,
         }
 
+    def _place_router(self, placement: tuple[int, ...] | None) -> None:
+        """Reorder every router's rows in the generation weights to ``placement`` (generation expert k is
+        training expert placement[k]); None puts them back. In place: a router may be a view of a training
+        shard (slice plans) or of the buffer a released shard returns from."""
+        if placement is None:
+            placement, self._placed = self._placed, None
+            if placement is None:
+                return
+            order = torch.argsort(torch.tensor(placement))  # the inverse permutation
+        else:
+            if placement == tuple(range(len(placement))):
+                return
+            self._placed, order = placement, torch.tensor(placement)
+        for name, tensor in self.weights.items():
+            if name.endswith("mlp.router.weight"):
+                tensor.copy_(tensor[order.to(tensor.device)])
+
     def to_training(self, offload: bool = False) -> dict[str, float]:
         start = time.perf_counter()
+        self._place_router(None)  # the training order, before a released shard is copied back out
         for resharder in self.resharders.values():
             resharder.to_training(offload=offload)
         self.weights = {}
