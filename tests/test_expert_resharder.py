@@ -1,6 +1,7 @@
 """The routed experts' executor in real gloo processes: every rank's generation experts against the HF
 checkpoint's experts cut by hand (under the plan's placement), named as the catalogue names the generation
-stage's experts, with the bytes received equal to the plan's bound. All cases share one launch of 8 processes."""
+stage's experts, with the bytes received equal to the plan's bound; at generation TP1 the megatron rollout
+engine on the resharded weights generates HF's greedy tokens. All cases share one launch of 8 processes."""
 
 import pytest
 import torch
@@ -24,7 +25,39 @@ CASES = {
     "TP2xPP2xDP2xEP2xETP1->genTP2xPP1xEP": ((2, 2, 2, 2, 1), (2, 1, True)),
     "TP2xDP4xEP4xETP2->genTP4xEP-slice": ((2, 1, 4, 4, 2), (4, 1, True)),
     "TP1xPP2xDP4xEP4->genTP1xPP2": ((1, 2, 4, 4, 1), (1, 2, False)),
+    "TP2xDP4xEP4xETP2->genTP1": ((2, 1, 4, 4, 2), (1, 1, False)),
 }
+PROMPTS = [(5, 17, 33), (9, 100, 4, 77, 12), (42,)]
+
+
+def _generates_as_hf(rank, path, spec, plan, experts, reader, train):
+    """The megatron rollout engine on the resharded weights (the dense part through the micro-DP plan, the
+    experts as given): greedy tokens equal HF's, and its log-probs HF's log-softmax, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridengine.reshard.resharder import Resharder
+    from workers.rollout.batch import GenerationRequest
+    from workers.rollout.megatron_engine import MegatronGenerator
+    from workers.rollout.sampling import SamplingConfig
+
+    coord = train.coordinate(rank)
+    dense = {p.name: cut_shard(hf_source(p.name, spec, coord.pp_rank, train.pp), reader.read, spec, coord.tp_rank, train.tp).clone()
+             for p in plan.training_params(rank)}
+    weights = {**Resharder(plan, rank, dense, TorchTransport()).to_generation(), **experts}
+    generator = MegatronGenerator(spec, plan.layout, rank, {}, eos_token_id=255, pad_token_id=0,
+                                  decode=lambda ids: " ".join(map(str, ids)))
+    generator.update_weights(weights)
+    out = generator.generate([GenerationRequest(p, None) for p in PROMPTS],
+                             SamplingConfig(max_new_tokens=6, greedy=True, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, completion in zip(PROMPTS, out):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+            logits = hf(torch.tensor([list(prompt) + ref])).logits[0, len(prompt) - 1: -1]
+        assert completion.token_ids == ref, (rank, prompt, completion.token_ids, ref)
+        picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ref).unsqueeze(-1)).squeeze(-1)
+        assert (torch.tensor(completion.log_probs) - picked).abs().max() < 1e-4, (rank, prompt)
 
 
 def _case(rank, world_size, path, train_dims, gen_dims):
@@ -35,7 +68,8 @@ def _case(rank, world_size, path, train_dims, gen_dims):
 
     reader = HFCheckpointReader(path)
     spec = ModelSpec.from_pretrained(path)
-    plan = plan_weights(spec, train, gen).experts
+    weight_plan = plan_weights(spec, train, gen)
+    plan = weight_plan.experts
     at = train.expert_coordinate(rank)
     mine = ExpertShard(train.ep, at.ep_rank, train.etp)
     params = {p.name: cut_shard(hf_source(p.name, spec, at.pp_rank, train.pp, mine), reader.read, spec, at.etp_rank,
@@ -63,6 +97,8 @@ def _case(rank, world_size, path, train_dims, gen_dims):
         assert tuple(got[name].shape) == p.shape and torch.equal(got[name], want), (rank, name)
     assert transport.bytes_received == plan.bound(rank, 4) == plan.bytes_received(rank, 4), (rank, transport.bytes_received)
     assert all(torch.equal(params[k], v) for k, v in before.items())  # training shards only read
+    if gen.tensor_parallel == 1 and train.world_size == world_size:  # generation groups are made by the whole world
+        _generates_as_hf(rank, path, spec, weight_plan, got, reader, train)
 
 
 @pytest.fixture(scope="module")

@@ -70,9 +70,12 @@ def generation_process_groups(plan: ReshardPlan, rank: int, groups_cache: dict[t
     single = groups_cache[(rank,)]
     # Size-1 groups rather than None: megatron falls back to its (unset) global grid on None.
     # The embedding group is size 1 too: it only syncs tied-embedding grads, and generation has none.
+    # Routed experts: whole on each generation TP rank (expert parallel over the TP group), or each cut across
+    # it (expert TP); either way the expert grid of a stage is its TP group.
+    ep, expt_tp = (tp, single) if plan.gen.expert_parallel else (single, tp)
     return ProcessGroupCollection(
         tp=tp, pp=pp, mp=mp, dp=dp, dp_cp=dp, cp=single, tp_cp=tp, embd=single, pos_embd=single,
-        ep=single, expt_tp=single,
+        ep=ep, expt_tp=expt_tp, expt_dp=single, tp_ep=tp, tp_ep_pp=mp, tp_dp_cp=tp,  # a replica: no DP
     )
 
 
@@ -104,7 +107,13 @@ def build_generation_model(
         raise RuntimeError(f"rank {rank}: generation groups have sizes TP{pg_collection.tp.size()} x "
                            f"PP{pg_collection.pp.size()}, the plan says {plan.gen}")
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
-    config = gpt_config(spec, tp, pp, dtype, initialize=False)  # the weights are replaced at once
+    experts = {}
+    if spec.moe is not None:
+        if tp > 1:  # megatron runs an MoE layer under TP only sequence-parallel, which its inference does not
+            raise ValueError(f"the megatron rollout engine generates a mixture of experts at tensor_parallel 1 only "
+                             f"(got {plan.gen}); generate at TP > 1 with vLLM (rollout.engine: vllm)")
+        experts = {"ep": tp if plan.gen.expert_parallel else 1, "etp": 1 if plan.gen.expert_parallel else tp}
+    config = gpt_config(spec, tp, pp, dtype, initialize=False, **experts)  # the weights are replaced at once
     model = gpt_model(spec, config, me.gen_pp_rank == 0, me.gen_pp_rank == pp - 1, spec.tie_word_embeddings,
                       pg_collection=pg_collection)
     params = dict(model.named_parameters())
