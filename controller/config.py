@@ -542,7 +542,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
             problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
                             f"longest sequence, rollout.max_prompt_length + {_response_limit(rollout)} = {longest}")
-    gen = GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel)
+    gen = GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel, rollout.expert_parallel)
     if actor_layout is not None and "rollout" in pools:  # its own pool, fed across pools by the actor
         world, mp = pools["rollout"].world_size, gen.tensor_parallel * gen.pipeline_parallel
         if world % mp:
@@ -551,6 +551,8 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         else:
             try:
                 plan_cross_pool(actor_layout, gen, world // mp)
+                if model_spec is not None:
+                    refuse_routed_experts(model_spec)
             except ReshardLayoutError as exc:
                 problems.append(f"rollout: {exc}")
     elif actor_layout is not None:
@@ -561,7 +563,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                 actor = config.actor.engine
                 plan_weights(model_spec.with_padded_vocab(actor.make_vocab_size_divisible_by, actor.tensor_parallel),
                              actor_layout, gen)
-                refuse_routed_experts(model_spec)
+                refuse_routed_experts(model_spec, rollout.engine, gen)
         except ValueError as exc:  # ReshardLayoutError, or a split the model's heads do not allow
             problems.append(f"rollout: {exc}")
     if model_spec is not None:

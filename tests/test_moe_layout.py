@@ -96,7 +96,37 @@ def test_bad_expert_layouts_and_rl_with_experts_are_refused_before_launch(tmp_pa
     with pytest.raises(ConfigError, match=r"actor: expert_parallel 8 x expert_tensor_parallel 2 = 16 does not divide "
                                           r"the 2 ranks of a pipeline stage .*EP sizes that fit with ETP 2: \[1\]"):
         check_sft_config(load_sft_config(EXAMPLES / "sft_tiny.yaml", ["actor.engine.expert_parallel=8"]), spec)
-    with pytest.raises(ConfigError, match="the hybrid engine reshards its experts, but no generation engine "
-                                          "loads them yet.*train it with hybridflow sft"):
-        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.engine.expert_parallel=2",
-                                                              "actor.engine.tensor_parallel=1"]), spec)
+    rl = ["actor.engine.expert_parallel=2", "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1"]
+    with pytest.raises(ConfigError, match="its generation engine must load the resharded experts, which rules out a "
+                                          "megatron rollout at genTP2xPP1 .*tensor_parallel 1 only"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron",
+                                                              "rollout.tensor_parallel=2"]), spec)
+    with pytest.raises(ConfigError, match="rules out a rollout on a pool of its own"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron", "trainer.launcher=ray",
+                                                              "trainer.placement={rollout: 2}"]), spec)
+    with pytest.raises(ConfigError, match=r"generation tensor_parallel=4 does not divide the experts' FFN hidden size 18; "
+                                          r"valid sizes: \[1, 2, 3, 6, 9, 18\], or whole experts per rank"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.tensor_parallel=4"]),
+                     ModelSpec.from_hf_config({**QWEN3_MOE, "moe_intermediate_size": 18, "num_key_value_heads": 4}))
+    # vLLM at any generation TP (experts cut across it, or whole per rank), megatron's engine at TP1.
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron"]), spec)
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.tensor_parallel=2"]), spec)
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.tensor_parallel=4", "rollout.expert_parallel=true"]),
+                 ModelSpec.from_hf_config({**QWEN3_MOE, "num_key_value_heads": 4}))
+
+
+def test_vllm_expert_parallelism_is_refused_on_the_cpu_path():
+    """vLLM's CPU fused-experts kernel crashes under expert parallelism (with its own loading too): refused
+    before an engine is built, naming what works; a dense model, TP1 and cut experts pass."""
+    from hybridengine.reshard.plan import GenerationLayout
+    from workers.rollout.vllm_engine import check_vllm_expert_parallel
+
+    spec = ModelSpec.from_hf_config(QWEN3_MOE)
+    with pytest.raises(ValueError, match=r"crashes .* expert parallelism \(rollout.expert_parallel at genTP2xPP1xEP\);"
+                                         r" on CPU cut the experts"):
+        check_vllm_expert_parallel(spec, GenerationLayout(2, 1, True))
+    check_vllm_expert_parallel(spec, GenerationLayout(2, 1, False))
+    check_vllm_expert_parallel(spec, GenerationLayout(1, 1, True))
+    check_vllm_expert_parallel(ModelSpec.from_hf_config({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]}),
+                               GenerationLayout(2, 1, True))
+

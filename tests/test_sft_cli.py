@@ -87,10 +87,12 @@ def test_rl_from_an_sft_export_that_is_not_there_says_which_job_writes_it(tmp_pa
     assert not (tmp_path / "rl" / "metrics.jsonl").exists()
 
 
-def test_moe_example_trains_with_expert_parallelism(tmp_path):
+def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
     """examples/moe_arithmetic_sft.yaml as written (the built-in Qwen3-MoE at EP2 on 4 processes, the
     load-balancing loss on), cut to 6 steps: the loss falls, the routing figures are logged every step and
-    the export is a Qwen3-MoE that transformers loads, expert by expert."""
+    the export is a Qwen3-MoE that transformers loads, expert by expert. Then examples/moe_arithmetic.yaml
+    from that export, cut to 2 steps: GRPO with the megatron rollout generating from the resharded experts,
+    each rank receiving exactly the experts it lacks."""
     run = tmp_path / "moe"
     proc = hybridflow("sft", "--config", "examples/moe_arithmetic_sft.yaml", f"trainer.run_dir={run}",
                       "trainer.total_steps=6", "trainer.val_every=3", "trainer.save_every=6", "trainer.plots=false",
@@ -108,3 +110,26 @@ def test_moe_example_trains_with_expert_parallelism(tmp_path):
 
     assert AutoConfig.from_pretrained(run / "hf_actor").architectures == ["Qwen3MoeForCausalLM"]
     assert sum(".mlp.experts." in name for name in all_tensors(run / "hf_actor")) == 4 * 8 * 3
+
+    rl = tmp_path / "rl"
+    proc = hybridflow("train", "--config", "examples/moe_arithmetic.yaml", f"model_path={run / 'hf_actor'}",
+                      f"trainer.run_dir={rl}", "trainer.total_steps=2", "trainer.val_every=2", "trainer.save_every=0",
+                      "trainer.plots=false", "trainer.logger=[jsonl]", "trainer.export_hf=false", "data.batch_size=8",
+                      "data.val_size=8", "ppo.ppo_mini_batch_size=32", "actor.engine.micro_batch_size=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import GenerationLayout
+    from hybridengine.reshard.weight_plan import plan_weights
+
+    # TP1 x DP4 at EP2 into generation TP1: the dense part is where it is; each rank lacks 4 of 8 experts a layer.
+    plan = plan_weights(ModelSpec.from_pretrained(run / "hf_actor"), ParallelLayout(1, 1, 4, 2), GenerationLayout(1))
+    bound = plan.experts.bound(0, 2)  # bf16
+    assert plan.expected_bytes(0, 2) == 0 and bound == 4 * 4 * 64 * 3 * 128 * 2
+    steps = read_metrics(rl)
+    assert [m["step"] for m in steps if "actor/pg_loss" in m] == [1, 2]
+    assert [m["step"] for m in steps if "val/reward/mean" in m] == [0, 2]  # before the first step, and at the end
+    for step in (m for m in steps if "actor/pg_loss" in m):
+        assert step["reshard/bytes_received"] == step["reshard/expert_bytes_received"] == bound
+        assert step["rollout/logprob_diff_max"] < 1e-2  # the rollout's log-probs are the actor's
+        assert 1.0 <= step["actor/moe/load_max_over_mean"] <= 8 / 2

@@ -2,6 +2,8 @@
 
     python tools/demo_seeds.py                                  # seeds 0 1 2: the README's figures
     python tools/demo_seeds.py --seeds 3 --json seed3.json --plot seed3.png
+    python tools/demo_seeds.py --sft-config examples/moe_arithmetic_sft.yaml \
+        --rl-config examples/moe_arithmetic.yaml --min-gain 0.1   # the mixture of experts' pipeline
 
 Each seed runs the two commands of `make demo` in new processes, with ``trainer.seed`` set in both
 (the SFT data order; the RL data order and the rollout's sampling streams):
@@ -48,13 +50,14 @@ def _run(command: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict[str, Any]:
+def run_seed(seed: int, out: Path, overrides: list[str], sft_config: str = "examples/sft_tiny.yaml",
+             rl_config: str = "examples/ppo_from_sft.yaml") -> dict[str, Any]:
     sft_dir, rl_dir = out / f"seed_{seed}" / "sft", out / f"seed_{seed}" / "rl"
     sft_dir.parent.mkdir(parents=True, exist_ok=True)
     common = [f"trainer.seed={seed}", "trainer.plots=false"]
-    sft_s = _run([*HYBRIDFLOW, "sft", "--config", "examples/sft_tiny.yaml", *common, f"trainer.run_dir={sft_dir}"],
+    sft_s = _run([*HYBRIDFLOW, "sft", "--config", sft_config, *common, f"trainer.run_dir={sft_dir}"],
                  sft_dir.parent / "sft.log")
-    rl_s = _run([*HYBRIDFLOW, "train", "--config", "examples/ppo_from_sft.yaml", *common, f"trainer.run_dir={rl_dir}",
+    rl_s = _run([*HYBRIDFLOW, "train", "--config", rl_config, *common, f"trainer.run_dir={rl_dir}",
                  f"model_path={sft_dir / 'hf_actor'}", *overrides], sft_dir.parent / "rl.log")
     sft, rl = read_metrics(sft_dir), read_metrics(rl_dir)
     accuracy = _curve(rl, "val/reward/mean")
@@ -88,7 +91,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         left.plot(*zip(*r["sft_val_loss"]), color=line.get_color(), marker="o", ms=3, label=f"seed {r['seed']} (val)")
         right.plot(*zip(*r["accuracy"]), color=line.get_color(), marker="o", ms=3, label=f"seed {r['seed']}")
     left.set(title="SFT: token-mean loss (faint: train)", xlabel="SFT step", ylabel="cross-entropy")
-    right.set(title="PPO: greedy exact-answer accuracy, 64 held-out", xlabel="RL step (0: the SFT model)",
+    right.set(title="RL: greedy exact-answer accuracy, 64 held-out", xlabel="RL step (0: the SFT model)",
               ylabel="accuracy", ylim=(0, 1))
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -103,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo_seeds", help="run directories go here")
     parser.add_argument("--min-gain", type=float, default=0.2, help="the accuracy gain every seed must reach")
+    parser.add_argument("--sft-config", default="examples/sft_tiny.yaml", help="the SFT job's config")
+    parser.add_argument("--rl-config", default="examples/ppo_from_sft.yaml", help="the RL job's config (from the SFT export)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the RL job")
     args = parser.parse_args(argv)
     runs = []
     for seed in args.seeds:
-        runs.append(run_seed(seed, args.out, args.overrides))
+        runs.append(run_seed(seed, args.out, args.overrides, args.sft_config, args.rl_config))
         print(f"seed {seed}: accuracy {runs[-1]['accuracy_after_sft']:.3f} after SFT -> "
               f"{runs[-1]['accuracy_after_rl']:.3f} after RL", flush=True)
     print(format_table(runs))
@@ -117,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"every seed gained >= {args.min_gain}: {'yes' if passed else 'no'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"min_gain": args.min_gain, "overrides": args.overrides, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"min_gain": args.min_gain, "sft_config": args.sft_config,
+                                         "rl_config": args.rl_config, "overrides": args.overrides, "runs": runs}, indent=1))
     if args.plot:
         plot(runs, args.plot)
     return 0 if passed else 1

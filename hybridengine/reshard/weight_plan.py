@@ -204,11 +204,16 @@ def plan_weights(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) 
     return WeightPlan(spec, plan_reshard(train, gen))
 
 
-def refuse_routed_experts(spec: ModelSpec) -> None:
-    """No generation engine loads a mixture of experts' routed experts yet: an RL job with one is refused."""
-    if spec.moe is not None:
-        raise ReshardLayoutError(
-            f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): the hybrid "
-            "engine reshards its experts, but no generation engine loads them yet (vLLM's fused experts and the "
-            "megatron rollout engine are next), so RL cannot sync its weights; train it with hybridflow sft "
-            "(megatron with expert parallelism) for now")
+def refuse_routed_experts(spec: ModelSpec, engine: str | None = None, gen: GenerationLayout | None = None) -> None:
+    """RL with a mixture of experts: vLLM and the megatron rollout engine (at generation TP1) load the
+    resharded experts of a rollout colocated with the actor. ``engine`` / ``gen``: the colocated rollout's;
+    None for a rollout on a pool of its own (the cross-pool link does not carry routed experts yet)."""
+    if spec.moe is None or engine == "vllm" or (engine == "megatron" and gen is not None and gen.tensor_parallel == 1):
+        return
+    where = (f"a {engine} rollout at {gen} (the megatron rollout engine generates a mixture of experts at "
+             f"tensor_parallel 1 only; vLLM at any size)" if engine is not None else
+             "a rollout on a pool of its own: the link between pools does not carry routed experts yet")
+    raise ReshardLayoutError(
+        f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): its generation "
+        f"engine must load the resharded experts, which rules out {where}; colocate the rollout with the actor, "
+        f"or train it with hybridflow sft (megatron with expert parallelism)")

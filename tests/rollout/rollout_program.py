@@ -55,13 +55,21 @@ def main():
     parser.add_argument("--gen-tp", type=int, default=1)
     parser.add_argument("--gen-pp", type=int, default=1)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--ep", type=int, default=1, help="the actor's expert parallelism (a mixture of experts)")
+    parser.add_argument("--etp", type=int, default=None, help="the actor's expert tensor parallelism (None: as TP)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--expert-parallel", action="store_true", help="generation: whole experts per TP rank")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
-        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4},
+        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                                       "micro_batch_size": args.micro_batch,
+                                       **({"expert_parallel": args.ep, "expert_tensor_parallel": args.etp}
+                                          if args.ep > 1 else {})},
         optim={"lr": 2e-2, "adam_eps": 1e-4}, ppo={"ppo_mini_batch_size": 12}))
     rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
         "engine": args.engine, "tensor_parallel": args.gen_tp, "pipeline_parallel": args.gen_pp,
+        "expert_parallel": args.expert_parallel,
         "max_prompt_length": 8, "sampling": {"max_new_tokens": 10}}))
     result = {"greedy": rollout.generate_sequences(prompt_batch(greedy=True))}
     sampled = rollout.generate_sequences(prompt_batch(temperature=0.7, seed=123, n=2))

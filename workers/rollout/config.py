@@ -23,6 +23,9 @@ class RolloutConfig:
     engine: str = "vllm"
     tensor_parallel: int = 1  # generation TP (t_g); must be reachable from the actor's layout
     pipeline_parallel: int = 1  # generation PP (p_g); vLLM runs 1
+    # a mixture of experts' routed experts: whole experts per generation TP rank (vLLM's enable_expert_parallel),
+    # placed where the training ranks hold them; false: each expert cut across the generation TP ranks
+    expert_parallel: bool = False
     max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields

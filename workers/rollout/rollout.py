@@ -73,7 +73,7 @@ class Rollout(BaseWorker):
         self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
         check_special_tokens(self.pad_token_id, self.eos_token_id, model_path)
         source = self.peer(actor_role).weight_source() if actor_role is not None else None
-        self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel)
+        self.gen = GenerationLayout(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
         if source is not None:  # the shards arrive cut and padded as the actor's engine cuts them
             self.spec = spec = source.spec
             train, dtype = source.layout, source.dtype

@@ -40,6 +40,12 @@ VLLM = LibraryShim(
                   "segments the same for every engine on a machine; the names get a prefix of the engine's own.",
               remove_when="vLLM names those segments per engine under the external launcher.",
               optional=True),
+        Patch("fused_moe_reload",
+              why="on a weight update UnquantizedFusedMoEMethod._setup_kernel skips the experts' own "
+                  "process_weights_after_loading (it runs only while the kernel is first built), so the CPU "
+                  "backend's padding and grouped-GEMM prepack never reach reloaded experts: raw weights land in "
+                  "the packed tensors (wrong tokens, or a crash in cpu_fused_moe). It is rerun after a reload.",
+              remove_when="vLLM's _setup_kernel reprocesses the experts on a weight update."),
         Patch("engine_shutdown",
               why="LLM has no close(); its engine core (llm.llm_engine.engine_core) is shut down directly.",
               remove_when="vLLM's LLM has a public shutdown."),
@@ -91,11 +97,31 @@ def layerwise_reload(model: Any, model_config: Any) -> Iterator[Callable[[Any], 
     weights for oneDNN) and the result is copied into the engine's tensors.
     """
     steps = _LayerwiseReload()
+    reprocess_fused_experts_on_reload()
     steps.initialize(model)
     try:
         yield functools.partial(_materialized_layer, steps)
     finally:
         steps.finalize(model, model_config)
+
+
+@functools.cache
+@VLLM.applies("fused_moe_reload")
+def reprocess_fused_experts_on_reload() -> None:
+    """Make a weight update rerun the fused experts' own post-load step (padding, the CPU prepack); once."""
+    patch = "fused_moe_reload"
+    module = VLLM.import_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", patch=patch)
+    method = VLLM.require(module, "UnquantizedFusedMoEMethod", patch=patch)
+    original = VLLM.require(method, "_setup_kernel", patch=patch)
+
+    @functools.wraps(original)
+    def setup_kernel(self, layer, w13, w2):
+        updating = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if updating:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    method._setup_kernel = setup_kernel
 
 
 @contextlib.contextmanager

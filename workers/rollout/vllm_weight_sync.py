@@ -76,6 +76,15 @@ def _reprocess_tied_layers(model: torch.nn.Module, loaded: set[str]) -> None:
             method.process_weights_after_loading(module)
 
 
+def _fused_experts_name(name: str, expected: set[str]) -> str:
+    """The engine's name of a fused-experts tensor sent as ``...mlp.experts.w13_weight`` / ``w2_weight``: vLLM
+    0.32's fused-experts layer keeps them one module deeper (``...mlp.experts.routed_experts.w13_weight``)."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf in ("w13_weight", "w2_weight") and f"{prefix}.routed_experts.{leaf}" in expected:
+        return f"{prefix}.routed_experts.{leaf}"
+    return name
+
+
 class VLLMShardLoader:
     """A vLLM worker extension: ``collective_rpc("load_shard", args=(shard, vocab_range))``.
 
@@ -102,6 +111,8 @@ class VLLMShardLoader:
         start = time.perf_counter()
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
+        shard = {(name if name in expected else _fused_experts_name(name, expected)): tensor
+                 for name, tensor in shard.items()}
         missing, unknown = sorted(expected - set(shard)), sorted(set(shard) - expected)
         if missing or unknown:
             raise ShardLoadError(
