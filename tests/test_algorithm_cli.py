@@ -2,9 +2,10 @@
 
 (test_train_cli.py runs the first five (PPO, GRPO, RLOO, ReMax, REINFORCE++) end to end, over both
 launchers and both rollout engines and at the demo's TP2 x PP2, PPO there with sequence-level TIS on
-the recompute path; here the later ones run two steps each under torchrun. Those whose path differs
-with the engine (DAPO's extra rounds, the TIS weights on the recompute path) generate with vLLM; the
-others with the megatron rollout, which starts in a fraction of vLLM's time.)
+the recompute path; here the later ones run two steps each under torchrun. CISPO (the TIS weights on
+the recompute path) generates with vLLM; the others, DAPO's extra rounds among them, with the megatron
+rollout, which starts in a fraction of vLLM's time. vLLM generating several times on the same weights, as
+DAPO's rounds do, is tests/rollout/test_rollout_engines.py's.)
 
 The estimators, objectives and corrections are pure functions checked by hand elsewhere
 (test_policy_losses, test_rollout_correction, test_advantages, test_algorithm_hooks); these runs show
@@ -35,7 +36,7 @@ RUNS = {
     "reinforce_plus_plus_baseline": ["rollout.sampling.n=2", *ON_POLICY],
 }
 RECOMPUTED = {"cispo"}  # more than one optimizer step per batch
-ON_VLLM = {"dapo", "cispo"}
+ON_VLLM = {"cispo"}  # the rest generate with megatron's engine, which starts in a fraction of vLLM's time
 
 
 @pytest.mark.parametrize("algorithm", sorted(RUNS))

@@ -98,7 +98,11 @@ def test_the_moe_section_reaches_the_summary():
     from tools.bench_gpu_train import build_summary, format_summary
 
     figures = {"max_abs_log_prob_difference": 2e-6, "update_tokens_per_s": 900.0, "moe/load_max_over_mean": 1.75}
-    summary = build_summary([("moe", "ok", 20.0)], {"moe": {"device": "cuda:0", "fp32": figures, "bf16": figures}})
+    generation = {"ok": True, "greedy_equals_hf": True, "seconds": 0.5, "expert_bytes_received": 0}
+    summary = build_summary([("moe", "ok", 20.0)], {"moe": {"device": "cuda:0", "fp32": figures, "bf16": figures,
+                                                            "generation": generation}})
     assert summary["ok"] and summary["moe"]["fp32"] == figures
+    text = format_summary(summary)
     assert ("moe (tiny Qwen3-MoE actor vs transformers, cuda:0): fp32 log-prob max diff 2.0e-06, update 900 tok/s, "
-            "expert load max/mean 1.75; bf16") in format_summary(summary)
+            "expert load max/mean 1.75; bf16") in text
+    assert "megatron rollout after the reshard over experts: greedy equals HF's (0.5 s)" in text

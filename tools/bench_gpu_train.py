@@ -138,6 +138,10 @@ def format_summary(summary: dict) -> str:
         lines.append("  moe (tiny Qwen3-MoE actor vs transformers, " + m["device"] + "): " + "; ".join(
             f"{p} log-prob max diff {m[p]['max_abs_log_prob_difference']:.1e}, update {m[p]['update_tokens_per_s']:.0f} "
             f"tok/s, expert load max/mean {m[p]['moe/load_max_over_mean']:.2f}" for p in ("fp32", "bf16") if p in m))
+        if "generation" in m:
+            gen = m["generation"]
+            lines.append(f"        megatron rollout after the reshard over experts: greedy "
+                         f"{'equals' if gen['greedy_equals_hf'] else 'DIFFERS FROM'} HF's ({gen['seconds']} s)")
     if "grpo" in summary:
         g = summary["grpo"]
         phases = " ".join(f"{k} {_fmt(v)}" for k, v in g["phases_s"].items())

@@ -6,7 +6,9 @@
 The built-in Qwen3-MoE (builtin:tiny-arithmetic-moe: 8 experts, 2 per token) goes through the MoE path the
 GPU takes: megatron's router and token dispatcher on CUDA tensors, the experts as a sequential MLP (or
 transformer-engine's grouped GEMM where it is installed). Prints and writes, per precision, the largest
-log-prob difference from HF's model on the same tokens, the update's tokens/s and the routing figures.
+log-prob difference from HF's model on the same tokens, the update's tokens/s and the routing figures; then
+the megatron rollout engine colocated with the fp32 actor (the 3D-HybridEngine over experts on the device)
+generates greedily, and must equal HF's greedy on the actor's exported weights.
 """
 
 from __future__ import annotations
@@ -71,7 +73,43 @@ def inner(args) -> dict:
         }
         print(f"{precision}: log-prob difference from HF {difference:.2e} (tolerance {TOLERANCE[precision]}); "
               f"update {results[precision]['update_tokens_per_s']} tokens/s")
+        if precision == "fp32":
+            results["generation"] = generation_check(pool, actor, f"actor_{precision}", device, args)
     return results
+
+
+def generation_check(pool, actor, actor_role: str, device, args) -> dict:
+    """The 3D-HybridEngine over experts on the device: the megatron rollout engine colocated with the updated
+    fp32 actor generates greedily; its tokens must equal HF's greedy on the actor's exported weights."""
+    from transformers import AutoModelForCausalLM
+
+    from controller import WorkerGroup
+    from workers import DataProto
+    from workers.rollout import Rollout
+
+    rollout = WorkerGroup(pool, Rollout, role=f"rollout_{actor_role}", kwargs=dict(
+        model_path=args.model_dir, actor_role=actor_role,
+        config={"engine": "megatron", "max_prompt_length": 8, "sampling": {"max_new_tokens": 8}}))
+    prompts = [[5, 9, 33, 7], [100, 4, 3, 12], [44, 45, 46, 47], [7, 8, 9, 10]]
+    ids = torch.tensor(prompts)
+    batch = DataProto({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {}, {"sampling": {"greedy": True,
+                                                                                                 "ignore_eos": True}})
+    start = time.perf_counter()
+    out = rollout.generate_sequences(batch)
+    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as exported:
+        actor.save_hf(exported)
+        hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).to(device)
+        with torch.no_grad():
+            expected = hf.generate(ids.to(device), do_sample=False, max_new_tokens=8, eos_token_id=None,
+                                   pad_token_id=0)[:, ids.shape[1]:].cpu()
+    got = out.batch["responses"]
+    metrics = out.meta_info["metrics"]
+    equal = bool(torch.equal(got, expected))
+    print(f"generation: megatron rollout greedy {'equals' if equal else 'DIFFERS FROM'} HF's after the reshard "
+          f"({metrics.get('reshard/expert_bytes_received', 0):.0f} expert bytes received); {seconds:.2f} s")
+    return {"ok": equal, "greedy_equals_hf": equal, "seconds": round(seconds, 3),
+            "expert_bytes_received": metrics.get("reshard/expert_bytes_received")}
 
 
 def main() -> int:
@@ -105,7 +143,7 @@ def main() -> int:
         results = json.loads(out.read_text())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    return 0 if all(results[p]["ok"] for p in ("fp32", "bf16")) else 1
+    return 0 if all(results[p]["ok"] for p in ("fp32", "bf16", "generation")) else 1
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@
 #   rollout  the megatron rollout engine on the hybrid engine's generation buffer, TP1: generated tokens/s
 #            (tools/bench_gpu_train.py rollout)                                   -> rollout.json
 #   moe      a mixture of experts on the GPU: the built-in Qwen3-MoE actor (8 experts, top-2) in fp32 and bf16, its
-#            log-probs against transformers on the same device, update tokens/s, routing figures
-#            (tools/check_moe_gpu.py)                                             -> moe.json
+#            log-probs against transformers on the same device, update tokens/s, routing figures; then the
+#            megatron rollout on the resharded experts, greedy against HF's (tools/check_moe_gpu.py) -> moe.json
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
 #            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
@@ -170,7 +170,7 @@ for name in build ops kernels install reward train rollout moe grpo; do
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 150 ;;
     install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
-    rollout) run_section rollout 120 ;; moe) run_section moe 90 ;;
+    rollout) run_section rollout 120 ;; moe) run_section moe 120 ;;
     grpo) run_section grpo 180 ;;
   esac
 done
