@@ -109,7 +109,7 @@ def build_generation_model(
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
     experts = {}
     if spec.moe is not None:
-        if tp > 1:  # megatron runs an MoE layer under TP only sequence-parallel, which its inference does not
+        if tp > 1:  # megatron runs an MoE layer under TP only sequence-parallel; the generation model does not yet
             raise ValueError(f"the megatron rollout engine generates a mixture of experts at tensor_parallel 1 only "
                              f"(got {plan.gen}); generate at TP > 1 with vLLM (rollout.engine: vllm)")
         experts = {"ep": tp if plan.gen.expert_parallel else 1, "etp": 1 if plan.gen.expert_parallel else tp}
