@@ -63,27 +63,32 @@ class HybridBridge:
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
         params = self._training_params()
-        dense = {p.name: params[p.name] for p in weights.training_params(rank)}
+
+        def dense() -> dict[str, torch.Tensor]:  # all but the routed experts: what the micro-DP plan moves
+            return {p.name: params[p.name] for p in weights.training_params(rank)}
+
         if method == "micro_dp":
             if gen not in self.resharders:
-                self.resharders[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes)
+                self.resharders[gen] = Resharder(weights, rank, dense(), self.transport, self.bucket_bytes)
             start = time.perf_counter()
             self.weights = self.resharders[gen].to_generation(release_training=release_training)
         else:
             start = time.perf_counter()
-            self.weights = BASELINES[method](weights, rank, dense, self.transport)
+            self.weights = BASELINES[method](weights, rank, dense(), self.transport)
         dense_bytes = self.transport.bytes_received - before
-        if weights.experts is not None:
+        moe = self.engine.spec.moe is not None
+        if moe:  # the experts' plan is built once per layout, with their resharder (not every step)
             if gen not in self.expert_resharders:
                 self.expert_resharders[gen] = ExpertResharder(weights.experts, rank, params, self.transport)
-            self.weights.update(self.expert_resharders[gen].to_generation())
-            self._place_router(weights.experts.placement)
+            experts = self.expert_resharders[gen]
+            self.weights.update(experts.to_generation())
+            self._place_router(experts.plan.placement)
         me = weights.layout.ranks[rank]
         return {
             "timing_s/reshard": time.perf_counter() - start,
             "reshard/bytes_received": self.transport.bytes_received - before,
             **({"reshard/expert_bytes_received": self.transport.bytes_received - before - dense_bytes}
-               if weights.experts is not None else {}),
+               if moe else {}),
             "gen_tp_rank": me.gen_tp_rank,
             "gen_pp_rank": me.gen_pp_rank,
             "gen_dp_rank": me.gen_dp_rank,
