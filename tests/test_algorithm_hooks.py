@@ -169,6 +169,21 @@ def test_dr_grpo_keeps_the_group_std_out():
     assert grpo.batch["advantages"][0].item() == pytest.approx(0.5 / (0.5 ** 0.5 + 1e-6))  # std of (1, 0): sqrt(0.5)
 
 
+def test_reinforce_plus_plus_baseline_by_name_uses_its_estimator_over_the_prompt_groups():
+    # scores 1, 3, 0, 1 on the last real token; prompts a = rows 0, 2 and b = rows 1, 3 (the batch's uids)
+    rewards = torch.tensor([[0.0, 1.0], [3.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    batch = DataProto({"token_level_scores": rewards, "response_mask": mask},
+                      {"uid": np.asarray(["a", "b", "a", "b"], dtype=object)})
+    alg = build_algorithm(AlgorithmConfig(name="reinforce_plus_plus_baseline"))
+    out = alg.advantages(None, StepState(0), batch)
+    # minus the group means (0.5 and 2) on every real token, then whitened over the 6 real tokens
+    centred = torch.tensor([[0.5, 0.5], [1.0, 0.0], [-0.5, -0.5], [-1.0, 0.0]])
+    real = centred[mask.bool()]
+    expected = (centred - real.mean()) / (real.var() + 1e-8).sqrt() * mask
+    assert torch.allclose(out.batch["advantages"], expected, atol=1e-5)
+
+
 def test_rollout_correction_auto_is_off_only_on_the_colocated_same_precision_path():
     assert resolve_rollout_correction(RolloutCorrectionConfig(), same_precision=True).mode == "off"
     on = resolve_rollout_correction(RolloutCorrectionConfig(), same_precision=False)
