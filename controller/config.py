@@ -395,6 +395,35 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
     return problems
 
 
+def _router_replay_problems(config: RLConfig, model_spec) -> list[str]:
+    """algorithm.router_replay: a known mode, a mixture of experts, and a rollout that can report its routes."""
+    from controller.algorithms.config import ROUTER_REPLAY_MODES
+    from hybridengine.device import accelerator_available
+
+    mode, rollout, trainer = config.algorithm.router_replay, config.rollout, config.trainer
+    if mode not in ROUTER_REPLAY_MODES:
+        return [f"algorithm.router_replay {mode!r} is not one of {ROUTER_REPLAY_MODES}"]
+    if mode == "off":
+        return []
+    problems = []
+    setting = f"algorithm.router_replay {mode}"
+    if model_spec is not None and model_spec.moe is None:
+        problems.append(f"{setting} is for mixtures of experts; {model_spec.architecture} has no router")
+    if rollout.agent is not None:
+        problems.append(f"{setting}: multi-turn (rollout.agent) rollouts do not carry their routes yet; use "
+                        f"single-turn rollouts or algorithm.router_replay=off")
+    if trainer.mode == "async":
+        problems.append(f"{setting}: trainer.mode async continues responses across weight updates, whose "
+                        f"routes are not carried over yet; use trainer.mode sync or one_step_off")
+    if mode == "rollout" and config.actor.engine.recompute_granularity == "full":
+        problems.append(f"{setting} with actor.engine.recompute_granularity 'full': the recomputed forward would "
+                        f"route afresh; use 'selective' or none")
+    if rollout.engine == "vllm" and trainer.launcher == "torchrun" and not accelerator_available():
+        problems.append(f"{setting} with rollout.engine vllm: vLLM returns the routed experts only from its "
+                        f"Model Runner V2 (a GPU and Triton); on CPU generate with rollout.engine=megatron")
+    return problems
+
+
 def trainer_problems(trainer: TrainerConfig) -> list[str]:
     """The trainer section on its own: export precision, launcher, counts, and the launch addresses."""
     problems = []
@@ -477,6 +506,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         problems.append(f"algorithm.old_log_prob_source {alg.old_log_prob_source!r} is not one of {OLD_LOG_PROB_SOURCES}")
     problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
+    problems += _router_replay_problems(config, model_spec)
     pools = {}
     try:
         pools = job_pools(trainer)

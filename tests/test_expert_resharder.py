@@ -32,7 +32,9 @@ PROMPTS = [(5, 17, 33), (9, 100, 4, 77, 12), (42,)]
 
 def _generates_as_hf(rank, path, spec, plan, experts, reader, train):
     """The megatron rollout engine on the resharded weights (the dense part through the micro-DP plan, the
-    experts as given): greedy tokens equal HF's, and its log-probs HF's log-softmax, in fp32."""
+    experts as given): greedy tokens equal HF's, its log-probs HF's log-softmax, in fp32, and the experts it
+    reports for every position it fed (prompt and response, all but the last token; each pipeline stage's
+    layers joined) HF's routers' top-k on the same sequence."""
     from transformers import AutoModelForCausalLM
 
     from hybridengine.reshard.resharder import Resharder
@@ -45,7 +47,7 @@ def _generates_as_hf(rank, path, spec, plan, experts, reader, train):
              for p in plan.training_params(rank)}
     weights = {**Resharder(plan, rank, dense, TorchTransport()).to_generation(), **experts}
     generator = MegatronGenerator(spec, plan.layout, rank, {}, eos_token_id=255, pad_token_id=0,
-                                  decode=lambda ids: " ".join(map(str, ids)))
+                                  decode=lambda ids: " ".join(map(str, ids)), return_routed_experts=True)
     generator.update_weights(weights)
     out = generator.generate([GenerationRequest(p, None) for p in PROMPTS],
                              SamplingConfig(max_new_tokens=6, greedy=True, ignore_eos=True))
@@ -54,8 +56,13 @@ def _generates_as_hf(rank, path, spec, plan, experts, reader, train):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt):].tolist()
-            logits = hf(torch.tensor([list(prompt) + ref])).logits[0, len(prompt) - 1: -1]
+            out = hf(torch.tensor([list(prompt) + ref]), output_router_logits=True)
+            logits = out.logits[0, len(prompt) - 1: -1]
+            # [positions, layers, k]: HF's routers' choice on every position but the last, ascending
+            routes = torch.stack([r.topk(spec.moe.topk, -1).indices.sort(-1).values for r in out.router_logits], 1)[:-1]
         assert completion.token_ids == ref, (rank, prompt, completion.token_ids, ref)
+        assert completion.routed_experts.shape == (len(prompt) + 5, 2, spec.moe.topk), completion.routed_experts.shape
+        assert torch.equal(completion.routed_experts.long(), routes), (rank, prompt)
         picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ref).unsqueeze(-1)).squeeze(-1)
         assert (torch.tensor(completion.log_probs) - picked).abs().max() < 1e-4, (rank, prompt)
 

@@ -130,3 +130,64 @@ def test_vllm_expert_parallelism_is_refused_on_the_cpu_path():
     check_vllm_expert_parallel(ModelSpec.from_hf_config({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]}),
                                GenerationLayout(2, 1, True))
 
+
+
+def test_router_replay_settings_are_checked_before_launch():
+    """algorithm.router_replay: a known mode, a mixture of experts, a rollout that reports its routes; every
+    problem named at once. The rollout is told to report them by the mode alone."""
+    from controller.rl.role_assembly import _returning_routes
+    from workers.role_spec import RoleSpec
+    from workers.rollout import Rollout, RolloutConfig
+
+    spec = ModelSpec.from_hf_config(QWEN3_MOE)
+    rl = ["actor.engine.expert_parallel=2", "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1",
+          "rollout.engine=megatron"]
+    for mode in ("measure", "rollout"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, f"algorithm.router_replay={mode}"]), spec)
+    with pytest.raises(ConfigError, match=r"algorithm.router_replay 'always' is not one of \('off', 'measure', 'rollout'\)"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "algorithm.router_replay=always"]), spec)
+    dense = ModelSpec.from_hf_config({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError) as refused:
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [
+            "rollout.engine=vllm", "algorithm.router_replay=rollout", "actor.engine.recompute_granularity=full"]), dense)
+    for part in ("algorithm.router_replay rollout is for mixtures of experts; Qwen3ForCausalLM has no router",
+                 "recompute_granularity 'full': the recomputed forward would route afresh",
+                 "vLLM returns the routed experts only from its Model Runner V2 (a GPU and Triton); on CPU generate "
+                 "with rollout.engine=megatron"):
+        assert part in str(refused.value)
+    for config in ({"engine": "megatron"}, RolloutConfig(engine="megatron")):
+        spec_in = RoleSpec(Rollout, {"model_path": "m", "config": config})
+        out = _returning_routes(spec_in).kwargs["config"]
+        assert (out["return_routed_experts"] if isinstance(out, dict) else out.return_routed_experts) is True
+        assert spec_in.kwargs["config"] == config  # the user's spec untouched
+
+
+def test_the_actor_alone_sees_the_rollout_routes_under_the_key_of_the_mode():
+    import torch
+
+    from controller.rl.routes import routes_for_actor, without_routes
+    from workers import DataProto
+    from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS
+
+    routes = torch.randint(0, 8, (2, 5, 2, 2), dtype=torch.int16)
+    batch = DataProto({"input_ids": torch.zeros(2, 5, dtype=torch.long), ROLLOUT_ROUTES: routes})
+    assert ROLLOUT_ROUTES not in routes_for_actor(batch, "off").batch
+    assert routes_for_actor(batch, "measure").batch[ROLLOUT_ROUTES] is routes
+    replayed = routes_for_actor(batch, "rollout").batch
+    assert replayed[ROUTED_EXPERTS] is routes and ROLLOUT_ROUTES not in replayed
+    for mode in ("measure", "rollout"):
+        assert set(without_routes(routes_for_actor(batch, mode)).batch) == {"input_ids"}
+    dense = DataProto({"input_ids": torch.zeros(2, 5, dtype=torch.long)})
+    assert routes_for_actor(dense, "rollout") is dense and without_routes(dense) is dense
+
+
+def test_generation_expert_ids_become_training_ids_through_the_placement():
+    import torch
+
+    from workers.rollout.route_capture import to_training_ids
+
+    routes = torch.tensor([[[3, 0]], [[1, 2]]])  # [positions, layers, k], generation ids
+    placement = (2, 3, 0, 1)  # generation expert j is training expert placement[j]
+    assert to_training_ids(routes, placement).tolist() == [[[1, 2]], [[0, 3]]]  # (3, 0) -> (1, 2); (1, 2) -> (3, 0)
+    assert to_training_ids(routes, None).tolist() == [[[0, 3]], [[1, 2]]]  # ascending along k
+    assert to_training_ids(routes, None).dtype == torch.int16

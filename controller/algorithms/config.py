@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+ROUTER_REPLAY_MODES = ("off", "measure", "rollout")
+
 __all__ = ["AlgorithmConfig", "RolloutCorrectionConfig"]
 
 
@@ -50,6 +52,10 @@ class AlgorithmConfig:
     safe_rlhf_cost_limit: float = 0.0  # the constraint: the mean episode cost at most this
     safe_rlhf_lambda_init: float = 1.0  # the Lagrange multiplier lambda's first value
     safe_rlhf_lambda_lr: float = 0.1  # lambda's step: lambda + lr * (mean cost - cost_limit), kept >= 0
+    # A mixture of experts' rollout routing replay (R3): "off"; "rollout" (the experts the rollout chose for
+    # each token travel with the batch, and the actor's routers replay them in its log-prob and update passes);
+    # "measure" (they travel with the batch and are only compared: router_replay/agreement without replay)
+    router_replay: str = "off"
     # importance weights between the rollout engine's log-probs and the trainer's
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # DAPO (algorithm.name: dapo)

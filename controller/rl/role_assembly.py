@@ -43,6 +43,8 @@ def assemble_roles(
     if (cost_fn is not None or cost_model is not None) and algorithm.needs_critic:
         raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
                           f"{config.name} would need a cost critic")
+    if config.router_replay != "off":  # the rollout reports the experts it routed each token to
+        rollout = _returning_routes(rollout)
     specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
     if critic is not None:
         specs["critic"] = critic
@@ -73,6 +75,18 @@ def check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn=None, c
                           "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
     if cost_fn is not None and cost_model is not None:
         raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
+
+
+def _returning_routes(rollout: RoleSpec) -> RoleSpec:
+    """``rollout`` with ``return_routed_experts`` set in its config (a RolloutConfig or its dict)."""
+    from dataclasses import replace
+
+    from workers.rollout.config import RolloutConfig
+
+    config = rollout.kwargs.get("config")
+    config = replace(config, return_routed_experts=True) if isinstance(config, RolloutConfig) else {
+        **(config or {}), "return_routed_experts": True}
+    return replace(rollout, kwargs={**rollout.kwargs, "config": config})
 
 
 def _reference_cls():

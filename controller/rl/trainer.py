@@ -41,6 +41,7 @@ from controller.rl.role_specs import declare_roles, kl_loss_function, with_paral
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.rollout_source import RolloutSource
+from controller.rl.routes import routes_for_actor, without_routes
 from controller.rl.schedules import build_schedule, generation_seed, with_sampling
 from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
 from controller.rl.trainer_builder import config_from_keywords
@@ -427,18 +428,21 @@ class RLTrainer:
     def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:
         """Old log-probs (skipped when the update's own forward gives them), reference log-probs, values."""
         g = self.groups
+        batch = routes_for_actor(batch, self.algorithm.config.router_replay)  # a mixture of experts' routes
         if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
             with state.timed("old_log_prob"):
-                batch = batch.union(g["actor"].compute_log_prob(batch))
+                old = g["actor"].compute_log_prob(batch)
+                state.metrics.update(old.meta_info.pop("metrics", {}))  # router_replay/agreement
+                batch = batch.union(old)
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                                    batch.batch["response_mask"]))
             batch = use_old_log_probs(batch, self.algorithm.config.old_log_prob_source)
         if "ref_policy" in g:
             with state.timed("ref"):
-                batch = batch.union(g["ref_policy"].compute_ref_log_prob(batch))
+                batch = batch.union(g["ref_policy"].compute_ref_log_prob(without_routes(batch)))
         if "critic" in g:
             with state.timed("values"):
-                batch = batch.union(g["critic"].compute_values(batch))
+                batch = batch.union(g["critic"].compute_values(without_routes(batch)))
         return batch
 
     def update(self, batch: DataProto, terms: PolicyUpdateTerms, state: StepState) -> None:
@@ -447,7 +451,7 @@ class RLTrainer:
         g = self.groups
         if "critic" in g:
             with state.timed("update_critic"):
-                state.metrics.update(reduce_update_metrics(g["critic"].update_critic(batch)))
+                state.metrics.update(reduce_update_metrics(g["critic"].update_critic(without_routes(batch))))
         with state.timed("update_actor"):
             if self.kl_loss_fn is not None:  # the user's term, called with this step
                 terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
@@ -459,6 +463,8 @@ class RLTrainer:
         if self.old_log_probs_from_update:  # the agreement the skipped pass would have measured
             for stat in ("max", "mean"):
                 metrics[f"rollout/logprob_diff_{stat}"] = metrics.pop(f"actor/rollout_logprob_diff_{stat}")
+            for key in [k for k in metrics if k.startswith("actor/router_replay/")]:  # its one pass: the rollout's weights
+                metrics[key.removeprefix("actor/")] = metrics.pop(key)
         metrics.update(kl_metrics(metrics, user_fn=self.kl_loss_fn is not None, ppo=self.ppo,
                                   reward_beta=self.algorithm.kl_ctrl.value if self.algorithm.config.kl_in_reward else None))
         state.metrics.update(metrics)

@@ -35,7 +35,8 @@ from hybridengine.parallel.layout import ParallelLayout, divisors
 from hybridengine.reshard.assignment import max_value_assignment
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 
-__all__ = ["EXPERT_UNIT_ROWS", "ExpertNeed", "ExpertPiece", "ExpertPlan", "check_expert_split", "held_units", "plan_experts"]
+__all__ = ["EXPERT_UNIT_ROWS", "ExpertNeed", "ExpertPiece", "ExpertPlan", "check_expert_split", "expert_placement", "held_units",
+           "plan_experts"]
 
 EXPERT_UNIT_ROWS = 3  # per FFN unit: a gate row, an up row, a down column, each of hidden size
 
@@ -156,7 +157,7 @@ def _needed(spec: ModelSpec, layout: ReshardPlan, rank: int) -> list[tuple[int, 
     return [(layer, k, (g * width, (g + 1) * width)) for layer in layers for k in range(experts)]
 
 
-def _placement(spec: ModelSpec, layout: ReshardPlan) -> tuple[int, ...]:
+def expert_placement(spec: ModelSpec, layout: ReshardPlan) -> tuple[int, ...]:
     """Generation expert -> training expert, holding the most in place (identity unless generation EP)."""
     experts = spec.moe.num_experts
     gen, train = layout.gen, layout.train
@@ -203,7 +204,7 @@ def plan_experts(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) 
     check_expert_split(spec, gen)
     experts, ffn = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
     layout = plan_reshard(train, gen)
-    placement = _placement(spec, layout)
+    placement = expert_placement(spec, layout)
     width, per_rank = ffn // train.etp, experts // train.ep
     sent = [0] * train.world_size
     needs = []

@@ -4,7 +4,8 @@
 
 OUT_DIR/cases.json lists the cases, each {"model", "tp", "pp", "ep", "etp", "dist_opt", "logits_output", "export",
 "reshard": [[generation TP, PP, whole experts], ...]}; case i
-reads OUT_DIR/inputs_{i}.pt (batch and training tensors; a batch with routed_experts replays them) and writes
+reads OUT_DIR/inputs_{i}.pt (batch and training tensors; a batch with routed_experts replays them, and its
+log-probs are computed a second time with the same routes only compared, as rollout_routed_experts) and writes
 OUT_DIR/result_{i}.pt, its weights after one step to OUT_DIR/after_step_{i} and, with "export", the reference
 policy's (untrained) weights to OUT_DIR/exported_{i}; with "reshard", the actor's generation weights at each
 generation layout (resharded, then back to training, before the step). Every case is a pair of worker groups of its own on the
@@ -48,10 +49,15 @@ def run_case(pool, out: Path, i: int, case: dict) -> None:
         reshards.append({"stats": stats, "weights": actor.generation_weights()})
         actor.to_training()
     log_probs = actor.compute_log_prob(batch)
+    measured = None
+    if "routed_experts" in batch.batch:  # the same routes as the rollout's, only compared (router_replay: measure)
+        tensors = {("rollout_routed_experts" if k == "routed_experts" else k): v for k, v in batch.batch.items()}
+        measured = actor.compute_log_prob(type(batch)(tensors, batch.non_tensor_batch, batch.meta_info))
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / f"after_step_{i}"))
-    torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
+    torch.save({"log_probs": log_probs, "measured": measured, "ref_log_probs": ref_log_probs, "metrics": metrics,
+                "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(), "reshards": reshards},
                out / f"result_{i}.pt")
 

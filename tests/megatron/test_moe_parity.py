@@ -42,9 +42,11 @@ def launch(out, cases: dict) -> dict:
     inputs = {}
     for i, (name, (model_dir, case)) in enumerate(cases.items()):
         batch, train = make_inputs(model_dir)
-        if case.get("routes"):  # random experts for every token and layer: not the model's own choice
+        if case.get("routes"):  # random experts for every token and layer (not the model's own choice); -1: padding
             g = torch.Generator().manual_seed(5)
-            batch.batch["routed_experts"] = torch.rand(*batch.batch["input_ids"].shape, 2, 8, generator=g).topk(2, -1).indices
+            routes = torch.rand(*batch.batch["input_ids"].shape, 2, 8, generator=g).topk(2, -1).indices
+            routes[~batch.batch["attention_mask"].bool()] = -1
+            batch.batch["routed_experts"] = routes
         torch.save({"batch": batch, "train": train, "temperature": TEMPERATURE}, out / f"inputs_{i}.pt")
         inputs[name] = batch, train
     (out / "cases.json").write_text(json.dumps([{**case, "model": str(model_dir)} for model_dir, case in cases.values()]))
@@ -113,6 +115,8 @@ def forced_routing(model, routes):
     the gate weights are its softmax's, renormalized over the given experts as norm_topk_prob says."""
     import torch.nn.functional as F
 
+    k = routes.shape[-1]
+    routes = torch.where(routes < 0, torch.arange(k), routes)  # padding: experts 0..k-1, as megatron replays it
     for layer, block in enumerate(model.model.layers):
         gate = block.mlp.gate
 
@@ -143,6 +147,49 @@ def test_replayed_routes_are_what_every_pass_routes_by(runs, monkeypatch):
     mask = batch.batch["response_mask"].bool()
     assert (own - ref["log_probs"]).abs()[mask].max() > 0.05  # the routes are not the model's own choice
     assert_matches(run, ref)
+
+
+def own_choice_agreement(model, batch, routes) -> torch.Tensor:
+    """Per layer, the fraction of real tokens whose router's own top-k set (from its logits in this forward of
+    ``model``) equals the set ``routes`` gives."""
+    logits = []
+    hooks = [block.mlp.gate.register_forward_hook(lambda mod, args, out: logits.append(out[0].detach()))
+             for block in model.model.layers]
+    b = batch.batch
+    with torch.no_grad():
+        model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+    for hook in hooks:
+        hook.remove()
+    real = b["attention_mask"].bool().flatten()
+    out = []
+    for layer, layer_logits in enumerate(logits):
+        own = layer_logits.topk(routes.shape[-1], -1).indices.sort(-1).values
+        given = routes[:, :, layer].reshape(-1, routes.shape[-1]).sort(-1).values
+        out.append((own == given).all(-1)[real].float().mean())
+    return torch.stack(out)
+
+
+def test_routers_own_choice_is_counted_against_the_routes_replayed_or_not(runs):
+    """router_replay/agreement: the fraction of (real token, layer) pairs whose router's own top-k equals the
+    given routes, at TP2 x PP2 x EP2 (sequence-parallel slices, each stage its layers, padding left out),
+    against HF's routers in the same forward: replaying (the routers' choice given the replayed layers below),
+    and only compared (rollout_routed_experts: the model's own forward, whose log-probs are HF's unforced)."""
+    model_dir, _, result, batch, _, _, _ = runs["replay-TP2xPP2xEP2xETP1"]
+    routes = batch.batch["routed_experts"]
+    real_tokens = int(batch.batch["attention_mask"].sum())
+    replayed = own_choice_agreement(forced_routing(hf_model(model_dir), routes), batch, routes)
+    unforced = own_choice_agreement(hf_model(model_dir), batch, routes)
+    mask = batch.batch["response_mask"].bool()
+    for got, want in ((result["log_probs"], replayed), (result["measured"], unforced)):
+        metrics = got.meta_info["metrics"]
+        for layer in range(2):
+            assert metrics[f"router_replay/agreement/layer_{layer}"] == pytest.approx(float(want[layer]), abs=0.5 / real_tokens)
+        assert metrics["router_replay/agreement"] == pytest.approx(float(want.mean()), abs=0.5 / real_tokens)
+    assert 0.0 < float(unforced.mean()) < 0.5  # random routes: the routers agree on few tokens
+    own = test_actor_parity.reference_log_probs(hf_model(model_dir), batch)[0]
+    torch.testing.assert_close(result["measured"].batch["old_log_probs"][mask], own[mask], atol=1e-5, rtol=0)
+    assert result["metrics"][0]["actor/router_replay/agreement"][0] == pytest.approx(float(replayed.mean()),
+                                                                                      abs=0.5 / real_tokens)
 
 
 def test_qwen2_moe_shared_expert_with_expert_tp1_under_tp2(runs):

@@ -172,3 +172,38 @@ def test_a_stop_string_begun_in_an_earlier_call_ends_the_response_through_its_la
     seen = []
     stop_in_continuation(ids("q" * 500 + "a"), ids("b"), ("ab",), lambda t: seen.append(len(t)) or decode(t))
     assert max(seen) <= len("ab") + 8 + 1
+
+
+def test_routed_experts_line_up_with_the_tokens_and_pad_with_minus_one():
+    """A mixture of experts' completions' routes ([prompt + response - 1, layers, k]) sit at their tokens'
+    columns of input_ids; -1 marks padding and the last token; batches of other prompt widths concatenate."""
+    from workers.megatron.routing_replay import ROLLOUT_ROUTES
+    from workers.rollout.batch import concat_rollout_batches
+
+    sampling = SamplingConfig(n=1, max_new_tokens=3)
+    batch_in = prompts([[5, 6], [7, 8, 9]], width=4)
+    requests = build_requests(batch_in, sampling, max_prompt_length=8)
+
+    def routes(n, base):  # [n, 2 layers, k 2]: distinct values per position
+        return (base + torch.arange(n * 4).reshape(n, 2, 2)).to(torch.int16)
+
+    completions = [Completion([1, 2, 3], [0.0] * 3, routed_experts=routes(4, 0)),  # 2 + 3 - 1
+                   Completion([4], [0.0], "stop", routed_experts=routes(3, 100))]  # 3 + 1 - 1
+    made = build_rollout_batch(batch_in, requests, completions, sampling, 8, pad_token_id=0)
+    out = made.batch
+    got = out[ROLLOUT_ROUTES]
+    assert got.shape == (2, 4 + 3, 2, 2) and got.dtype == torch.int16
+    # row 0: prompt at columns 2-3, response 4-6; routes on columns 2..5, none on the last token (6)
+    assert torch.equal(got[0, 2:6], routes(4, 0)) and (got[0, :2] == -1).all() and (got[0, 6:] == -1).all()
+    # row 1: prompt at 1-3, one response token at 4; routes on 1..3
+    assert torch.equal(got[1, 1:4], routes(3, 100)) and (got[1, :1] == -1).all() and (got[1, 4:] == -1).all()
+    known = got[..., 0, 0] >= 0
+    assert (known <= out["attention_mask"].bool()).all()  # a route only where there is a token
+    long_prompt = prompts([[5, 6, 7, 8, 9, 10]], width=6)
+    wider = build_rollout_batch(long_prompt, build_requests(long_prompt, sampling, 8),
+                                [Completion([1], [0.0], routed_experts=routes(6, 7))], sampling, 8, pad_token_id=0)
+    both = concat_rollout_batches([made, wider], pad_token_id=0).batch
+    assert both[ROLLOUT_ROUTES].shape == (3, 6 + 3, 2, 2)
+    assert torch.equal(both[ROLLOUT_ROUTES][:2, 2:], got) and (both[ROLLOUT_ROUTES][:2, :2] == -1).all()
+    with pytest.raises(RuntimeError, match="completion 1 carries no routed experts while others do"):
+        build_rollout_batch(batch_in, requests, [completions[0], Completion([4], [0.0])], sampling, 8, pad_token_id=0)

@@ -45,7 +45,7 @@ from workers.megatron.micro_batches import (
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 from workers.megatron.routing_monitor import RoutingMonitor
-from workers.megatron.routing_replay import ROUTED_EXPERTS, RoutingReplay, check_replay
+from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
 
@@ -168,8 +168,8 @@ class MegatronEngine:
         comes back in the micro-batches' order: ``RunOutputs.rows`` restores the batch's.
         """
         prepare_megatron()
-        if ROUTED_EXPERTS in batch.batch:
-            check_replay(self.spec, self.config.recompute_granularity)
+        if ROUTED_EXPERTS in batch.batch or ROLLOUT_ROUTES in batch.batch:
+            check_replay(self.spec, self.config.recompute_granularity if ROUTED_EXPERTS in batch.batch else None)
         micro = self.micro_batches(batch)
         mask = batch.batch["attention_mask"]
         padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=sum(mb["input_ids"].numel() for mb in micro))
@@ -204,13 +204,23 @@ class MegatronEngine:
         return RunOutputs(stats, micro, padding)
 
     def _routes_of(self, mb: MicroBatch):
-        """Within: ``mb``'s forward, its routers replaying its ``routed_experts`` when it has them."""
-        if ROUTED_EXPERTS not in mb:
+        """Within: ``mb``'s forward, its routers replaying its ``routed_experts`` when it has them, or compared
+        with its ``rollout_routed_experts``."""
+        key = next((k for k in (ROUTED_EXPERTS, ROLLOUT_ROUTES) if k in mb), None)
+        if key is None:
             return contextlib.nullcontext()
         if self.replay is None:
             self.replay = RoutingReplay(self.module(), self.spec, self.spec.layers_of_stage(
                 self.groups.pp_rank, self.layout.pp), self.groups.tp_rank, self.layout.tp, self.sequence_parallel)
-        return self.replay.replaying(mb[ROUTED_EXPERTS])
+        return self.replay.replaying(mb[key], replay=key == ROUTED_EXPERTS)
+
+    def replay_metrics(self) -> dict[str, float]:
+        """How often the routers' own top-k agreed with a batch's routes (``router_replay/agreement``, overall
+        and per layer) in the passes since the last call, then forgotten; collective over the pool. Empty
+        when no pass carried routes."""
+        if self.replay is None:
+            return {}
+        return self.replay.metrics(self.groups.pool_group)
 
     def _schedule(self) -> Callable:
         """megatron's forward-backward schedule for this grid (1F1B over the PP group when PP > 1)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.megatron.packing import check_contiguous_rows, left_pad_counts, roll_rows
-from workers.megatron.routing_replay import ROUTED_EXPERTS
+from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS
 
 __all__ = ["MicroBatch", "PaddingStats", "RunOutputs", "fixed_groups", "token_budget_groups", "build_micro_batch",
            "original_order"]
@@ -38,8 +38,9 @@ class MicroBatch(dict):
     Keys: ``input_ids`` (rolled, [B, W] with W its longest row), ``rows`` (the
     rows' indices in the batch), ``response_index`` [B, R] (rolled positions
     predicting the response tokens), ``routed_experts`` (a mixture of experts'
-    routes to replay, [B, W, layers, k], rolled as the tokens) when the batch
-    has them, and every other tensor of the original batch under its own
+    routes to replay, [B, W, layers, k], rolled as the tokens, -1 past a row's
+    end) and ``rollout_routed_experts`` (the rollout's, only compared) when the
+    batch has them, and every other tensor of the original batch under its own
     name, unrolled and at full width.
     """
 
@@ -130,11 +131,12 @@ def build_micro_batch(batch: dict[str, torch.Tensor], rows: list[int], device: t
     ids = roll_rows(part["input_ids"], shift)[:, :width]
     if ids.shape[1] < width:  # rounded up past the batch's own width: padding on the right
         ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
-    if ROUTED_EXPERTS in part:  # [B, S, layers, k]: rolled and trimmed with the tokens
-        routes = roll_rows(part[ROUTED_EXPERTS], shift)[:, :width]
-        if routes.shape[1] < width:
-            routes = torch.cat([routes, routes[:, -1:].expand(-1, width - routes.shape[1], -1, -1)], 1)
-        mb[ROUTED_EXPERTS] = routes.contiguous()
+    for key in (ROUTED_EXPERTS, ROLLOUT_ROUTES):
+        if key in part:  # [B, S, layers, k]: rolled and trimmed with the tokens; no route past a row's end
+            routes = roll_rows(part[key], shift)[:, :width]
+            if routes.shape[1] < width:
+                routes = torch.cat([routes, routes.new_full((len(routes), width - routes.shape[1], *routes.shape[2:]), -1)], 1)
+            mb[key] = routes.contiguous()
     mb.update(input_ids=ids.contiguous(), rows=index,
               response_index=response_index)
     return mb

@@ -36,6 +36,7 @@ def run_ppo_epochs(
     per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
     engine.routing_metrics()  # from here on: the update's own passes
+    engine.replay_metrics()
     for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
         tokens, sequences = engine.dp_sum(normalizer_counts(mini.batch["response_mask"]))
         engine.zero_grad()
@@ -44,6 +45,7 @@ def run_ppo_epochs(
         stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
         step_metrics = engine.optimizer_step()
         step_metrics.update(engine.routing_metrics())
+        step_metrics.update(engine.replay_metrics())  # the routers against a batch's routes, where it has them
         padding = PaddingStats(*engine.dp_sum([stats.padding.real, stats.padding.before, stats.padding.after]))
         step_metrics.update({"padding_fraction_before": padding.fraction_before,
                              "padding_fraction_after": padding.fraction_after})

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.data_proto import DataProto
+from workers.megatron.routing_replay import ROLLOUT_ROUTES
 from workers.rollout.sampling import SamplingConfig
 
 __all__ = [
@@ -46,6 +47,9 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]  # of each sampled token under the processed (tempered) distribution
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    # a mixture of experts' routes when asked for: [positions, layers, k] training expert ids of the prompt's
+    # and the response's positions whose output the engine computed (all but the last token's)
+    routed_experts: torch.Tensor | None = None
 
 
 def stop_in_continuation(before: list[int], new: list[int], stops: tuple[str, ...] | list[str],
@@ -134,7 +138,10 @@ def build_rollout_batch(
     ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
     ``response_mask``, ``rollout_log_probs``; every other key of ``prompts``
     is repeated n times alongside. Widths depend only on the input width and
-    the config, so batches from different replicas concatenate.
+    the config, so batches from different replicas concatenate. Completions
+    that carry their routed experts give ``rollout_routed_experts`` [B, P + R,
+    layers, k] aligned with ``input_ids``, -1 where no route is known (padding,
+    the last token).
     """
     n, width = sampling.n, sampling.max_new_tokens
     if not len(requests) == len(completions) == len(prompts) * n:
@@ -159,11 +166,31 @@ def build_rollout_batch(
         prompt_ids[row, prompt_width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids, dtype=torch.long)
         prompt_mask[row, prompt_width - len(request.prompt_ids):] = 1
     generated = sequence_tensors(prompt_ids, prompt_mask, responses, response_mask, response_mask, log_probs)
+    if any(c.routed_experts is not None for c in completions):
+        generated[ROLLOUT_ROUTES] = routes_tensor(requests, completions, prompt_width, width)
     rest = {k: v for k, v in repeated.batch.items() if k not in generated}
     meta = dict(prompts.meta_info)
     meta["temperature"] = sampling.logprob_temperature  # the actor recomputes log-probs at this temperature
     finish = [c.finish_reason for c in completions]
     return DataProto({**rest, **generated}, {**repeated.non_tensor_batch, "finish_reason": finish}, meta)
+
+
+def routes_tensor(requests: list[GenerationRequest], completions: list[Completion], prompt_width: int,
+                  width: int) -> torch.Tensor:
+    """The completions' routed experts as one [B, prompt_width + width, layers, k] tensor aligned with the
+    batch's left-padded prompts and right-padded responses; -1 where a position has no route."""
+    first = next(c.routed_experts for c in completions if c.routed_experts is not None)
+    out = torch.full((len(completions), prompt_width + width, *first.shape[1:]), -1, dtype=first.dtype)
+    for row, (request, completion) in enumerate(zip(requests, completions)):
+        routes = completion.routed_experts
+        if routes is None:
+            raise RuntimeError(f"completion {row} carries no routed experts while others do")
+        start = prompt_width - len(request.prompt_ids)
+        if routes.shape[1:] != first.shape[1:] or len(routes) > prompt_width + width - start:
+            raise RuntimeError(f"completion {row}: routes {tuple(routes.shape)} do not fit its "
+                               f"{len(request.prompt_ids)} + {len(completion.token_ids)} tokens")
+        out[row, start:start + len(routes)] = routes
+    return out
 
 
 def sequence_tensors(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
@@ -187,7 +214,7 @@ def sequence_tensors(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, respon
     }
 
 
-PROMPT_SIDE = ("prompts", "input_ids", "attention_mask")
+PROMPT_SIDE = ("prompts", "input_ids", "attention_mask", ROLLOUT_ROUTES)
 
 
 def concat_rollout_batches(parts: list[DataProto], pad_token_id: int) -> DataProto:
@@ -205,10 +232,10 @@ def concat_rollout_batches(parts: list[DataProto], pad_token_id: int) -> DataPro
             padded.append(part)
             continue
         batch = dict(part.batch)
-        for key in PROMPT_SIDE:
+        for key in (k for k in PROMPT_SIDE if k in batch):
             value = batch[key]
-            fill = 0 if key == "attention_mask" else pad_token_id
-            batch[key] = torch.cat([value.new_full((value.shape[0], extra), fill), value], dim=1)
+            fill = {"attention_mask": 0, ROLLOUT_ROUTES: -1}.get(key, pad_token_id)
+            batch[key] = torch.cat([value.new_full((value.shape[0], extra, *value.shape[2:]), fill), value], dim=1)
         batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         padded.append(DataProto(batch, part.non_tensor_batch, part.meta_info))
     return DataProto.concat(padded)

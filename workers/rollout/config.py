@@ -26,6 +26,9 @@ class RolloutConfig:
     # a mixture of experts' routed experts: whole experts per generation TP rank (vLLM's enable_expert_parallel),
     # placed where the training ranks hold them; false: each expert cut across the generation TP ranks
     expert_parallel: bool = False
+    # a mixture of experts' completions carry the experts their tokens were routed to (rollout_routed_experts);
+    # the trainer sets it from algorithm.router_replay
+    return_routed_experts: bool = False
     max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields

@@ -49,6 +49,7 @@ from workers.megatron.megatron_compat import (
 )
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.generator import GeneratorBase, GeneratorContext
+from workers.rollout.route_capture import gather_layers, to_training_ids
 from workers.rollout.sampling import SamplingConfig
 
 __all__ = ["MegatronGenerator"]
@@ -77,7 +78,8 @@ class MegatronGenerator(GeneratorBase):
                              "actor (actor_role), give it a pool of its own fed by the actor (training=...), "
                              "or use engine='vllm'")
         return cls(context.spec, context.plan, context.rank, {}, eos_token_id=context.eos_token_id,
-                   pad_token_id=context.pad_token_id, decode=context.decode)
+                   pad_token_id=context.pad_token_id, decode=context.decode,
+                   return_routed_experts=getattr(context.config, "return_routed_experts", False))
 
     def __init__(
         self,
@@ -90,8 +92,11 @@ class MegatronGenerator(GeneratorBase):
         decode: Callable[[list[int]], str] | None = None,
         *,
         max_batch_size: int | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         """``max_batch_size`` caps how many requests share one static batch (None: all of them).
+        ``return_routed_experts``: a mixture of experts' completions carry the experts its routers chose
+        (``Completion.routed_experts``, training expert ids; ``workers.rollout.route_capture``).
 
         ``pad_token_id`` is only checked: megatron's engine pads prompts with
         EOS internally, and no padding reaches the completions.
@@ -114,6 +119,9 @@ class MegatronGenerator(GeneratorBase):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.decode = decode
         self.max_batch_size = max_batch_size
+        if return_routed_experts and spec.moe is None:
+            raise ValueError(f"return_routed_experts: {spec.architecture} has no routers (it is not a mixture of experts)")
+        self.return_routed_experts = return_routed_experts
         self.model = None
         self._controller = None  # megatron's controller with _RolloutSampling, built by the first set_weights
         self._layout: dict[str, tuple] = {}  # parameter name -> (shape, dtype, device) of the installed shard
@@ -157,6 +165,14 @@ class MegatronGenerator(GeneratorBase):
             )
             self.model = model
             self._layout = {name: (tuple(p.shape), p.dtype, p.device) for name, p in model.named_parameters()}
+            if self.return_routed_experts:
+                from hybridengine.reshard.expert_plan import expert_placement
+                from workers.rollout.route_capture import RouteRecorder
+
+                gen = self.plan.gen
+                self._controller.route_recorder = RouteRecorder(model, self.spec.layers_of_stage(
+                    self.plan.ranks[self.rank].gen_pp_rank, gen.pipeline_parallel), self.spec.moe.topk)
+                self._controller.placement = expert_placement(self.spec, self.plan)
             return
         params = dict(self.model.named_parameters())
         for name in params:
@@ -194,6 +210,8 @@ class MegatronGenerator(GeneratorBase):
     def close(self) -> None:
         """Release the weights and the model; a later ``update_weights`` builds it again (collectively)."""
         self.release()
+        if self._controller is not None and self._controller.route_recorder is not None:
+            self._controller.route_recorder.close()
         self.model, self._controller, self._layout = None, None, {}
 
     # --------------------------------------------------------------- generation
@@ -313,6 +331,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     stop_at: int | None = None  # number of tokens up to and including the one completing a stop string
+    routes: torch.Tensor | None = None  # [positions, layers, k]: the experts of every position fed to the model
 
 
 def _process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -346,6 +365,9 @@ class _RolloutSampling:
     is imported only when a generator is built).
     """
 
+    route_recorder = None  # a RouteRecorder when completions carry their routed experts
+    placement: tuple[int, ...] | None = None  # generation expert -> training expert
+
     def start(self, requests: list[GenerationRequest], sampling: SamplingConfig, unseeded_seed: int | None,
               decode: Callable[[list[int]], str] | None, vocab_size: int | None = None) -> None:
         """``vocab_size``: the real vocabulary; logits of ids from it on (padding rows) are dropped."""
@@ -371,7 +393,18 @@ class _RolloutSampling:
             row = _Row(generator)
             self._rows[request_id] = row
             self._batch_rows.append(row)
-        return super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+        if self.route_recorder is None:
+            return super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+        self.route_recorder.start()
+        try:
+            result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+        finally:
+            stage = self.route_recorder.stop()
+        pp = self.inference_wrapped_model.model.pg_collection.pp
+        routes = gather_layers(stage, pp, pp.size())
+        for row, batch_row in zip(self._batch_rows, routes):
+            row.routes = batch_row  # [positions, layers, k], generation expert ids
+        return result
 
     def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None,
                            generation_started=None, top_n_logprobs_dict=None, logits=None, **kwargs):
@@ -459,7 +492,12 @@ class _RolloutSampling:
                 f"request {request_id}: the engine stopped after {len(row.tokens)} tokens without EOS, "
                 f"stop string or reaching max_new_tokens={sampling.max_new_tokens}"
             )
-        return Completion(token_ids=row.tokens[:end], log_probs=row.log_probs[:end], finish_reason=reason)
+        routes = None
+        if row.routes is not None:  # every position whose output was used: the prompt's and all but the last token's
+            used = len(self._requests[request_id].prompt_ids) + end - 1
+            routes = to_training_ids(row.routes[:used], self.placement)
+        return Completion(token_ids=row.tokens[:end], log_probs=row.log_probs[:end], finish_reason=reason,
+                          routed_experts=routes)
 
 
 def _model_device(controller) -> torch.device:

@@ -25,11 +25,13 @@ import torch
 
 from hybridengine.device import accelerator_available
 from hybridengine.model.spec import ModelSpec
+from hybridengine.reshard.expert_plan import expert_placement
 from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.generator import GeneratorBase, GeneratorContext
+from workers.rollout.route_capture import to_training_ids
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.vllm_compat import permuted_groups, shutdown_engine
 from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments
@@ -78,6 +80,16 @@ def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
                          f"ranks instead (rollout.expert_parallel: false), or generate at tensor_parallel 1")
 
 
+def check_vllm_routed_experts(spec: ModelSpec) -> None:
+    """vLLM 0.32 returns the routed experts from its Model Runner V2 only, which needs a GPU and Triton:
+    refuse the request elsewhere (and for a dense model), before an engine is built."""
+    if spec.moe is None:
+        raise ValueError(f"return_routed_experts: {spec.architecture} has no routers (it is not a mixture of experts)")
+    if not accelerator_available():
+        raise ValueError("vLLM returns the routed experts only from its Model Runner V2 (a GPU and Triton); "
+                         "on CPU generate with rollout.engine=megatron to replay or measure routes")
+
+
 class VLLMGenerator(GeneratorBase):
     """This rank's vLLM engine at the generation layout of ``plan``: it copies the weights it is given into
     its own tensors (``borrows_weights`` False) and can serve a checkpoint as loaded."""
@@ -98,6 +110,7 @@ class VLLMGenerator(GeneratorBase):
             # Only a rollout sharing the actor's devices frees them between rollouts: one fed across pools
             # (or serving its own checkpoint) keeps its weights, which a level-2 sleep would discard.
             sleep_between_rollouts=cfg.sleep_between_rollouts and context.colocated,
+            return_routed_experts=getattr(cfg, "return_routed_experts", False),
         )
         generator.max_new_tokens = cfg.sampling.max_new_tokens  # max_model_len was sized for it
         return generator
@@ -118,10 +131,14 @@ class VLLMGenerator(GeneratorBase):
         dummy_weights: bool,
         enforce_eager: bool = True,
         sleep_between_rollouts: bool = True,
+        return_routed_experts: bool = False,
     ) -> None:
         from vllm import LLM
 
         check_vllm_head_dim(spec)
+        if return_routed_experts:
+            check_vllm_routed_experts(spec)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner that captures routes
         check_vllm_expert_parallel(spec, plan.gen)
         self.spec, self.plan, self.rank = spec, plan, rank
         self.me = plan.ranks[rank]
@@ -159,8 +176,11 @@ class VLLMGenerator(GeneratorBase):
                 worker_extension_cls="workers.rollout.vllm_weight_sync.VLLMShardLoader",
                 enable_sleep_mode=self.sleeps,
                 enable_prefix_caching=True,
+                enable_return_routed_experts=return_routed_experts,
             )
         self.asleep = False
+        # Generation expert j is training expert placement[j] (the hybrid engine placed the routers' rows so).
+        self.placement = expert_placement(spec, plan) if return_routed_experts else None
         cache = self.llm.llm_engine.vllm_config.cache_config  # what vLLM made of kv_cache_bytes, in whole blocks
         self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
@@ -223,7 +243,12 @@ class VLLMGenerator(GeneratorBase):
             sample = output.outputs[0]
             ids = list(sample.token_ids)
             log_probs = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
-            completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length"))
+            routes = None
+            if self.placement is not None:  # [prompt + response - 1, layers, k]: the last token is never fed
+                used = len(output.prompt_token_ids) + len(ids) - 1
+                routes = to_training_ids(torch.from_numpy(sample.routed_experts[:used]), self.placement)
+            completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length",
+                                          routed_experts=routes))
         return completions
 
     def release(self) -> None:
