@@ -398,7 +398,6 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
 def _router_replay_problems(config: RLConfig, model_spec) -> list[str]:
     """algorithm.router_replay: a known mode, a mixture of experts, and a rollout that can report its routes."""
     from controller.algorithms.config import ROUTER_REPLAY_MODES
-    from hybridengine.device import accelerator_available
 
     mode, rollout, trainer = config.algorithm.router_replay, config.rollout, config.trainer
     if mode not in ROUTER_REPLAY_MODES:
@@ -418,9 +417,6 @@ def _router_replay_problems(config: RLConfig, model_spec) -> list[str]:
     if mode == "rollout" and config.actor.engine.recompute_granularity == "full":
         problems.append(f"{setting} with actor.engine.recompute_granularity 'full': the recomputed forward would "
                         f"route afresh; use 'selective' or none")
-    if rollout.engine == "vllm" and trainer.launcher == "torchrun" and not accelerator_available():
-        problems.append(f"{setting} with rollout.engine vllm: vLLM returns the routed experts only from its "
-                        f"Model Runner V2 (a GPU and Triton); on CPU generate with rollout.engine=megatron")
     return problems
 
 

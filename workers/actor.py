@@ -149,12 +149,13 @@ class Actor(_LogProbRole):
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """Old log-probs and entropies of the response tokens. A mixture of experts' batch with routes (replayed
         ``routed_experts``, or the rollout's ``rollout_routed_experts`` to compare with) also gives how often
-        the routers' own top-k agreed with them: ``meta_info["metrics"]["router_replay/agreement"]``."""
+        the routers' own top-k agreed with them: ``meta_info["router_replay"]["router_replay/agreement"]`` (a
+        key of its own, so the output unions with a rollout batch's ``meta_info["metrics"]``)."""
         result = self._log_probs(data)
         replay = self.engine.replay_metrics()  # collective: every rank, before the stages part
         if result is None:
             return None
-        return DataProto({"old_log_probs": result[0], "entropys": result[1]}, meta_info={"metrics": replay} if replay else {})
+        return DataProto({"old_log_probs": result[0], "entropys": result[1]}, meta_info={"router_replay": replay} if replay else {})
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_actor(self, data: DataProto, terms: PolicyUpdateTerms | None = None,

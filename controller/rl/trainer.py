@@ -432,7 +432,7 @@ class RLTrainer:
         if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
             with state.timed("old_log_prob"):
                 old = g["actor"].compute_log_prob(batch)
-                state.metrics.update(old.meta_info.pop("metrics", {}))  # router_replay/agreement
+                state.metrics.update(old.meta_info.pop("router_replay", {}))  # router_replay/agreement
                 batch = batch.union(old)
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                                    batch.batch["response_mask"]))

@@ -181,7 +181,7 @@ def test_routers_own_choice_is_counted_against_the_routes_replayed_or_not(runs):
     unforced = own_choice_agreement(hf_model(model_dir), batch, routes)
     mask = batch.batch["response_mask"].bool()
     for got, want in ((result["log_probs"], replayed), (result["measured"], unforced)):
-        metrics = got.meta_info["metrics"]
+        metrics = got.meta_info["router_replay"]
         for layer in range(2):
             assert metrics[f"router_replay/agreement/layer_{layer}"] == pytest.approx(float(want[layer]), abs=0.5 / real_tokens)
         assert metrics["router_replay/agreement"] == pytest.approx(float(want.mean()), abs=0.5 / real_tokens)

@@ -26,7 +26,8 @@ def run_program(tmp_path, nproc, engine, tp, gen_tp, kv_heads=2, pp=1, gen_pp=1,
         model, extra = make_llama(tmp_path / "model", kv_heads=kv_heads, tie=tie), []
     else:
         model = make_qwen3_moe(tmp_path / "model", kv_heads=kv_heads, head_dim=32)  # a head size vLLM's CPU attention runs
-        extra = ["--ep", str(moe[0]), "--etp", str(moe[1]), *(["--expert-parallel"] if moe[2] else [])]
+        extra = ["--ep", str(moe[0]), "--etp", str(moe[1]), *(["--expert-parallel"] if moe[2] else []),
+                 "--return-routed-experts"]
     model = save_char_tokenizer(model, 256)
     out = tmp_path / "out"
     out.mkdir()
@@ -64,6 +65,23 @@ def check_rollout(model, out, result):
         assert key in metrics, sorted(metrics)
 
 
+def assert_routes_match_hf(batch, model_dir):
+    """Every row's rollout_routed_experts: HF's routers' top-k (ascending) on each real position but the last;
+    -1 on the last token and the padding."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    routes, mask = batch.batch["rollout_routed_experts"], batch.batch["attention_mask"].bool()
+    for row in range(len(batch)):
+        ids = batch.batch["input_ids"][row][mask[row]]
+        with torch.no_grad():
+            logits = hf(ids.unsqueeze(0), output_router_logits=True).router_logits
+        want = torch.stack([layer.topk(routes.shape[-1], -1).indices.sort(-1).values for layer in logits], 1)
+        got = routes[row][mask[row]]
+        assert torch.equal(got[:-1].long(), want[:-1]), row
+        assert (got[-1] == -1).all() and (routes[row][~mask[row]] == -1).all()
+
+
 def check_bad_inputs(errors):
     assert "prompt 3 has 10 tokens, more than max_prompt_length=8" in errors["too_long"]
     assert "max_new_tokens must be a positive integer, got 0" in errors["max_new_tokens"]
@@ -99,10 +117,15 @@ def test_vllm_rollout_of_a_mixture_of_experts_on_strided_generation_groups(tmp_p
     gather, the routed experts point to point, each expert cut across the two generation ranks, and vLLM loads
     them into its fused-experts tensors (on CPU padded and repacked, which a weight update must redo:
     vllm_compat's fused_moe_reload). Greedy equals HF before and after an update; sampled log-probs agree with
-    the actor's and HF's. (vLLM's expert parallelism is not run here: its CPU fused-experts kernel crashes
-    under it, with vLLM's own checkpoint loading too.)"""
+    the actor's and HF's. The experts vLLM's routers chose for every prompt and response position (vLLM's
+    capturer on its V1 runner) are HF's routers' top-k on the same tokens, and the actor's routers, compared
+    with them in its log-prob pass, agree on every one. (vLLM's expert parallelism is not run here: its CPU
+    fused-experts kernel crashes under it, with vLLM's own checkpoint loading too.)"""
     model, out, result = run_program(tmp_path, 4, "vllm", tp=4, gen_tp=2, kv_heads=4, moe=(2, 2, False))
     check_rollout(model, out, result)
+    for key in ("greedy", "sampled", "greedy_after"):
+        assert_routes_match_hf(result[key], model if key != "greedy_after" else out / "updated")
+    assert result["recomputed"].meta_info["router_replay"]["router_replay/agreement"] == 1.0
     from hybridengine.model.spec import ModelSpec
     from hybridengine.parallel.layout import ParallelLayout
     from hybridengine.reshard.plan import GenerationLayout

@@ -80,16 +80,6 @@ def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
                          f"ranks instead (rollout.expert_parallel: false), or generate at tensor_parallel 1")
 
 
-def check_vllm_routed_experts(spec: ModelSpec) -> None:
-    """vLLM 0.32 returns the routed experts from its Model Runner V2 only, which needs a GPU and Triton:
-    refuse the request elsewhere (and for a dense model), before an engine is built."""
-    if spec.moe is None:
-        raise ValueError(f"return_routed_experts: {spec.architecture} has no routers (it is not a mixture of experts)")
-    if not accelerator_available():
-        raise ValueError("vLLM returns the routed experts only from its Model Runner V2 (a GPU and Triton); "
-                         "on CPU generate with rollout.engine=megatron to replay or measure routes")
-
-
 class VLLMGenerator(GeneratorBase):
     """This rank's vLLM engine at the generation layout of ``plan``: it copies the weights it is given into
     its own tensors (``borrows_weights`` False) and can serve a checkpoint as loaded."""
@@ -136,9 +126,8 @@ class VLLMGenerator(GeneratorBase):
         from vllm import LLM
 
         check_vllm_head_dim(spec)
-        if return_routed_experts:
-            check_vllm_routed_experts(spec)
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner that captures routes
+        if return_routed_experts and spec.moe is None:
+            raise ValueError(f"return_routed_experts: {spec.architecture} has no routers (it is not a mixture of experts)")
         check_vllm_expert_parallel(spec, plan.gen)
         self.spec, self.plan, self.rank = spec, plan, rank
         self.me = plan.ranks[rank]
@@ -175,12 +164,14 @@ class VLLMGenerator(GeneratorBase):
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls="workers.rollout.vllm_weight_sync.VLLMShardLoader",
                 enable_sleep_mode=self.sleeps,
-                enable_prefix_caching=True,
-                enable_return_routed_experts=return_routed_experts,
+                # Routes are captured per request as computed (workers.rollout.vllm_routes): no shared prefixes.
+                enable_prefix_caching=not return_routed_experts,
             )
         self.asleep = False
         # Generation expert j is training expert placement[j] (the hybrid engine placed the routers' rows so).
         self.placement = expert_placement(spec, plan) if return_routed_experts else None
+        if return_routed_experts:
+            self.llm.collective_rpc("capture_routes")
         cache = self.llm.llm_engine.vllm_config.cache_config  # what vLLM made of kv_cache_bytes, in whole blocks
         self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         # Which real vocabulary rows each rank of our generation TP group holds in vLLM, and in megatron's split.
@@ -238,17 +229,21 @@ class VLLMGenerator(GeneratorBase):
         ]
         prompts = [{"prompt_token_ids": list(request.prompt_ids)} for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        routes = [None] * len(outputs)
+        if self.placement is not None:  # this rank's worker: [positions, layers, k] of each request
+            (routes,) = self.llm.collective_rpc("take_routes", args=([o.request_id for o in outputs],))
         completions = []
-        for output in outputs:
+        for output, captured in zip(outputs, routes):
             sample = output.outputs[0]
             ids = list(sample.token_ids)
             log_probs = [step[token].logprob for token, step in zip(ids, sample.logprobs)]
-            routes = None
-            if self.placement is not None:  # [prompt + response - 1, layers, k]: the last token is never fed
+            if captured is not None:  # every position but the last token's, which is sampled, never fed
                 used = len(output.prompt_token_ids) + len(ids) - 1
-                routes = to_training_ids(torch.from_numpy(sample.routed_experts[:used]), self.placement)
+                if len(captured) < used:
+                    raise RuntimeError(f"vLLM routed {len(captured)} positions of a {used}-position sequence")
+                captured = to_training_ids(captured[:used], self.placement)
             completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length",
-                                          routed_experts=routes))
+                                          routed_experts=captured))
         return completions
 
     def release(self) -> None:

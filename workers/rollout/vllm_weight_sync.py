@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from workers.rollout.vllm_compat import layerwise_reload
+from workers.rollout.vllm_routes import VLLMRouteCapture
 
 __all__ = ["ShardLoadError", "VLLMShardLoader"]
 
@@ -85,8 +86,9 @@ def _fused_experts_name(name: str, expected: set[str]) -> str:
     return name
 
 
-class VLLMShardLoader:
-    """A vLLM worker extension: ``collective_rpc("load_shard", args=(shard, vocab_range))``.
+class VLLMShardLoader(VLLMRouteCapture):
+    """A vLLM worker extension: ``collective_rpc("load_shard", args=(shard, vocab_range))``, and a mixture of
+    experts' routes (``capture_routes``, ``take_routes``: ``workers.rollout.vllm_routes``).
 
     Given as ``worker_extension_cls`` when the engine is built; vLLM mixes it
     into its worker class, so ``self`` is the worker and ``self.model_runner``
