@@ -141,7 +141,9 @@ def format_summary(summary: dict) -> str:
         if "generation" in m:
             gen = m["generation"]
             lines.append(f"        megatron rollout after the reshard over experts: greedy "
-                         f"{'equals' if gen['greedy_equals_hf'] else 'DIFFERS FROM'} HF's ({gen['seconds']} s)")
+                         f"{'equals' if gen['greedy_equals_hf'] else 'DIFFERS FROM'} HF's ({gen['seconds']} s)"
+                         + ("" if "routes_equal_hf" not in gen else
+                            f"; its routes {'equal' if gen['routes_equal_hf'] else 'DIFFER FROM'} HF's routers' top-k"))
     if "grpo" in summary:
         g = summary["grpo"]
         phases = " ".join(f"{k} {_fmt(v)}" for k, v in g["phases_s"].items())

@@ -80,7 +80,8 @@ def inner(args) -> dict:
 
 def generation_check(pool, actor, actor_role: str, device, args) -> dict:
     """The 3D-HybridEngine over experts on the device: the megatron rollout engine colocated with the updated
-    fp32 actor generates greedily; its tokens must equal HF's greedy on the actor's exported weights."""
+    fp32 actor generates greedily; its tokens must equal HF's greedy on the actor's exported weights, and the
+    experts it reports for every position (rollout routing replay's routes) HF's routers' top-k."""
     from transformers import AutoModelForCausalLM
 
     from controller import WorkerGroup
@@ -89,7 +90,8 @@ def generation_check(pool, actor, actor_role: str, device, args) -> dict:
 
     rollout = WorkerGroup(pool, Rollout, role=f"rollout_{actor_role}", kwargs=dict(
         model_path=args.model_dir, actor_role=actor_role,
-        config={"engine": "megatron", "max_prompt_length": 8, "sampling": {"max_new_tokens": 8}}))
+        config={"engine": "megatron", "max_prompt_length": 8, "sampling": {"max_new_tokens": 8},
+                "return_routed_experts": True}))
     prompts = [[5, 9, 33, 7], [100, 4, 3, 12], [44, 45, 46, 47], [7, 8, 9, 10]]
     ids = torch.tensor(prompts)
     batch = DataProto({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {}, {"sampling": {"greedy": True,
@@ -103,13 +105,21 @@ def generation_check(pool, actor, actor_role: str, device, args) -> dict:
         with torch.no_grad():
             expected = hf.generate(ids.to(device), do_sample=False, max_new_tokens=8, eos_token_id=None,
                                    pad_token_id=0)[:, ids.shape[1]:].cpu()
+            sequences = torch.cat([ids, expected], 1).to(device)
+            logits = hf(sequences, output_router_logits=True).router_logits  # per layer, [rows x positions, experts]
     got = out.batch["responses"]
     metrics = out.meta_info["metrics"]
     equal = bool(torch.equal(got, expected))
+    routes = out.batch["rollout_routed_experts"][:, :-1].long()  # every position but the last token's
+    k = routes.shape[-1]
+    hf_routes = torch.stack([layer.topk(k, -1).indices.sort(-1).values.cpu().reshape(*sequences.shape, k)
+                             for layer in logits], 2)[:, :-1]
+    routes_equal = bool(torch.equal(routes, hf_routes))
     print(f"generation: megatron rollout greedy {'equals' if equal else 'DIFFERS FROM'} HF's after the reshard "
-          f"({metrics.get('reshard/expert_bytes_received', 0):.0f} expert bytes received); {seconds:.2f} s")
-    return {"ok": equal, "greedy_equals_hf": equal, "seconds": round(seconds, 3),
-            "expert_bytes_received": metrics.get("reshard/expert_bytes_received")}
+          f"({metrics.get('reshard/expert_bytes_received', 0):.0f} expert bytes received); {seconds:.2f} s; its "
+          f"routes {'equal' if routes_equal else 'DIFFER FROM'} HF's routers' top-k")
+    return {"ok": equal and routes_equal, "greedy_equals_hf": equal, "routes_equal_hf": routes_equal,
+            "seconds": round(seconds, 3), "expert_bytes_received": metrics.get("reshard/expert_bytes_received")}
 
 
 def main() -> int:

@@ -21,7 +21,8 @@
 #            (tools/bench_gpu_train.py rollout)                                   -> rollout.json
 #   moe      a mixture of experts on the GPU: the built-in Qwen3-MoE actor (8 experts, top-2) in fp32 and bf16, its
 #            log-probs against transformers on the same device, update tokens/s, routing figures; then the
-#            megatron rollout on the resharded experts, greedy against HF's (tools/check_moe_gpu.py) -> moe.json
+#            megatron rollout on the resharded experts, greedy and its routes against HF's (tools/check_moe_gpu.py)
+#            -> moe.json
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
 #            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
