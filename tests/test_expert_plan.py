@@ -10,7 +10,7 @@ from hybridengine.model.catalogue import ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.assignment import max_value_assignment
-from hybridengine.reshard.expert_plan import EXPERT_UNIT_ROWS, plan_experts
+from hybridengine.reshard.expert_plan import EXPERT_UNIT_ROWS, linear_bound, plan_experts
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, legal_generation_layouts
 from test_moe_layout import QWEN3_MOE
 
@@ -53,14 +53,15 @@ def held_by_catalogue(train: ParallelLayout, rank: int) -> set:
     return units
 
 
-def needed_by_formula(plan, rank: int) -> set:
+def needed_by_formula(plan, rank: int, placement=None) -> set:
+    placement = placement or plan.placement
     me = plan.layout.ranks[rank]
     gen = plan.gen
     layers = SPEC.layers_of_stage(me.gen_pp_rank, gen.pipeline_parallel)
     g, tg = me.gen_tp_rank, gen.tensor_parallel
     if gen.expert_parallel:
         slots = range(g * EXPERTS // tg, (g + 1) * EXPERTS // tg)
-        return {(layer, plan.placement[k], u) for layer in layers for k in slots for u in range(FFN)}
+        return {(layer, placement[k], u) for layer in layers for k in slots for u in range(FFN)}
     return {(layer, e, u) for layer in layers for e in range(EXPERTS) for u in range(g * FFN // tg, (g + 1) * FFN // tg)}
 
 
@@ -95,6 +96,13 @@ def test_each_rank_receives_exactly_what_it_needs_and_does_not_hold(train, gen):
         unit_bytes = EXPERT_UNIT_ROWS * SPEC.hidden_size * 2
         assert plan.bytes_received(rank, 2) == plan.bound(rank, 2) == missing * unit_bytes
         assert sum(p.size for s in plan.receives(rank).values() for _, p in s) * unit_bytes == plan.bound(rank, 2)
+        # The planner's closed form: the bound under the linear placement, which the plan's can only beat.
+        linear = linear_bound(SPEC, plan.layout, rank, 2)
+        if plan.placement == tuple(range(EXPERTS)):
+            assert linear == plan.bound(rank, 2), (rank, linear)
+        else:
+            linear_missing = len(needed_by_formula(plan, rank, tuple(range(EXPERTS))) - held[rank])
+            assert linear == linear_missing * unit_bytes, (rank, linear)
     # every piece sent is one received, in the same order on both sides
     for sender in range(train.world_size):
         for receiver, pieces in plan.sends(sender).items():

@@ -29,14 +29,14 @@ each block's input and one block's activations. **KV cache** per token is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
-__all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "kv_bytes_per_token",
+__all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "expert_weight_bytes", "kv_bytes_per_token",
            "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order",
            "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
@@ -160,6 +160,13 @@ def weight_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, ep: int = 1,
     return max(sum(n for n, _ in _stage_numels(spec, tp, pp, r, ep, etp)) for r in range(pp)) * size
 
 
+def expert_weight_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, ep: int = 1, etp: int | None = None) -> int:
+    """Of ``weight_bytes``, the routed experts' part on the stage with the most (0 for a dense model)."""
+    if spec.moe is None:
+        return 0
+    return max(sum(n for n, _ in _stage_buffers(spec, tp, pp, r, ep, etp)[1]) for r in range(pp)) * dtype_bytes(precision)
+
+
 _STEP_COUNTER = 4  # torch's Adam keeps a float32 step counter per parameter it updates
 _MOMENTS = 8  # exp_avg and exp_avg_sq, fp32
 
@@ -239,6 +246,8 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> 
     heads = spec.num_attention_heads // tp
     groups = max(spec.num_query_groups // tp, 1)
     d, h, f = spec.head_dim, spec.hidden_size, spec.ffn_hidden_size // tp
+    if spec.moe is not None:  # a mixture of experts' MLP, by formula (balanced routing; not measured to the byte)
+        return _moe_layer_activation_bytes(spec, tp, shape)
     if shape.flash_attention:
         per_token = 4 * h + (2 * heads + 2 * groups) * d + 3 * f
         scores = 0
@@ -249,6 +258,24 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> 
             + shape.seq_len * shape.seq_len)
         return t_tokens * (norms + (4 * heads * d + 5 * f) * b) + scores
     return t_tokens * per_token * b + scores
+
+
+def _moe_layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> int:
+    """One MoE layer's saved activations per TP rank: attention as a dense layer's, and in place of the MLP the
+    router's fp32 logits and probabilities, each token's k dispatched copies in and out of the experts, the
+    experts' own MLP tensors over those copies, and a shared expert's. Under balanced routing every rank's
+    experts see k copies of its share of the tokens, whatever the expert parallelism (megatron runs an MoE
+    with TP > 1 sequence-parallel, so the hidden states split over TP too)."""
+    moe = spec.moe
+    dense = replace(spec, moe=None, ffn_hidden_size=0)
+    attention = layer_activation_bytes(dense, tp, shape)
+    t_tokens = shape.micro_batch * shape.seq_len
+    b = dtype_bytes(shape.precision)
+    mlp_factor = 3 if shape.flash_attention else 5
+    h, k = spec.hidden_size, moe.topk
+    per_token = (k * (2 * h + mlp_factor * moe.expert_ffn_hidden_size)
+                 + mlp_factor * moe.shared_expert_ffn_hidden_size) * b / tp + 2 * moe.num_experts * 4
+    return attention + int(t_tokens * per_token)
 
 
 def stage_activation_bytes(spec: ModelSpec, tp: int, pp: int, pp_rank: int, shape: ActivationShape) -> int:

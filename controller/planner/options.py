@@ -1,9 +1,10 @@
 """Every way one role can run on ``n`` devices, with its memory and its time per stage.
 
-An ``Option`` is a role at one layout: TP x PP x DP and the micro-batch;
-for the role that generates, also the generation layout the hybrid engine
-reaches from it and how many sequences a generation engine runs at once
-(what its KV cache holds). ``role_options`` lists the options that fit one
+An ``Option`` is a role at one layout: TP x PP x DP and the micro-batch (a
+mixture of experts also its expert parallelism EP, with each expert whole on
+a rank or cut over TP: ETP 1 or TP); for the role that generates, also the
+generation layout the hybrid engine reaches from it and how many sequences a
+generation engine runs at once (what its KV cache holds). ``role_options`` lists the options that fit one
 device's memory by themselves, keeping only those no other option beats on
 every stage time and every memory figure (the search combines roles, and a
 dominated option never makes a better combination).
@@ -16,13 +17,14 @@ from dataclasses import dataclass, field
 
 from hybridengine.model.spec import ModelConfigError
 from hybridengine.parallel.layout import ParallelLayout, divisors
-from hybridengine.reshard.plan import legal_generation_layouts
+from hybridengine.reshard.expert_plan import linear_bound
+from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard
 
 from controller.planner.hardware import Cluster
-from controller.planner.memory import (ActivationShape, activation_bytes, kv_bytes_per_sequence, kv_cache_bytes,
-                                       state_memory, weight_bytes)
-from controller.planner.timing import (Efficiency, Link, PassShape, all_gather_time, forward_time, generation_time,
-                                       train_time, weight_load_time)
+from controller.planner.memory import (ActivationShape, activation_bytes, dtype_bytes, expert_weight_bytes,
+                                       kv_bytes_per_sequence, kv_cache_bytes, state_memory, weight_bytes)
+from controller.planner.timing import (Efficiency, ExpertGrid, Link, PassShape, all_gather_time, forward_time,
+                                       generation_time, train_time, transfer_time, weight_load_time)
 from controller.planner.workload import RoleWork, Workload
 
 __all__ = ["Option", "Pin", "evaluate_option", "kv_concurrency", "role_options", "links_for"]
@@ -37,6 +39,7 @@ class Pin:
 
     tp: int | None = None
     pp: int | None = None
+    ep: int | None = None  # a mixture of experts' expert parallelism
     micro_batch: int | None = None
     gen_tp: int | None = None
     devices: int | None = None
@@ -60,6 +63,8 @@ class Option:
     concurrency: int | None = None  # sequences a generation engine runs at once
     reshard_bytes: int = 0  # bytes each rank receives to build its generation shard
     memory: dict = field(default_factory=dict, compare=False)  # the breakdown, for the report
+    ep: int = 1  # a mixture of experts' expert parallelism
+    etp: int | None = None  # and its expert TP (None: the TP size)
 
     def dominates(self, other: "Option") -> bool:
         mine = (*self.times, self.resident, *self.extra)
@@ -68,7 +73,10 @@ class Option:
 
     @property
     def layout(self) -> str:
-        text = f"TP{self.tp} PP{self.pp} DP{self.dp} mb{self.micro_batch}"
+        text = f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        if self.ep > 1 or self.etp is not None:
+            text += f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp is not None else "")
+        text += f" mb{self.micro_batch}"
         if self.gen_tp is not None:
             text += f", generation TP{self.gen_tp}" + (f" PP{self.gen_pp}" if self.gen_pp != 1 else "")
         return text
@@ -82,15 +90,32 @@ def links_for(cluster: Cluster, ranks: int) -> Link:
     return Link(device.network_bandwidth, device.network_latency)
 
 
-def _legal_layout(work: RoleWork, tp: int, pp: int) -> bool:
+def _legal_layout(work: RoleWork, tp: int, pp: int, ep: int = 1, etp: int | None = None, n: int | None = None) -> bool:
     try:
-        work.padded(tp).check_layout(tp, pp)
-    except ModelConfigError:
+        work.padded(tp).check_layout(tp, pp, ep, etp)
+        if n is not None:
+            ParallelLayout.for_world(n, tp, pp, ep, etp)
+    except (ModelConfigError, ValueError):
         return False
     return True
 
 
-def _layouts(work: RoleWork, n: int, cluster: Cluster, pin: Pin) -> list[tuple[int, int]]:
+def _expert_grids(work: RoleWork, n: int, tp: int, pp: int, pin: Pin) -> list[tuple[int, int | None]]:
+    """(EP, ETP) of a layout: (1, None) for a dense model; for a mixture of experts every EP that divides
+    the experts and a stage's ranks, each expert cut over TP (ETP None) or, with TP > 1, whole (ETP 1)."""
+    if work.spec.moe is None:
+        return [(1, None)]
+    grids = []
+    for ep in divisors(work.spec.moe.num_experts):
+        if pin.ep is not None and ep != pin.ep:
+            continue
+        for etp in (None, 1) if tp > 1 else (None,):
+            if _legal_layout(work, tp, pp, ep, etp, n):
+                grids.append((ep, etp))
+    return grids
+
+
+def _layouts(work: RoleWork, n: int, cluster: Cluster, pin: Pin) -> list[tuple[int, int, int, int | None]]:
     found = []
     for tp in divisors(n):
         if tp > cluster.devices_per_node or (pin.tp is not None and tp != pin.tp):
@@ -98,7 +123,7 @@ def _layouts(work: RoleWork, n: int, cluster: Cluster, pin: Pin) -> list[tuple[i
         for pp in divisors(n // tp):
             if (pin.pp is not None and pp != pin.pp) or not _legal_layout(work, tp, pp):
                 continue
-            found.append((tp, pp))
+            found += [(tp, pp, ep, etp) for ep, etp in _expert_grids(work, n, tp, pp, pin)]
     return found
 
 
@@ -115,8 +140,9 @@ def _micro_batches(work: RoleWork, workload: Workload, dp: int, pin: Pin) -> lis
 
 def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, tp: int,
                     pp: int, micro_batch: int, gen: tuple[int, int] | None = None,
-                    concurrency: int | None = None) -> Option:
-    """One role at one layout on ``n`` devices: memory and stage times."""
+                    concurrency: int | None = None, ep: int = 1, etp: int | None = None) -> Option:
+    """One role at one layout on ``n`` devices: memory and stage times (``ep`` / ``etp``: a mixture of
+    experts' expert parallelism)."""
     # The controller runs the roles in turn, so while this one works only its set's devices do (what matters
     # for CPU processes sharing a machine's cores); a rollout pool of its own generating beside it under
     # one-step-off is the exception, for the part of the step the two overlap, and is not modeled.
@@ -130,6 +156,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     shape = ActivationShape(micro_batch, seq, work.precision, workload.flash_attention, work.recompute,
                             work.recompute_num_layers)
     tp_link, dp_link, pp_link = links_for(cluster, tp), links_for(cluster, n), links_for(cluster, tp * pp)
+    experts = ExpertGrid(ep, etp, links_for(cluster, ep * (tp if etp is None else etp)))
     memory: dict[str, int] = {}
     times = [0.0, 0.0, 0.0]
     extra = [0, 0, 0]
@@ -137,7 +164,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         state_weights = weight_bytes(work.spec, tp, pp, workload.generation_precision)
         memory["weights"] = state_weights
     else:
-        state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer)
+        state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer, ep, etp)
         memory.update(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer)
         state_weights = state.total
     if work.forward_passes:
@@ -145,7 +172,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         memory["forward activations"] = forward_act
         extra[1] = forward_act
         times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch),
-                                                      device, work.precision, tp_link, efficiency, pp_link)
+                                                      device, work.precision, tp_link, efficiency, pp_link, experts)
     if work.trains:
         steps = work.epochs * max(1, workload.sequences // work.mini_batch)
         micro = work.mini_batch // dp // micro_batch
@@ -154,7 +181,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         extra[2] = train_act
         times[2] = train_time(spec, tp, pp, dp, PassShape(workload.sequences * work.epochs, seq, micro_batch), steps,
                               device, work.precision, tp_link, dp_link, efficiency, work.distributed_optimizer,
-                              work.recompute, pp_link)
+                              work.recompute, pp_link, experts)
     reshard = 0
     if work.generates:
         gen_tp, gen_pp = gen
@@ -168,20 +195,35 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         else:
             gen_shard = weight_bytes(work.spec.with_padded_vocab(work.vocab_multiple, tp), gen_tp, gen_pp,
                                      workload.generation_precision)
-            released = memory["weights"] if workload.release_training else 0
+            # The released training weights: the dense part (a mixture of experts keeps its training experts).
+            released = memory["weights"] - expert_weight_bytes(spec, tp, pp, work.precision, ep, etp) \
+                if workload.release_training else 0
             memory["generation weights"] = gen_shard
             extra[0] = gen_shard + kv - released
             group = tp * pp // (gen_tp * gen_pp)  # the micro-DP group: ranks whose shards make one generation shard
+            expert_shard = expert_weight_bytes(work.spec, gen_tp, gen_pp, workload.generation_precision)
+            dense_shard = gen_shard - expert_shard
             if group > 1:
-                reshard = (group - 1) * gen_shard // group
-                times[0] += (all_gather_time(gen_shard, group, links_for(cluster, group), efficiency)
+                reshard = (group - 1) * dense_shard // group
+                times[0] += (all_gather_time(dense_shard, group, links_for(cluster, group), efficiency)
                              + work.spec.num_layers * efficiency.reshard_layer_s)
+            if expert_shard:  # the routed experts point to point, at their bound (hybridengine.reshard.expert_plan)
+                received = expert_reshard_bytes(work.spec, ParallelLayout.for_world(n, tp, pp, ep, etp),
+                                                GenerationLayout(gen_tp, gen_pp), workload.generation_precision)
+                reshard += received
+                times[0] += transfer_time(received, links_for(cluster, n), efficiency)
             times[0] += weight_load_time(work.spec, gen_shard, device, efficiency)
         times[0] += generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
                                     workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
                                     workload.generation_precision)
     return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
-                  gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory)
+                  gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp)
+
+
+def expert_reshard_bytes(spec, train: ParallelLayout, gen: GenerationLayout, precision: str) -> int:
+    """The most any rank receives of its generation experts from ``train``: the experts' bound (closed form)."""
+    layout = plan_reshard(train, gen)
+    return max(linear_bound(spec, layout, rank, dtype_bytes(precision)) for rank in range(train.world_size))
 
 
 def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int) -> int:
@@ -203,6 +245,9 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
                    for g in legal_generation_layouts(ParallelLayout.for_world(n, tp, pp))]
         if workload.generation_engine == "vllm":
             layouts = [(t, p) for t, p in layouts if p == 1]
+    if work.spec.moe is not None:  # the experts must split over the generation TP; megatron's engine runs TP1
+        layouts = [(t, p) for t, p in layouts if work.spec.moe.expert_ffn_hidden_size % t == 0
+                   and (workload.generation_engine == "vllm" or t == 1)]
     for gen_tp, gen_pp in layouts:
         if pin.gen_tp is not None and gen_tp != pin.gen_tp:
             continue
@@ -218,14 +263,14 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
 
 def _all_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, pin: Pin):
     """Every option of ``work`` on ``n`` devices, whatever its memory."""
-    for tp, pp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1)]:
+    for tp, pp, ep, etp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1, 1, None)]:
         dp = n // (tp * pp)
         micro_batches = _micro_batches(work, workload, dp, pin) if work.role != "rollout" else [1]
         for micro in micro_batches:
             gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
             for gen, concurrency in gens:
                 at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own is laid out as it generates
-                yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency)
+                yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency, ep, etp)
 
 
 def footprint(option: Option) -> int:

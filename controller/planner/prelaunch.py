@@ -67,8 +67,9 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
                 work.padded(tp).check_layout(tp, pp)
             except ModelConfigError as exc:
                 raise ValueError(f"{role}: {exc}") from None
+            ep, etp = (1, None) if role == "rollout" else (work.ep, work.etp)
             options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
-                                           work.micro_batch, gen, concurrency))
+                                           work.micro_batch, gen, concurrency, ep, etp))
         groups.append(SetPlan(roles, devices, tuple(options)))
     transfer = sum(weight_transfer_time(o, cluster, efficiency) for g in groups if g.roles == ("rollout",)
                    for o in g.options)

@@ -57,6 +57,9 @@ def _layout_overrides(option: Option) -> list[str]:
     section = _SECTION[option.role]
     out = [f"{section}.tensor_parallel={option.tp}", f"{section}.pipeline_parallel={option.pp}",
            f"{section}.micro_batch_size={option.micro_batch}"]
+    if option.ep > 1 or option.etp is not None:  # a mixture of experts' expert parallelism
+        out += [f"{section}.expert_parallel={option.ep}",
+                f"{section}.expert_tensor_parallel={'null' if option.etp is None else option.etp}"]
     if option.gen_tp is not None:
         out += [f"rollout.tensor_parallel={option.gen_tp}", f"rollout.pipeline_parallel={option.gen_pp}", *kv]
     return out

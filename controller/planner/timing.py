@@ -10,6 +10,12 @@
   backward), PP the 1F1B bubble ((PP - 1) / micro-batches), DP the gradient
   reduce per optimizer step (and the parameter all-gather of the distributed
   optimizer), the optimizer step reads and writes its state once.
+- **A mixture of experts** counts the FLOPs of the weights a token goes
+  through (the router, its k experts, a shared expert), the same whatever
+  the expert parallelism under balanced routing; EP adds the token dispatch
+  and combine (an all-to-all per MoE layer, twice forward, four times with
+  backward) and reduces the experts' gradients over the expert-DP ranks; a
+  decode step reads only the experts its batch's tokens reach.
 - **Generation** is prefill (compute-bound) then one decode step per new
   token, bound by reading the weights and the KV cache from memory, or by
   compute when the batch is large; sequences beyond what the KV cache holds
@@ -35,9 +41,10 @@ from dataclasses import dataclass, replace
 from hybridengine.model.spec import ModelSpec
 
 from controller.planner.hardware import Accelerator
-from controller.planner.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
+from controller.planner.memory import dtype_bytes, expert_weight_bytes, kv_bytes_per_token, weight_bytes
 
-__all__ = ["HOST_COSTS", "Efficiency", "Link", "PassShape", "all_gather_time", "all_reduce_time", "forward_time",
+__all__ = ["HOST_COSTS", "Efficiency", "ExpertGrid", "Link", "PassShape", "all_gather_time", "all_reduce_time",
+           "all_to_all_time", "forward_time",
            "generation_time", "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time",
            "transfer_time", "weight_load_time"]
 
@@ -81,12 +88,43 @@ class Link:
 
 
 def model_flops_per_token(spec: ModelSpec) -> float:
-    """Forward FLOPs per token of the matmuls (2 per weight), the output layer included."""
+    """Forward FLOPs per token of the matmuls (2 per weight), the output layer included. A mixture of experts
+    counts the weights a token goes through: the router, its k experts and a shared expert with its gate."""
     h, d = spec.hidden_size, spec.head_dim
     attention = h * (spec.num_attention_heads + 2 * spec.num_query_groups) * d + spec.num_attention_heads * d * h
     mlp = 3 * h * spec.ffn_hidden_size
+    if spec.moe is not None:
+        moe = spec.moe
+        mlp = (h * moe.num_experts + 3 * h * (moe.topk * moe.expert_ffn_hidden_size + moe.shared_expert_ffn_hidden_size)
+               + (h if moe.shared_expert_ffn_hidden_size else 0))
     output = spec.num_labels * h if spec.is_value_model else spec.vocab_size * h
     return 2.0 * (spec.num_layers * (attention + mlp) + output)
+
+
+def all_to_all_time(nbytes: float, ranks: int, link: Link, efficiency: Efficiency) -> float:
+    """Each rank sends ``nbytes`` spread evenly over ``ranks`` ranks (its own share stays)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / (link.bandwidth * efficiency.link) + (ranks - 1) * link.latency
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """A mixture of experts' expert parallelism on a role's layout, and the link its all-to-all takes."""
+
+    ep: int = 1
+    etp: int | None = None  # None: the TP size
+    link: Link | None = None
+
+    def exchange_time(self, spec: ModelSpec, tp: int, tokens: int, precision: str, passes: int,
+                      efficiency: Efficiency) -> float:
+        """The token dispatch and combine of every MoE layer of a stage over ``passes`` passes (forward 2, a
+        training pass 4): each rank's share of ``tokens`` (sequence-parallel under TP), k copies each."""
+        if spec.moe is None:
+            return 0.0
+        group = self.ep * (tp if self.etp is None else self.etp)
+        share = tokens * spec.moe.topk * spec.hidden_size * dtype_bytes(precision) / tp
+        return passes * all_to_all_time(share, group, self.link or Link(1e12, 0.0), efficiency)
 
 
 def _attention_flops(spec: ModelSpec, seq_len: int) -> float:
@@ -134,9 +172,11 @@ def _output_flops(spec: ModelSpec) -> float:
 
 def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
                tp_link: Link, efficiency: Efficiency, flops_factor: float, mfu: float, tp_collectives: int,
-               pp_link: Link | None = None) -> float:
+               pp_link: Link | None = None, experts: ExpertGrid | None = None) -> float:
     """One pass on one DP replica: the busiest stage's compute and host time per micro-batch, stretched by
-    the 1F1B bubble, plus TP's all-reduces and PP's sends between stages (no call cost: see the callers)."""
+    the 1F1B bubble, plus TP's all-reduces, PP's sends between stages and a mixture of experts' all-to-alls
+    (no call cost: see the callers). Balanced routing gives every rank the same expert work whatever the
+    expert parallelism: it changes the memory, the all-to-all and the gradient reduction."""
     per_rank = math.ceil(shape.sequences / dp)
     stage = stage_flops_per_token(spec, pp) * per_rank * shape.seq_len
     attention = _attention_flops(spec, shape.seq_len) * per_rank * math.ceil(spec.num_layers / pp) / spec.num_layers
@@ -148,14 +188,17 @@ def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, dev
     tp_comm = micro * layers * tp_collectives * all_reduce_time(hidden, tp, tp_link, efficiency)
     sends = (tp_collectives // 2) * micro * transfer_time(hidden / tp, pp_link or tp_link, efficiency) if pp > 1 else 0.0
     host = micro * layers * flops_factor * efficiency.micro_batch_layer_s
-    return (compute + host) * (1 + bubble) + tp_comm + sends
+    exchange = micro * layers * (experts or ExpertGrid()).exchange_time(
+        spec, tp, shape.micro_batch * shape.seq_len, precision, tp_collectives, efficiency)
+    return (compute + host) * (1 + bubble) + tp_comm + sends + exchange
 
 
 def forward_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, device: Accelerator, precision: str,
-                 tp_link: Link, efficiency: Efficiency, pp_link: Link | None = None) -> float:
+                 tp_link: Link, efficiency: Efficiency, pp_link: Link | None = None,
+                 experts: ExpertGrid | None = None) -> float:
     """A forward pass over ``shape.sequences`` (log-probs, values, reference, reward)."""
     return _pass_time(spec, tp, pp, dp, shape, device, precision, tp_link, efficiency, 1.0, efficiency.forward, 2,
-                      pp_link) + efficiency.call_s
+                      pp_link, experts) + efficiency.call_s
 
 
 def optimizer_step_time(param_count_per_rank: float, device: Accelerator, efficiency: Efficiency) -> float:
@@ -166,21 +209,28 @@ def optimizer_step_time(param_count_per_rank: float, device: Accelerator, effici
 
 def train_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, optimizer_steps: int,
                device: Accelerator, precision: str, tp_link: Link, dp_link: Link, efficiency: Efficiency,
-               distributed_optimizer: bool = False, recompute: str | None = None, pp_link: Link | None = None) -> float:
-    """``shape.sequences`` trained (every epoch's) in ``optimizer_steps`` mini-batches."""
+               distributed_optimizer: bool = False, recompute: str | None = None, pp_link: Link | None = None,
+               experts: ExpertGrid | None = None) -> float:
+    """``shape.sequences`` trained (every epoch's) in ``optimizer_steps`` mini-batches. A mixture of experts'
+    routed experts (``experts``: one rank's at its EP x ETP) reduce their gradients over the expert-DP ranks."""
     factor = 4.0 if recompute == "full" else 3.0
+    grid = experts or ExpertGrid()
     mini = PassShape(max(1, shape.sequences // optimizer_steps), shape.seq_len, shape.micro_batch)
     per_mini = _pass_time(spec, tp, pp, dp, mini, device, precision, tp_link, efficiency, factor, efficiency.train,
-                          6 if recompute == "full" else 4, pp_link)
-    stage_elements = weight_bytes(spec, tp, pp, "fp32") / 4
-    grads = stage_elements * 4  # fp32 gradient reduction
-    if distributed_optimizer:  # reduce-scatter the gradients, all-gather the updated parameters
-        dp_comm = (all_gather_time(grads, dp, dp_link, efficiency)
-                   + all_gather_time(stage_elements * dtype_bytes(precision), dp, dp_link, efficiency))
-        owned = stage_elements / dp
-    else:
-        dp_comm = all_reduce_time(grads, dp, dp_link, efficiency)
-        owned = stage_elements
+                          6 if recompute == "full" else 4, pp_link, grid)
+    stage_elements = weight_bytes(spec, tp, pp, "fp32", grid.ep, grid.etp) / 4
+    expert_elements = expert_weight_bytes(spec, tp, pp, "fp32", grid.ep, grid.etp) / 4
+    edp = max(1, tp * dp // (grid.ep * (tp if grid.etp is None else grid.etp)))
+    dp_comm, owned = 0.0, 0.0
+    for elements, ranks in ((stage_elements - expert_elements, dp), (expert_elements, edp)):
+        grads = elements * 4  # fp32 gradient reduction
+        if distributed_optimizer:  # reduce-scatter the gradients, all-gather the updated parameters
+            dp_comm += (all_gather_time(grads, ranks, dp_link, efficiency)
+                        + all_gather_time(elements * dtype_bytes(precision), ranks, dp_link, efficiency))
+            owned += elements / ranks
+        else:
+            dp_comm += all_reduce_time(grads, ranks, dp_link, efficiency)
+            owned += elements
     step = optimizer_step_time(owned, device, efficiency) + efficiency.optimizer_step_s
     return optimizer_steps * (per_mini + dp_comm + step) + efficiency.call_s
 
@@ -195,6 +245,11 @@ def generation_time(spec: ModelSpec, tp: int, replicas: int, sequences: int, pro
     flops_token = model_flops_per_token(spec)
     peak = device.flops(precision)
     weights = weight_bytes(spec, tp, 1, precision)
+    if spec.moe is not None:  # a decode step reads the experts its batch's tokens go to: of E, k per token
+        moe = spec.moe
+        experts = expert_weight_bytes(spec, tp, 1, precision)
+        touched = 1.0 - (1.0 - moe.topk / moe.num_experts) ** batch
+        weights = weights - experts + experts * touched
     kv_token = kv_bytes_per_token(spec, tp, precision)
     prefill = (flops_token * batch * prompt_len + _attention_flops(spec, prompt_len) * batch / 2) / (
         tp * peak * efficiency.prefill)

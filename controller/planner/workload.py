@@ -59,8 +59,10 @@ class RoleWork:
     mini_batch: int | None = None  # sequences per optimizer step
     generates: bool = False  # the actor when the rollout follows it, or the rollout on its own pool
     micro_batch: int = 1  # the config's micro_batch_size (what a plan of the config's own layout uses)
-    tp: int = 1  # the config's TP / PP (what the pre-launch check evaluates; the search chooses its own)
+    tp: int = 1  # the config's TP / PP / EP / ETP (what the pre-launch check evaluates; the search chooses its own)
     pp: int = 1
+    ep: int = 1
+    etp: int | None = None
 
     def padded(self, tp: int) -> ModelSpec:
         return self.spec.with_padded_vocab(self.vocab_multiple, tp)
@@ -105,11 +107,6 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
     alg, rollout, trainer = config.algorithm, config.rollout, config.trainer
     sequences = config.data.batch_size * rollout.sampling.n
     policy = load(config.actor.model_path or config.model_path)
-    if policy.is_moe:
-        raise ModelConfigError(
-            f"{policy.architecture} is a mixture of experts: the planner's memory model counts each rank's experts "
-            f"(stage_state's ep / etp), but its search and time model do not choose expert parallelism yet; set "
-            f"the layout by hand (actor.engine.expert_parallel)")
     separate_rollout = trainer.mode != "sync" or "rollout" in trainer.placement
     from_update = old_log_probs_from_update(alg.old_log_prob_source, config.ppo.ppo_epochs,
                                             config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward)
@@ -119,7 +116,8 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
         eng = section.engine
         return dict(precision=eng.precision, recompute=eng.recompute_granularity,
                     recompute_num_layers=eng.recompute_num_layers, vocab_multiple=eng.make_vocab_size_divisible_by,
-                    micro_batch=eng.micro_batch_size, tp=eng.tensor_parallel, pp=eng.pipeline_parallel)
+                    micro_batch=eng.micro_batch_size, tp=eng.tensor_parallel, pp=eng.pipeline_parallel,
+                    ep=eng.expert_parallel, etp=eng.expert_tensor_parallel)
 
     roles = [RoleWork("actor", policy, trains=True, distributed_optimizer=config.actor.optim.use_distributed_optimizer,
                       forward_passes=int(recompute_old), epochs=config.ppo.ppo_epochs,

@@ -36,7 +36,7 @@ from hybridengine.reshard.assignment import max_value_assignment
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 
 __all__ = ["EXPERT_UNIT_ROWS", "ExpertNeed", "ExpertPiece", "ExpertPlan", "check_expert_split", "expert_placement", "held_units",
-           "plan_experts"]
+           "linear_bound", "plan_experts"]
 
 EXPERT_UNIT_ROWS = 3  # per FFN unit: a gate row, an up row, a down column, each of hidden size
 
@@ -180,6 +180,28 @@ def expert_placement(spec: ModelSpec, layout: ReshardPlan) -> tuple[int, ...]:
                         value[slot_block][block] += held[1] - held[0]
     chosen = max_value_assignment(value)
     return tuple(chosen[k // unit] * unit + k % unit for k in range(experts))
+
+
+def linear_bound(spec: ModelSpec, layout: ReshardPlan, rank: int, element_size: int) -> int:
+    """``ExpertPlan.bound`` of ``rank`` under the linear placement (generation expert k is training expert k),
+    in closed form: the rank's generation box of (layers, experts, FFN units) minus its overlap with its
+    training box, with no plan built. Equal to the plan's bound wherever the placement is the identity
+    (experts cut across generation TP); under generation EP the plan's placement receives at most this."""
+    moe, gen, train = spec.moe, layout.gen, layout.train
+    me, at = layout.ranks[rank], train.expert_coordinate(rank)
+    tg, g, experts, ffn = gen.tensor_parallel, layout.ranks[rank].gen_tp_rank, moe.num_experts, moe.expert_ffn_hidden_size
+    gen_layers = set(spec.layers_of_stage(me.gen_pp_rank, gen.pipeline_parallel))
+    if gen.expert_parallel:
+        gen_experts, gen_units = (g * experts // tg, (g + 1) * experts // tg), (0, ffn)
+    else:
+        gen_experts, gen_units = (0, experts), (g * ffn // tg, (g + 1) * ffn // tg)
+    per_rank, width = experts // train.ep, ffn // train.etp
+    held_experts = (at.ep_rank * per_rank, (at.ep_rank + 1) * per_rank)
+    held_units_ = (at.etp_rank * width, (at.etp_rank + 1) * width)
+    needed = len(gen_layers) * (gen_experts[1] - gen_experts[0]) * (gen_units[1] - gen_units[0])
+    held = (len(gen_layers & set(spec.layers_of_stage(at.pp_rank, train.pp))) * _overlap(gen_experts, held_experts)
+            * _overlap(gen_units, held_units_))
+    return (needed - held) * EXPERT_UNIT_ROWS * spec.hidden_size * element_size
 
 
 def check_expert_split(spec: ModelSpec, gen: GenerationLayout) -> None:

@@ -48,6 +48,8 @@ def run_case(pool, out: Path, i: int, case: dict) -> None:
         stats = actor.to_generation(tensor_parallel, pipeline_parallel, expert_parallel=whole)
         reshards.append({"stats": stats, "weights": actor.generation_weights()})
         actor.to_training()
+    # What one micro-batch's forward keeps for backward, against the planner's MoE activation formula (PP 1).
+    activations = actor.saved_activation_bytes(batch) if case["pp"] == 1 else None
     log_probs = actor.compute_log_prob(batch)
     measured = None
     if "routed_experts" in batch.batch:  # the same routes as the rollout's, only compared (router_replay: measure)
@@ -57,6 +59,7 @@ def run_case(pool, out: Path, i: int, case: dict) -> None:
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / f"after_step_{i}"))
     torch.save({"log_probs": log_probs, "measured": measured, "ref_log_probs": ref_log_probs, "metrics": metrics,
+                "activations": activations,
                 "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(), "reshards": reshards},
                out / f"result_{i}.pt")
