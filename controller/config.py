@@ -490,6 +490,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         ReshardLayoutError,
         plan_reshard,
     )
+    from hybridengine.reshard.expert_plan import check_expert_split
     from hybridengine.reshard.weight_plan import plan_weights, refuse_routed_experts
 
     problems: list[str] = []
@@ -577,8 +578,9 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         else:
             try:
                 plan_cross_pool(actor_layout, gen, world // mp)
-                if model_spec is not None:
-                    refuse_routed_experts(model_spec)
+                if model_spec is not None and model_spec.moe is not None:
+                    check_expert_split(model_spec, gen)
+                    refuse_routed_experts(model_spec, rollout.engine, gen)
             except ReshardLayoutError as exc:
                 problems.append(f"rollout: {exc}")
     elif actor_layout is not None:

@@ -126,3 +126,47 @@ def test_illegal_pairs_are_refused_naming_what_is_legal():
         plan_cross_pool(ParallelLayout(1, 1, 1), GenerationLayout(1, 1), 0)
     with pytest.raises(ValueError, match=r"cross-pool method 'nccl' is not one of \('auto', 'p2p', 'broadcast'\)"):
         plan_cross_pool(ParallelLayout(1, 1, 1), GenerationLayout(1, 1), 1, "nccl")
+
+
+def test_the_experts_cross_pools_at_their_bound_from_every_holder():
+    """A mixture of experts' experts across pools: every generation rank receives all of its generation experts
+    (it holds nothing), each piece from a training rank that holds it, the expert-DP holders sharing the load;
+    and the rollout pool learns the actor's expert grid from the same arguments the trainer gives it."""
+    from hybridengine.cross_pool.experts import plan_cross_pool_experts
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.reshard.expert_plan import held_units
+    from controller.rl.rollout_pool import separate_rollout_kwargs
+    from test_moe_layout import QWEN3_MOE
+
+    spec = ModelSpec.from_hf_config(QWEN3_MOE)  # 8 experts, expert FFN 32
+    for train, gen, gen_dp in [(ParallelLayout(1, 1, 4, 2, 1), GenerationLayout(1, 1), 2),
+                               (ParallelLayout(2, 1, 2, 2, 1), GenerationLayout(2, 1), 3),
+                               (ParallelLayout(2, 2, 2, 2, 2), GenerationLayout(4, 1, True), 1)]:
+        if gen.tensor_parallel > train.tp and train.pp > 1:
+            continue
+        experts = plan_cross_pool_experts(spec, plan_cross_pool(train, gen, gen_dp))
+        load = [0] * train.world_size
+        for g, needs in enumerate(experts.needs):
+            share = 8 // gen.tensor_parallel if gen.expert_parallel else 8
+            width = 32 if gen.expert_parallel else 32 // gen.tensor_parallel
+            layers = spec.num_layers // gen.pipeline_parallel
+            assert sum(n.units[1] - n.units[0] for n in needs) == layers * share * width  # everything, nothing more
+            assert experts.bound(g, 2) == layers * share * width * 3 * spec.hidden_size * 2
+            for need in needs:
+                cursor = need.units[0]
+                for piece in need.pieces:  # tiled in order, each from a holder
+                    assert piece.units[0] == cursor
+                    cursor = piece.units[1]
+                    held = held_units(spec, train, piece.source, piece.layer, piece.expert)
+                    assert held is not None and held[0] <= piece.units[0] and piece.units[1] <= held[1]
+                    load[piece.source] += piece.size
+                assert cursor == need.units[1]
+        holders = {}  # the expert-DP replicas of one expert shard send alike
+        for rank in range(train.world_size):
+            at = train.expert_coordinate(rank)
+            holders.setdefault((at.pp_rank, at.ep_rank, at.etp_rank), []).append(load[rank])
+        assert all(max(sent) - min(sent) <= 32 for sent in holders.values()), holders
+    kwargs = separate_rollout_kwargs({"model_path": "m"}, {"tensor_parallel": 2, "expert_parallel": 2,
+                                                          "expert_tensor_parallel": 1}, 8)
+    training = kwargs["training"]
+    assert (training["data_parallel"], training["expert_parallel"], training["expert_tensor_parallel"]) == (4, 2, 1)

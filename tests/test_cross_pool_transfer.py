@@ -106,3 +106,68 @@ def test_the_transfer_over_a_process_group_outside_the_world(models):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_in_processes(_worker, 2 + 4, str(models["llama"]), (2, 1, 1), (1, 1), 4, "auto", "broadcast", 32 << 10,
                      store.port)
+
+
+# A mixture of experts: the dense part by the cross-pool plan, the routed experts point to point from the
+# training ranks holding them (cross_pool.experts). (training t-p-d-EP-ETP, generation t_g-p_g-whole experts, replicas)
+MOE_CASES = {
+    "EP2xDP4->genTP1x2": ((1, 1, 4, 2, 1), (1, 1, False), 2),
+    "TP2xDP2xEP2xETP1->genTP2": ((2, 1, 2, 2, 1), (2, 1, False), 1),
+    "TP2xPP2xETP2->genTP1x2": ((2, 2, 1, 1, 2), (1, 1, False), 2),
+    "EP4xDP4->genTP2xEP": ((1, 1, 4, 4, 1), (2, 1, True), 1),
+}
+
+
+def _moe_worker(rank, world_size, path, train_dims, gen_dims, gen_dp):
+    from hybridengine.model.catalogue import ExpertShard, stage_params
+    from hybridengine.model.hf_mapping import cut_shard, hf_source
+    from workers.megatron.hf_checkpoint import HFCheckpointReader
+
+    spec, read = ModelSpec.from_pretrained(path), HFCheckpointReader(path).read
+    train, gen = ParallelLayout(*train_dims), GenerationLayout(*gen_dims)
+    plan = plan_for_model(spec, train, gen, gen_dp, 4)
+    T = train.world_size
+    transfer = CrossPoolTransfer(spec, plan, range(T), range(T, world_size), bucket_bytes=32 << 10)
+    links, experts = plan.link_bytes(segment_bytes(spec, plan, 4)), transfer.experts
+    unit = 3 * spec.hidden_size * 4
+    if rank < T:
+        coord, at = train.coordinate(rank), train.expert_coordinate(rank)
+        mine = ExpertShard(train.ep, at.ep_rank, train.etp)
+        params = {p.name: cut_shard(hf_source(p.name, spec, coord.pp_rank, train.pp, mine), read, spec,
+                                    at.etp_rank if p.expert is not None else coord.tp_rank,
+                                    train.etp if p.expert is not None else train.tp)
+                  for p in stage_params(spec, train.tp, train.pp, coord.pp_rank, experts=mine)}
+        before = {k: v.clone() for k, v in params.items()}
+        transfer.send(rank, params)
+        expert_units = sum(p.size for pieces in experts.sends(rank).values() for _, p in pieces)
+        assert transfer.bytes_sent == links.train_sent[rank] + expert_units * unit, rank
+        assert all(torch.equal(params[k], v) for k, v in before.items())  # only read
+        return
+    g = rank - T
+    coord = plan.gen_coordinate(g)
+    got = transfer.receive(g, torch.float32)
+    tg, pg = gen.tensor_parallel, gen.pipeline_parallel
+    shard = ExpertShard(tg, coord.tp_rank, 1) if gen.expert_parallel else ExpertShard(1, 0, tg)
+    params = stage_params(spec, tg, pg, coord.pp_rank, experts=shard)
+    assert sorted(got) == sorted(p.name for p in params)
+    ffn = spec.moe.expert_ffn_hidden_size
+    a, b = (0, ffn) if gen.expert_parallel else (coord.tp_rank * ffn // tg, (coord.tp_rank + 1) * ffn // tg)
+    for p in params:
+        if p.expert is None:  # the dense part, cut at the generation layout
+            want = cut_shard(hf_source(p.name, spec, coord.pp_rank, pg), read, spec, coord.tp_rank, tg)
+        else:  # expert k of the generation shard is HF expert k (linear: nothing is held across pools)
+            hf = f"model.layers.{p.layer}.mlp.experts.{p.expert}"
+            want = (torch.cat([read(f"{hf}.gate_proj.weight")[a:b], read(f"{hf}.up_proj.weight")[a:b]])
+                    if p.name.endswith("linear_fc1.weight") else read(f"{hf}.down_proj.weight")[:, a:b])
+        assert torch.equal(got[p.name], want), (rank, p.name)
+    # Exactly its shard: the dense bound and all of its experts, nothing more.
+    assert transfer.bytes_received == links.gen_received[g] + experts.bound(g, 4), rank
+    assert experts.bound(g, 4) == sum(got[p.name].numel() for p in params if p.expert is not None) * 4
+
+
+def test_a_mixture_of_experts_crosses_pools_with_its_experts_point_to_point(tmp_path):
+    from tiny_models import make_qwen3_moe
+
+    model = str(make_qwen3_moe(tmp_path / "moe", layers=2, experts=8, expert_ffn=32, heads=8, kv_heads=4))
+    outcomes = run_cases_in_processes(_moe_worker, 6, {name: (model, *dims) for name, dims in MOE_CASES.items()})
+    assert all(failure is None for failure in outcomes.values()), outcomes

@@ -101,9 +101,16 @@ def test_bad_expert_layouts_and_rl_with_experts_are_refused_before_launch(tmp_pa
                                           "megatron rollout at genTP2xPP1 .*tensor_parallel 1 only"):
         check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron",
                                                               "rollout.tensor_parallel=2"]), spec)
-    with pytest.raises(ConfigError, match="rules out a rollout on a pool of its own"):
-        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron", "trainer.launcher=ray",
-                                                              "trainer.placement={rollout: 2}"]), spec)
+    # A rollout on a pool of its own: the same engines (the cross-pool link carries the experts too).
+    pool = ["trainer.launcher=ray", "trainer.placement={rollout: 2}"]
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron", *pool]), spec)
+    with pytest.raises(ConfigError, match="rules out a megatron rollout at genTP2xPP1"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.engine=megatron", "rollout.tensor_parallel=2",
+                                                              *pool]), spec)
+    with pytest.raises(ConfigError, match=r"rollout: generation tensor_parallel=4 does not divide the experts' FFN"):
+        check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.tensor_parallel=4", "trainer.launcher=ray",
+                                                              "trainer.placement={rollout: 4}"]),
+                     ModelSpec.from_hf_config({**QWEN3_MOE, "moe_intermediate_size": 18, "num_key_value_heads": 4}))
     with pytest.raises(ConfigError, match=r"generation tensor_parallel=4 does not divide the experts' FFN hidden size 18; "
                                           r"valid sizes: \[1, 2, 3, 6, 9, 18\], or whole experts per rank"):
         check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "rollout.tensor_parallel=4"]),

@@ -3,6 +3,7 @@
     python tools/bench_reshard.py                          # every model and pair (4 and 8 CPU processes)
     python tools/bench_reshard.py --models tiny --pairs 4x1x1-2x1 --dtypes bf16 --json out.json
     python tools/bench_reshard.py --models tiny --pairs all-legal --world 8 --methods micro_dp+keep
+    python tools/bench_reshard.py --models moe --pairs 1x1x4x4x1-2x1 1x1x4x4x1-2x1xEP 2x1x2x2x1-1x1 --methods micro_dp
     torchrun --nproc-per-node 4 tools/bench_reshard.py --inner OUT.json ...   (what the launcher runs)
 
 Each rank holds random training shards of the model (megatron layout) and
@@ -18,6 +19,13 @@ memory per rank during the transition and the extra memory held while the
 generation weights exist (largest rank), and the time to return to training. The
 plain all-gather of the same bytes on the same micro-DP group is timed too,
 so the latency can be read as a fraction of what the link allows.
+
+A mixture of experts ("moe": 8 experts, top-2) takes pairs with its expert grid,
+TxPxDxEPxETP-TGxPG, and "xEP" after the generation size for whole experts per
+generation rank. Its dense part goes through the method, its routed experts
+point to point (``ExpertResharder``); the bound printed is the dense part's
+plus the experts' (``expert_plan``: the units a rank needs and does not hold).
+Only the micro_dp methods move experts.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from hybridengine.reshard.baselines import BASELINES  # noqa: E402
 from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts  # noqa: E402
 from hybridengine.reshard.weight_plan import plan_weights  # noqa: E402
 from hybridengine.reshard.resharder import Resharder  # noqa: E402
-from hybridengine.model.catalogue import stage_params  # noqa: E402
+from hybridengine.model.catalogue import ExpertShard, stage_params  # noqa: E402
+from hybridengine.reshard.expert_resharder import ExpertResharder  # noqa: E402
 from hybridengine.reshard.transport import TorchTransport  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
@@ -56,6 +65,10 @@ MODELS = {
                  num_attention_heads=12, num_key_value_heads=4),
     "7b-1layer": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=1,
                        num_attention_heads=32, num_key_value_heads=32),
+    # A mixture of experts (Qwen3-MoE's layout): the routed experts are most of its bytes.
+    "moe": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True),
 }
 # (t, p, d) -> (t_g, p_g): 4 ranks, then 8 (the paper's example and two pipeline merges)
 PAIRS = ["4x1x1-2x1", "4x1x1-1x1", "2x2x1-2x1", "2x2x1-1x1", "2x1x2-1x1", "1x2x2-1x1", "2x1x2-4x1",
@@ -90,14 +103,16 @@ def spec_of(name: str) -> ModelSpec:
 
 
 def parse_pair(text: str) -> tuple[ParallelLayout, GenerationLayout]:
+    """TxPxD[xEPxETP]-TGxPG[xEP]."""
     train, gen = text.split("-")
-    t, p, d = map(int, train.split("x"))
-    tg, pg = map(int, gen.split("x"))
-    return ParallelLayout(t, p, d), GenerationLayout(tg, pg)
+    sizes = [int(x) for x in train.split("x")]
+    whole = gen.endswith("xEP")
+    tg, pg = map(int, gen.removesuffix("xEP").split("x"))
+    return ParallelLayout(*sizes), GenerationLayout(tg, pg, whole)
 
 
 def model_bytes(spec: ModelSpec, element_size: int) -> int:
-    """M: the whole model."""
+    """M: the whole model (a mixture of experts with every expert)."""
     return element_size * sum(p.numel for p in stage_params(spec, 1, 1, 0))
 
 
@@ -144,7 +159,14 @@ def inner(args) -> None:
     coord = train.coordinate(rank)
     torch.manual_seed(rank)
     params = {p.name: torch.randn(p.shape).to(device=device, dtype=dtype)
-              for p in stage_params(spec, train.tp, train.pp, coord.pp_rank)}
+              for p in stage_params(spec, train.tp, train.pp, coord.pp_rank, routed=False)}
+    experts = None  # a mixture of experts: this rank's training experts, moved point to point
+    if spec.moe is not None:
+        at = train.expert_coordinate(rank)
+        shard = ExpertShard(train.ep, at.ep_rank, train.etp)
+        experts = {p.name: torch.randn(p.shape).to(device=device, dtype=dtype)
+                   for p in stage_params(spec, train.tp, train.pp, at.pp_rank, experts=shard) if p.expert is not None}
+        args.methods = [m for m in args.methods if m.startswith("micro_dp")]
     element = torch.finfo(dtype).bits // 8
     transport = TorchTransport()  # one communicator per group, shared by every method and the reference
     group_ranks = plan.ranks[rank].micro_dp_group
@@ -162,7 +184,9 @@ def inner(args) -> None:
                 schedule = {"bucket_bytes": resharder.bucket_bytes, "buffer_elements": resharder.schedule.numel,
                             "units": [u.name for u in resharder.schedule.units]}
             release, keep = method.endswith("release"), method.endswith("keep")
-            runners[method] = (lambda r=resharder, release=release: r.to_generation(release_training=release),
+            moving = ExpertResharder(weights.experts, rank, experts, transport) if experts is not None else None
+            runners[method] = (lambda r=resharder, m=moving, release=release: (
+                                   r.to_generation(release_training=release), m.to_generation() if m else None),
                                lambda r=resharder, keep=keep: r.to_training(offload=keep))
         else:
             holder = {}
@@ -219,10 +243,16 @@ def inner(args) -> None:
         if reference else None
     if rank == 0:
         M = model_bytes(spec, element)
+        bound = (plan.micro_dp_size - 1) * M / (train.tp * train.pp) if plan.kind == "gather" else 0
+        if experts is not None:  # the dense part's exact bound, and the experts' own
+            bound = max(weights.expected_bytes(r, element) + weights.experts.bound(r, element)
+                        for r in range(train.world_size))
         Path(args.inner).write_text(json.dumps({
             "model": args.model, "pair": args.pair, "dtype": args.dtype, "model_bytes": M,
             "micro_dp_size": plan.micro_dp_size, "kind": plan.kind,
-            "lower_bound_bytes": (plan.micro_dp_size - 1) * M / (train.tp * train.pp) if plan.kind == "gather" else 0,
+            "lower_bound_bytes": bound,
+            "expert_bound_bytes": max(weights.experts.bound(r, element) for r in range(train.world_size))
+            if experts is not None else None,
             "methods": rows, "plain_allgather": link, "schedule": schedule,
             "profile": profile.__dict__ if profile else None,
         }))
@@ -273,7 +303,7 @@ def main() -> None:
 
 def print_table(results: list[dict]) -> None:
     mib = 2**20
-    header = (f"{'model':10} {'pair':10} {'dtype':5} {'method':17} {'latency_ms':>10} {'vs gather':>9} {'recv MiB':>9} "
+    header = (f"{'model':10} {'pair':18} {'dtype':5} {'method':17} {'latency_ms':>10} {'vs gather':>9} {'recv MiB':>9} "
               f"{'bound MiB':>9} {'peak extra MiB':>14} {'held MiB':>8} {'return_ms':>9}")
     print(header)
     print("-" * len(header))
@@ -281,14 +311,14 @@ def print_table(results: list[dict]) -> None:
         link = r["plain_allgather"]
         for m in r["methods"]:
             ratio = f"{m['latency_s'] / link['allgather_s']:8.2f}x" if link else f"{'-':>9}"
-            print(f"{r['model']:10} {r['pair']:10} {r['dtype']:5} {m['method']:17} {1e3 * m['latency_s']:10.1f} "
+            print(f"{r['model']:10} {r['pair']:18} {r['dtype']:5} {m['method']:17} {1e3 * m['latency_s']:10.1f} "
                   f"{ratio} {m['bytes_received_max'] / mib:9.1f} "
                   f"{r['lower_bound_bytes'] / mib:9.1f} {m['peak_extra_bytes_max'] / mib:14.1f} "
                   f"{m['held_extra_bytes_max'] / mib:8.1f} {1e3 * m['return_s']:9.2f}")
         if link:
             units = r["schedule"]["units"] if r["schedule"] else []
             summary = ", ".join(f"{units.count(n)} {n}" for n in dict.fromkeys(units))
-            print(f"{'':10} {'':10} {'':5} {'(all-gather)':17} {1e3 * link['allgather_s']:10.1f} {'1.00x':>9} "
+            print(f"{'':10} {'':18} {'':5} {'(all-gather)':17} {1e3 * link['allgather_s']:10.1f} {'1.00x':>9} "
                   f"{link['bytes'] / mib:9.1f}  plain, same communicator; schedule: {summary}")
     print("(latency: median of repeats, slowest rank; MiB received, peak and held extra memory: largest rank)")
 

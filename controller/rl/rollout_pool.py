@@ -29,7 +29,8 @@ def separate_rollout_kwargs(rollout_kwargs: dict[str, Any], actor_engine: dict[s
     return {**rollout_kwargs, "actor_role": None, "training": {
         "tensor_parallel": engine.tensor_parallel, "pipeline_parallel": engine.pipeline_parallel,
         "data_parallel": actor_world_size // model_parallel,
-        "make_vocab_size_divisible_by": engine.make_vocab_size_divisible_by, "precision": engine.precision}}
+        "make_vocab_size_divisible_by": engine.make_vocab_size_divisible_by, "precision": engine.precision,
+        "expert_parallel": engine.expert_parallel, "expert_tensor_parallel": engine.expert_tensor_parallel}}
 
 
 class RolloutWeightLink:

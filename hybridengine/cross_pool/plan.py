@@ -60,7 +60,6 @@ from hybridengine.reshard.weight_plan import (
     WeightPlan,
     bucket_blocks,
     bucket_sources,
-    refuse_routed_experts,
 )
 
 __all__ = [
@@ -193,7 +192,8 @@ class CrossPoolPlan:
 def _check(train: ParallelLayout, gen: GenerationLayout, gen_dp: int) -> None:
     if not isinstance(gen_dp, int) or gen_dp < 1:
         raise ReshardLayoutError(f"a generation pool needs at least one replica, got gen_dp={gen_dp!r}")
-    if gen not in cross_pool_generation_layouts(train, max(gen.tensor_parallel, 8)):
+    sizes = {(g.tensor_parallel, g.pipeline_parallel) for g in cross_pool_generation_layouts(train, max(gen.tensor_parallel, 8))}
+    if (gen.tensor_parallel, gen.pipeline_parallel) not in sizes:  # whole experts or cut: the dense split alike
         legal = ", ".join(f"(tp={g.tensor_parallel}, pp={g.pipeline_parallel})" for g in cross_pool_generation_layouts(train))
         raise ReshardLayoutError(
             f"generation tensor_parallel={gen.tensor_parallel}, pipeline_parallel={gen.pipeline_parallel} cannot be "
@@ -266,8 +266,8 @@ def plan_cross_pool(train: ParallelLayout, gen: GenerationLayout, gen_dp: int, m
 # ---------------------------------------------------------------- for one model
 
 def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
-    """Generation shard (gen_tp, gen_pp)'s parameters and their pieces, as the colocated plan joins them."""
-    refuse_routed_experts(spec)
+    """Generation shard (gen_tp, gen_pp)'s parameters and their pieces, as the colocated plan joins them (a
+    mixture of experts' dense part: its routed experts have a plan of their own, ``cross_pool.experts``)."""
     return WeightPlan(spec, plan.colocated).sources(plan.colocated_rank(gen_tp, gen_pp))
 
 

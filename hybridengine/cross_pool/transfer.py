@@ -11,6 +11,13 @@ bucket per route. Messages go point-to-point over a process group that spans
 both pools (gloo on CPU, NCCL on GPU): a group of this world (torchrun, one
 world for every pool) or a standalone group of its own (Ray, a world per pool).
 
+A mixture of experts' routed experts travel after the dense buckets, one
+message from each training rank to each generation rank it serves
+(``cross_pool.experts``): a piece of units [a, b) as its gate rows, up rows and
+down-projection columns. They come back as the generation stage's expert
+tensors (``...local_experts.{k}.linear_fc1.weight`` [gate; up] and
+``linear_fc2``), beside the flat buffer's dense views.
+
 Every generation rank receives only its shard (the plan's bound), and the
 training parameters are only read.
 """
@@ -22,12 +29,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridengine.cross_pool.experts import CrossPoolExperts, plan_cross_pool_experts
 from hybridengine.cross_pool.plan import Bucket, CrossPoolPlan, Route, shard_buckets
 from hybridengine.model.geometry import split_tp_shard
 from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
 
 __all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink"]
+
+_FC1, _FC2 = "linear_fc1.weight", "linear_fc2.weight"
+_EXPERT_TAG = 1 << 24  # the experts' messages, after every dense bucket's tags
 
 
 class GroupLink:
@@ -79,6 +90,7 @@ class CrossPoolTransfer:
         self._buckets: dict[tuple[int, int], list[Bucket]] = {}
         self.buffer: torch.Tensor | None = None
         self.weights: dict[str, torch.Tensor] = {}
+        self.experts: CrossPoolExperts | None = plan_cross_pool_experts(spec, plan) if spec.moe is not None else None
 
     # ----------------------------------------------------------- shared shape
     def buckets(self, gen_tp: int, gen_pp: int, element_size: int) -> list[Bucket]:
@@ -96,10 +108,8 @@ class CrossPoolTransfer:
         """Send ``train_rank``'s parts to the generation pool (its training shard's parameters, names local to
         its stage); collective with the generation ranks' ``receive``."""
         routes = self.plan.routes_from(train_rank)
-        if not routes:
-            return
         element = next(iter(params.values())).element_size()
-        depth = max(len(self.buckets(r.gen_tp, r.gen_pp, element)) for r in routes)
+        depth = max((len(self.buckets(r.gen_tp, r.gen_pp, element)) for r in routes), default=0)
         for b in range(depth):
             pending = []
             for route in routes:
@@ -111,6 +121,62 @@ class CrossPoolTransfer:
                 self.bytes_sent += message.numel() * element
             for work, _ in pending:
                 work.wait()
+        if self.experts is not None:
+            self._send_experts(train_rank, params)
+
+    def _send_experts(self, train_rank: int, params: dict[str, torch.Tensor]) -> None:
+        spec, train = self.spec, self.plan.train
+        at = train.expert_coordinate(train_rank)
+        per_rank = spec.moe.num_experts // train.ep
+        first, offset = at.ep_rank * per_rank, at.etp_rank * (spec.moe.expert_ffn_hidden_size // train.etp)
+        layers = spec.layers_of_stage(at.pp_rank, train.pp)
+        pending = []
+        for gen_rank, pieces in self.experts.sends(train_rank).items():
+            parts = []
+            for _, piece in pieces:
+                prefix = f"decoder.layers.{layers.index(piece.layer)}.mlp.experts.local_experts.{piece.expert - first}"
+                fc1, fc2 = params[f"{prefix}.{_FC1}"], params[f"{prefix}.{_FC2}"]
+                a, b, width = piece.units[0] - offset, piece.units[1] - offset, fc2.shape[1]
+                parts += [fc1[a:b].reshape(-1), fc1[width + a: width + b].reshape(-1), fc2[:, a:b].t().reshape(-1)]
+            message = torch.cat(parts)
+            pending.append((self.link.isend(message, self.gen_ranks[gen_rank], _EXPERT_TAG), message))
+            self.bytes_sent += message.numel() * message.element_size()
+        for work, _ in pending:
+            work.wait()
+
+    def _receive_experts(self, gen_rank: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        """This generation rank's experts by generation name, one message from each training rank serving it."""
+        hidden = self.spec.hidden_size
+        receives = self.experts.receives(gen_rank)
+        posted = {}
+        for train_rank, pieces in receives.items():
+            flat = torch.empty(3 * hidden * sum(p.size for _, p in pieces), dtype=dtype, device=device)
+            posted[train_rank] = (self.link.irecv(flat, self.train_ranks[train_rank], _EXPERT_TAG), flat)
+        arrived = {}  # id(piece) -> (gate rows, up rows, down columns)
+        for train_rank, (work, flat) in posted.items():
+            work.wait()
+            self.bytes_received += flat.numel() * flat.element_size()
+            cursor = 0
+            for _, piece in receives[train_rank]:
+                n = piece.size * hidden
+                arrived[id(piece)] = (flat[cursor: cursor + n].view(piece.size, hidden),
+                                      flat[cursor + n: cursor + 2 * n].view(piece.size, hidden),
+                                      flat[cursor + 2 * n: cursor + 3 * n].view(piece.size, hidden).t())
+                cursor += 3 * n
+        weights = {}
+        for need in self.experts.needs[gen_rank]:
+            width = need.units[1] - need.units[0]
+            fc1 = torch.empty(2 * width, hidden, dtype=dtype, device=device)
+            fc2 = torch.empty(hidden, width, dtype=dtype, device=device)
+            for piece in need.pieces:
+                gate, up, down = arrived[id(piece)]
+                a, b = piece.units[0] - need.units[0], piece.units[1] - need.units[0]
+                fc1[a:b].copy_(gate)
+                fc1[width + a: width + b].copy_(up)
+                fc2[:, a:b].copy_(down)
+            weights[self.experts.generation_name(gen_rank, need, _FC1)] = fc1
+            weights[self.experts.generation_name(gen_rank, need, _FC2)] = fc2
+        return weights
 
     def _segment_message(self, route: Route, bucket: Bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
         seg = self.plan.shard_segments(route.gen_tp, route.gen_pp)[route.position]
@@ -165,6 +231,8 @@ class CrossPoolTransfer:
             for work, _ in forwards:
                 work.wait()
             forwards = []
+        if self.experts is not None:  # a mixture of experts' routed experts, beside the dense buffer
+            views.update(self._receive_experts(gen_rank, dtype, device))
         self.weights = views
         return views
 

@@ -204,16 +204,12 @@ def plan_weights(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) 
     return WeightPlan(spec, plan_reshard(train, gen))
 
 
-def refuse_routed_experts(spec: ModelSpec, engine: str | None = None, gen: GenerationLayout | None = None) -> None:
-    """RL with a mixture of experts: vLLM and the megatron rollout engine (at generation TP1) load the
-    resharded experts of a rollout colocated with the actor. ``engine`` / ``gen``: the colocated rollout's;
-    None for a rollout on a pool of its own (the cross-pool link does not carry routed experts yet)."""
-    if spec.moe is None or engine == "vllm" or (engine == "megatron" and gen is not None and gen.tensor_parallel == 1):
+def refuse_routed_experts(spec: ModelSpec, engine: str, gen: GenerationLayout) -> None:
+    """RL with a mixture of experts: vLLM at any generation TP and the megatron rollout engine at TP1 load the
+    resharded experts, colocated with the actor or on a pool of their own. ``engine`` / ``gen``: the rollout's."""
+    if spec.moe is None or engine == "vllm" or (engine == "megatron" and gen.tensor_parallel == 1):
         return
-    where = (f"a {engine} rollout at {gen} (the megatron rollout engine generates a mixture of experts at "
-             f"tensor_parallel 1 only; vLLM at any size)" if engine is not None else
-             "a rollout on a pool of its own: the link between pools does not carry routed experts yet")
     raise ReshardLayoutError(
         f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): its generation "
-        f"engine must load the resharded experts, which rules out {where}; colocate the rollout with the actor, "
-        f"or train it with hybridflow sft (megatron with expert parallelism)")
+        f"engine must load the resharded experts, which rules out a {engine} rollout at {gen} (the megatron "
+        f"rollout engine generates a mixture of experts at tensor_parallel 1 only; vLLM at any size)")

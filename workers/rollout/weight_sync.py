@@ -103,7 +103,8 @@ class CrossPoolSync(WeightSync):
                  device: torch.device | str, training: dict[str, Any]) -> None:
         self.spec, self.gen, self.gen_dp, self.rank, self.dtype, self.device = spec, gen, gen_dp, rank, dtype, device
         self.train = ParallelLayout(training["tensor_parallel"], training["pipeline_parallel"],
-                                    training["data_parallel"])
+                                    training["data_parallel"], training.get("expert_parallel", 1),
+                                    training.get("expert_tensor_parallel"))
         self.transfer = None
 
     def connect(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
