@@ -93,8 +93,8 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
     """examples/moe_arithmetic_sft.yaml as written (the built-in Qwen3-MoE at EP2 on 4 processes, the
     load-balancing loss on), cut to 6 steps: the loss falls, the routing figures are logged every step and
     the export is a Qwen3-MoE that transformers loads, expert by expert. Then examples/moe_arithmetic.yaml
-    from that export, cut to 2 steps: GRPO with the megatron rollout generating from the resharded experts,
-    each rank receiving exactly the experts it lacks, and replaying the experts the rollout chose
+    from that export, cut to 2 steps: GRPO with vLLM generating from the resharded experts, each rank
+    receiving exactly the experts it lacks, and the actor replaying the experts vLLM routed each token to
     (algorithm.router_replay: rollout)."""
     run = tmp_path / "moe"
     proc = hybridflow("sft", "--config", "examples/moe_arithmetic_sft.yaml", f"trainer.run_dir={run}",
@@ -118,8 +118,7 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
     proc = hybridflow("train", "--config", "examples/moe_arithmetic.yaml", f"model_path={run / 'hf_actor'}",
                       f"trainer.run_dir={rl}", "trainer.total_steps=2", "trainer.val_every=2", "trainer.save_every=0",
                       "trainer.plots=false", "trainer.logger=[jsonl]", "trainer.export_hf=false", "data.batch_size=8",
-                      "data.val_size=8", "ppo.ppo_mini_batch_size=32", "actor.engine.micro_batch_size=4",
-                      "algorithm.router_replay=rollout")
+                      "data.val_size=8", "ppo.ppo_mini_batch_size=32", "actor.engine.micro_batch_size=4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     from hybridengine.model.spec import ModelSpec
     from hybridengine.parallel.layout import ParallelLayout
@@ -135,9 +134,10 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
     assert [m["step"] for m in steps if "val/reward/mean" in m] == [0, 2]  # before the first step, and at the end
     for step in (m for m in steps if "actor/pg_loss" in m):
         assert step["reshard/bytes_received"] == step["reshard/expert_bytes_received"] == bound
-        assert step["rollout/logprob_diff_max"] < 1e-2  # the rollout's log-probs are the actor's
+        # vLLM's and megatron's bf16 kernels on the same weights, the experts replayed: close on every token
+        assert step["rollout/logprob_diff_max"] < 0.1 and step["rollout_corr/kl_k3"] < 1e-3
         assert 1.0 <= step["actor/moe/load_max_over_mean"] <= 8 / 2
         # The routers' own choice in the update's forward (on the rollout's weights, replaying the layers below)
-        # against the rollout's on every prompt and response token: bf16 engines on the same weights mostly agree.
+        # against vLLM's on every prompt and response token: bf16 engines on the same weights mostly agree.
         layers = [step[f"router_replay/agreement/layer_{i}"] for i in range(4)]
         assert 0.9 <= min(layers) and step["router_replay/agreement"] == pytest.approx(sum(layers) / 4) and max(layers) <= 1.0
