@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,17 +26,9 @@ sys.path.insert(0, str(ROOT))
 HYBRIDFLOW = [sys.executable, "-m", "controller.cli"]
 
 from controller.metrics.log import read_metrics  # noqa: E402  (a run's metrics.jsonl)
+from tools.demo_seeds import run_logged as run  # noqa: E402  (a command, its output in a log)
 
 FIGURES = ("router_replay/agreement", "rollout_corr/kl_k3", "rollout/logprob_diff_max", "rollout/logprob_diff_mean")
-
-
-def run(command: list[str], log: Path) -> float:
-    start = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command[2:5])} failed (exit {proc.returncode}); its output: {log}")
-    return time.perf_counter() - start
 
 
 def summary(records: list[dict]) -> dict:

@@ -41,7 +41,8 @@ def _curve(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
 
 
-def _run(command: list[str], log: Path) -> float:
+def run_logged(command: list[str], log: Path) -> float:
+    """Run ``command`` from the project root with its output in ``log``; its wall-clock seconds (exits on failure)."""
     start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -55,9 +56,9 @@ def run_seed(seed: int, out: Path, overrides: list[str], sft_config: str = "exam
     sft_dir, rl_dir = out / f"seed_{seed}" / "sft", out / f"seed_{seed}" / "rl"
     sft_dir.parent.mkdir(parents=True, exist_ok=True)
     common = [f"trainer.seed={seed}", "trainer.plots=false"]
-    sft_s = _run([*HYBRIDFLOW, "sft", "--config", sft_config, *common, f"trainer.run_dir={sft_dir}"],
+    sft_s = run_logged([*HYBRIDFLOW, "sft", "--config", sft_config, *common, f"trainer.run_dir={sft_dir}"],
                  sft_dir.parent / "sft.log")
-    rl_s = _run([*HYBRIDFLOW, "train", "--config", rl_config, *common, f"trainer.run_dir={rl_dir}",
+    rl_s = run_logged([*HYBRIDFLOW, "train", "--config", rl_config, *common, f"trainer.run_dir={rl_dir}",
                  f"model_path={sft_dir / 'hf_actor'}", *overrides], sft_dir.parent / "rl.log")
     sft, rl = read_metrics(sft_dir), read_metrics(rl_dir)
     accuracy = _curve(rl, "val/reward/mean")

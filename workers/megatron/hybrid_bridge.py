@@ -94,26 +94,29 @@ class HybridBridge:
             "gen_dp_rank": me.gen_dp_rank,
         }
 
-    def _place_router(self, placement: tuple[int, ...] | None) -> None:
+    def _place_router(self, placement: tuple[int, ...]) -> None:
         """Reorder every router's rows in the generation weights to ``placement`` (generation expert k is
-        training expert placement[k]); None puts them back. In place: a router may be a view of a training
-        shard (slice plans) or of the buffer a released shard returns from."""
-        if placement is None:
-            placement, self._placed = self._placed, None
-            if placement is None:
-                return
-            order = torch.argsort(torch.tensor(placement))  # the inverse permutation
-        else:
-            if placement == tuple(range(len(placement))):
-                return
-            self._placed, order = placement, torch.tensor(placement)
+        training expert placement[k]); ``_unplace_router`` puts them back."""
+        if placement != tuple(range(len(placement))):
+            self._permute_routers(torch.tensor(placement))
+            self._placed = placement
+
+    def _unplace_router(self) -> None:
+        """The routers' rows back in the training order, if ``_place_router`` moved them."""
+        if self._placed is not None:
+            self._permute_routers(torch.argsort(torch.tensor(self._placed)))  # the inverse permutation
+            self._placed = None
+
+    def _permute_routers(self, order: torch.Tensor) -> None:
+        """In place: a router may be a view of a training shard (slice plans) or of the buffer a released
+        shard returns from."""
         for name, tensor in self.weights.items():
             if name.endswith("mlp.router.weight"):
                 tensor.copy_(tensor[order.to(tensor.device)])
 
     def to_training(self, offload: bool = False) -> dict[str, float]:
         start = time.perf_counter()
-        self._place_router(None)  # the training order, before a released shard is copied back out
+        self._unplace_router()  # the training order, before a released shard is copied back out
         for resharder in self.resharders.values():
             resharder.to_training(offload=offload)
         self.weights = {}
