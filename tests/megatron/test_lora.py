@@ -1,0 +1,143 @@
+"""LoRA adapters on megatron's tensor-parallel linears against HF PEFT, in real gloo processes.
+
+The same tiny Llama and the same adapters (PEFT's, with random B so that they change the output): the
+logits of megatron's stage with ``attach_lora`` at TP1 and TP2 equal PEFT's model's to 1e-5, and so do the
+adapters' gradients of one loss, cut to each rank's shard (fused QKV and gated fc1 interleaved as megatron
+lays them out; the row-parallel adapters' partial products summed over TP). The base is frozen.
+Config checks, with no process.
+"""
+
+import pytest
+import torch
+
+from dist_utils import run_cases_in_processes
+from tiny_models import make_llama
+
+RANK, ALPHA = 4, 8.0
+HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+      "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def _peft_model(path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: give it values, so the adapters change the output
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return peft
+
+
+def _inputs(spec):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, spec.vocab_size, (2, 12), generator=g)
+    probe = torch.randn(2, 12, spec.vocab_size, generator=g)
+    return ids, probe
+
+
+def _reference(path, out):
+    """PEFT's logits and adapter gradients of sum(logits * probe), saved for the processes."""
+    from hybridengine.model.spec import ModelSpec
+
+    peft = _peft_model(path)
+    ids, probe = _inputs(ModelSpec.from_pretrained(path))
+    logits = peft(ids).logits
+    (logits * probe).sum().backward()
+    adapters = {n: p.detach().clone() for n, p in peft.named_parameters() if "lora_" in n}
+    grads = {n: p.grad.clone() for n, p in peft.named_parameters() if "lora_" in n}
+    torch.save({"logits": logits.detach(), "adapters": adapters, "grads": grads}, out)
+
+
+def _hf_name(layer: int, part: str, which: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{HF[part]}.{which}.default.weight"
+
+
+def _shard(tensor, part: str, which: str, tp_rank: int, tp: int):
+    """This rank's cut of PEFT's A or B: a column linear's B by its output rows, a row linear's A by its input
+    columns; the rest replicated."""
+    if which == "lora_B" and part not in ("o", "down"):
+        n = tensor.shape[0] // tp
+        return tensor[tp_rank * n: (tp_rank + 1) * n]
+    if which == "lora_A" and part in ("o", "down"):
+        n = tensor.shape[1] // tp
+        return tensor[:, tp_rank * n: (tp_rank + 1) * n]
+    return tensor
+
+
+def _case(rank, world_size, path, reference, tp):
+    from hybridengine.model.spec import ModelSpec
+    from workers.megatron.config import EngineConfig
+    from workers.megatron.engine import MegatronEngine
+    from workers.megatron.lora import LoRAConfig, attach_lora, lora_parameters
+
+    ref = torch.load(reference, weights_only=False)
+    spec = ModelSpec.from_pretrained(path)
+    engine = MegatronEngine(path, EngineConfig(tensor_parallel=tp, precision="fp32"), world_size)
+    module, tp_rank = engine.module(), engine.groups.tp_rank
+    adapters = attach_lora(module, spec, LoRAConfig(rank=RANK, alpha=ALPHA), tp, engine.groups.tp_group)
+    assert len(adapters) == 4 * spec.num_layers  # per layer: linear_qkv (q, k, v), linear_proj, linear_fc1, linear_fc2
+    with torch.no_grad():
+        for name, adapter in adapters.items():
+            layer = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+            for which, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
+                for part, p in params.items():
+                    p.copy_(_shard(ref["adapters"][_hf_name(layer, part, which)], part, which, tp_rank, tp))
+    trained = lora_parameters(module)
+    assert trained and all(p.requires_grad for p in trained.values())
+    assert not any(p.requires_grad for n, p in module.named_parameters() if n not in trained)  # the base frozen
+    ids, probe = _inputs(spec)
+    position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    local = module(ids, position_ids, None)  # [b, s, padded vocab / tp]
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch.distributed.all_gather(parts, local.detach(), group=engine.groups.tp_group)
+    logits = torch.cat(parts, -1)[..., : spec.vocab_size]
+    torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=0)
+    width = local.shape[-1]
+    mine = torch.nn.functional.pad(probe, (0, width * tp - spec.vocab_size))[..., tp_rank * width: (tp_rank + 1) * width]
+    (local * mine).sum().backward()
+    for name, adapter in adapters.items():
+        layer = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+        for which, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
+            for part, p in params.items():
+                want = _shard(ref["grads"][_hf_name(layer, part, which)], part, which, tp_rank, tp)
+                torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} {which} {part}: {m}")
+
+
+def test_lora_on_the_parallel_linears_matches_peft_at_tp1_and_tp2(tmp_path):
+    model = make_llama(tmp_path / "llama", heads=4, kv_heads=2, head_dim=16, layers=2)
+    reference = tmp_path / "peft.pt"
+    _reference(str(model), reference)
+    outcomes = run_cases_in_processes(_case, 2, {"TP1xDP2": (str(model), str(reference), 1),
+                                                 "TP2": (str(model), str(reference), 2)})
+    assert all(failure is None for failure in outcomes.values()), outcomes
+
+
+def test_lora_settings_are_checked_with_every_problem_named():
+    from hybridengine.model.spec import ModelSpec
+    from workers.megatron.lora import LoRAConfig, check_lora
+    from test_moe_layout import QWEN3_MOE
+
+    with pytest.raises(ValueError) as bad:
+        LoRAConfig(rank=-1, alpha=0, dropout=1.0, target_modules=["q_proj", "qkv"])
+    for part in ("rank must be a non-negative integer", "alpha must be a positive number", "dropout must be in [0, 1)",
+                 "unknown ['qkv']; valid: ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
+                 "'down_proj'] or 'all-linear'"):
+        assert part in str(bad.value)
+    assert not LoRAConfig().enabled and LoRAConfig(rank=8, alpha=16).scaling == 2.0
+    assert LoRAConfig(rank=8, target_modules="all-linear").targets == tuple(HF_TARGETS)
+    dense = ModelSpec.from_hf_config({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ValueError, match=r"must take \['q_proj', 'k_proj', 'v_proj'\] together .*got \['q_proj'\]"):
+        check_lora(dense, LoRAConfig(rank=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"LoRA rank 512 exceeds q_proj's dimensions \(64 in, 64 out\); use a rank of "
+                                         r"at most 64"):
+        check_lora(dense, LoRAConfig(rank=512, target_modules=["q_proj", "k_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="LoRA on a mixture of experts"):
+        check_lora(ModelSpec.from_hf_config(QWEN3_MOE), LoRAConfig(rank=4))
+    check_lora(dense, LoRAConfig(rank=4, target_modules=["o_proj", "down_proj"]))
+
+
+HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

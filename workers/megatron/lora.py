@@ -1,0 +1,210 @@
+"""LoRA on megatron-core's tensor-parallel linears: low-rank adapters beside a frozen base.
+
+An adapted linear computes ``W x + (alpha / r) B A x`` with ``A`` [r, in] and
+``B`` [out, r], as PEFT's ``LoraLayer`` does, with targets named as in HF
+(``q_proj`` ... ``down_proj``). megatron fuses some of them, so one megatron
+linear may carry several adapters:
+
+- ``linear_qkv`` (column-parallel) carries q, k and v, each with its own A
+  (replicated over TP) and its B cut to the rank's heads (q) or query groups
+  (k, v); their outputs are interleaved group by group, as megatron lays out
+  the fused QKV rows ([q heads of group g, k of g, v of g] for each local group);
+- ``linear_fc1`` (column-parallel) carries gate and up: [gate_r; up_r] per rank;
+- ``linear_proj`` (o) and ``linear_fc2`` (down) are row-parallel: A is cut
+  along the input features like the weight's columns, B is replicated, and
+  the rank-r partial products are summed over TP before B.
+
+The gradients are those of the unsharded adapters: a column adapter's
+``A x`` enters megatron's copy-to-TP region (identity forward, all-reduce
+backward), so every rank's A sees the whole gradient; a row adapter's partial
+product enters the reduce-from-TP region (all-reduce forward, identity backward).
+
+The adapters ride on forward hooks of the linears, so megatron's own layers
+and their kernels are untouched. Sequence parallelism (a mixture of experts at
+TP > 1) scatters a column linear's input, which a hook would see cut: refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_shapes", "lora_parameters"]
+
+# HF target -> (megatron linear, its part); "all-linear" is every one of them
+LORA_TARGETS = {
+    "q_proj": ("self_attention.linear_qkv", "q"), "k_proj": ("self_attention.linear_qkv", "k"),
+    "v_proj": ("self_attention.linear_qkv", "v"), "o_proj": ("self_attention.linear_proj", "o"),
+    "gate_proj": ("mlp.linear_fc1", "gate"), "up_proj": ("mlp.linear_fc1", "up"), "down_proj": ("mlp.linear_fc2", "down"),
+}
+_ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """``rank`` 0: off. ``target_modules``: HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj) or "all-linear"."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+    _targets: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            problems.append(f"rank must be a non-negative integer (0: LoRA off), got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            problems.append(f"alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        if targets == "all-linear":
+            targets = tuple(LORA_TARGETS)
+        elif isinstance(targets, str):
+            targets = (targets,)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            problems.append(f"target_modules {list(targets) if unknown else targets!r}: "
+                            f"{'unknown ' + repr(unknown) if unknown else 'none given'}; valid: "
+                            f"{list(LORA_TARGETS)} or 'all-linear'")
+        if problems:
+            raise ValueError("invalid LoRA config: " + "; ".join(problems))
+        object.__setattr__(self, "_targets", tuple(t for t in LORA_TARGETS if t in targets))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The HF targets adapted, in a fixed order."""
+        return self._targets
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The adapters of one megatron linear: ``parts`` maps an HF target's part (q, k, v, gate, up, o, down) to
+    its (A, B) pair on this TP rank. Added to the linear's output by a forward hook."""
+
+    def __init__(self, linear: str, parts: dict[str, tuple[int, int, int]], rank: int, scaling: float, dropout: float,
+                 tp_group, groups: int = 1, dtype: torch.dtype = torch.float32, device=None) -> None:
+        """``parts``: part -> (in features, out features) of this rank's A [r, in] and B [out, r]; ``groups``:
+        the local query groups (the fused QKV's interleave)."""
+        super().__init__()
+        self.linear, self.scaling, self.tp_group, self.groups = linear, scaling, tp_group, groups
+        self.row_parallel = linear in _ROW_PARALLEL
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        for part, (fan_in, fan_out) in parts.items():
+            a = torch.empty(rank, fan_in, dtype=dtype, device=device)
+            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)  # PEFT's default: B starts at zero, so W is unchanged
+            self.lora_A[part] = torch.nn.Parameter(a)
+            self.lora_B[part] = torch.nn.Parameter(torch.zeros(fan_out, rank, dtype=dtype, device=device))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """What the adapters add to the linear's output for input ``x`` [..., in] (this rank's part)."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        x = self.dropout(x)
+        outs = {}
+        for part, a in self.lora_A.items():
+            h = torch.nn.functional.linear(x, a)  # [..., r]
+            if self.row_parallel:
+                h = reduce_from_tensor_model_parallel_region(h, self.tp_group)  # the partial products summed
+            else:
+                h = copy_to_tensor_model_parallel_region(h, self.tp_group)  # A's gradient summed over TP
+            outs[part] = torch.nn.functional.linear(h, self.lora_B[part]) * self.scaling
+        if self.linear.endswith("linear_qkv"):
+            return self._interleave_qkv(outs)
+        if self.linear.endswith("linear_fc1"):
+            return torch.cat([outs["gate"], outs["up"]], -1)
+        (only,) = outs.values()
+        return only
+
+    def _interleave_qkv(self, outs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[q of group g, k of g, v of g] for each local group, as megatron's fused QKV lays out its rows."""
+        g = self.groups
+        q, k, v = (outs[p] for p in ("q", "k", "v"))
+        lead = q.shape[:-1]
+        fused = torch.cat([q.reshape(*lead, g, -1), k.reshape(*lead, g, -1), v.reshape(*lead, g, -1)], -1)
+        return fused.reshape(*lead, -1)
+
+
+def full_shapes(spec) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each adaptable part, unsharded."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+
+
+def check_lora(spec, config: LoRAConfig) -> None:
+    """Refuse adapters the model cannot take: fused parts targeted apart, a rank above a target's dimensions,
+    a mixture of experts (its experts are not adapted) or a model with no adaptable linear."""
+    if not config.enabled:
+        return
+    if spec.moe is not None:
+        raise ValueError(f"LoRA on a mixture of experts ({spec.architecture}) is not supported yet: its routed "
+                         f"experts would stay frozen and unadapted")
+    fused = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "mlp.linear_fc1": ("gate_proj", "up_proj")}
+    for linear, names in fused.items():
+        chosen = [t for t in config.targets if t in names]
+        if chosen and len(chosen) != len(names):
+            raise ValueError(f"LoRA target_modules must take {list(names)} together (megatron fuses them into "
+                             f"{linear}); got {chosen}")
+    shapes = full_shapes(spec)
+    for target in config.targets:
+        fan_in, fan_out = shapes[LORA_TARGETS[target][1]]
+        if config.rank > min(fan_in, fan_out):
+            raise ValueError(f"LoRA rank {config.rank} exceeds {target}'s dimensions ({fan_in} in, {fan_out} out); "
+                             f"use a rank of at most {min(fan_in, fan_out)}")
+
+
+def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_group) -> dict[str, LoRAAdapter]:
+    """Adapters on ``module``'s (a GPTModel stage's) targeted linears, the base frozen; returns them by linear name.
+
+    A fused linear takes an adapter for every part it fuses (q, k and v; gate and up): all of them must be
+    targeted together (``check_lora``).
+    """
+    if not config.enabled:
+        return {}
+    check_lora(spec, config)
+    by_linear: dict[str, list[str]] = {}
+    for target in config.targets:
+        linear, part = LORA_TARGETS[target]
+        by_linear.setdefault(linear, []).append(part)
+    groups = max(spec.num_query_groups // tp, 1)
+    shapes = {}
+    for part, (fan_in, fan_out) in full_shapes(spec).items():  # this rank's: column linears cut out, row ones in
+        row = part in ("o", "down")
+        shapes[part] = (fan_in // tp, fan_out) if row else (fan_in, fan_out // tp)
+    module.requires_grad_(False)  # the base is frozen: no gradient, no optimizer state
+    probe = next(module.parameters())
+    adapters = {}
+    for name, child in list(module.named_modules()):
+        for linear, parts in by_linear.items():
+            if name.endswith(linear) and ".layers." in name:
+                adapter = LoRAAdapter(linear, {p: shapes[p] for p in ("q", "k", "v", "o", "gate", "up", "down")
+                                               if p in parts}, config.rank, config.scaling, config.dropout,
+                                      tp_group, groups, probe.dtype, probe.device)
+                child.lora = adapter
+                child.register_forward_hook(_add_delta)
+                adapters[name] = adapter
+    return adapters
+
+
+def _add_delta(linear, args, output):
+    out, bias = output
+    return out + linear.lora.delta(args[0]).to(out.dtype), bias
+
+
+def lora_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Every adapter parameter of ``module`` by name (what trains, is checkpointed and is synced)."""
+    return {name: p for name, p in module.named_parameters() if ".lora.lora_" in name}
