@@ -3,7 +3,8 @@
 The same tiny Llama and the same adapters (PEFT's, with random B so that they change the output): the
 logits of megatron's stage with ``attach_lora`` at TP1 and TP2 equal PEFT's model's to 1e-5, and so do the
 adapters' gradients of one loss, cut to each rank's shard (fused QKV and gated fc1 interleaved as megatron
-lays them out; the row-parallel adapters' partial products summed over TP). The base is frozen.
+lays them out; the row-parallel adapters' partial products summed over TP); the merged weights equal PEFT's
+merge_and_unload() cut to the shard, bit for bit. The base is frozen.
 Config checks, with no process.
 """
 
@@ -49,7 +50,8 @@ def _reference(path, out):
     (logits * probe).sum().backward()
     adapters = {n: p.detach().clone() for n, p in peft.named_parameters() if "lora_" in n}
     grads = {n: p.grad.clone() for n, p in peft.named_parameters() if "lora_" in n}
-    torch.save({"logits": logits.detach(), "adapters": adapters, "grads": grads}, out)
+    merged = {n: t.clone() for n, t in peft.merge_and_unload().state_dict().items()}  # PEFT's own merge, in HF names
+    torch.save({"logits": logits.detach(), "adapters": adapters, "grads": grads, "merged": merged}, out)
 
 
 def _hf_name(layer: int, part: str, which: str) -> str:
@@ -72,7 +74,8 @@ def _case(rank, world_size, path, reference, tp):
     from hybridengine.model.spec import ModelSpec
     from workers.megatron.config import EngineConfig
     from workers.megatron.engine import MegatronEngine
-    from workers.megatron.lora import LoRAConfig, attach_lora, lora_parameters
+    from hybridengine.model.hf_mapping import cut_shard, hf_source
+    from workers.megatron.lora import LoRAConfig, attach_lora, lora_parameters, merged_weights
 
     ref = torch.load(reference, weights_only=False)
     spec = ModelSpec.from_pretrained(path)
@@ -89,6 +92,13 @@ def _case(rank, world_size, path, reference, tp):
     trained = lora_parameters(module)
     assert trained and all(p.requires_grad for p in trained.values())
     assert not any(p.requires_grad for n, p in module.named_parameters() if n not in trained)  # the base frozen
+    # Merged: each adapted weight equals PEFT's merge_and_unload() cut to this rank's shard, bit for bit.
+    merged = merged_weights(module)
+    assert len(merged) == 4 * spec.num_layers
+    for name, weight in merged.items():
+        want = cut_shard(hf_source(name, spec, 0, 1), lambda hf, index: ref["merged"][hf][index], spec, tp_rank, tp)
+        assert torch.equal(weight, want), name
+    assert not any(torch.equal(merged[n], p) for n, p in module.named_parameters() if n in merged)  # they moved
     ids, probe = _inputs(spec)
     position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
     local = module(ids, position_ids, None)  # [b, s, padded vocab / tp]

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_shapes", "lora_parameters"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_shapes", "lora_parameters",
+           "merged_weights"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -129,6 +130,19 @@ class LoRAAdapter(torch.nn.Module):
         (only,) = outs.values()
         return only
 
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling x B A`` of every adapter, laid out as this rank's shard of the linear's weight (rows of the
+        fused QKV interleaved group by group, [gate; up] for fc1): what merging adds to the weight."""
+        deltas = {part: (self.lora_B[part] @ self.lora_A[part]) * self.scaling for part in self.lora_A}
+        if self.linear.endswith("linear_qkv"):
+            # rows as outputs: the same interleave, with the input features trailing
+            fused = self._interleave_qkv({p: d.t() for p, d in deltas.items()})
+            return fused.t()
+        if self.linear.endswith("linear_fc1"):
+            return torch.cat([deltas["gate"], deltas["up"]], 0)
+        (only,) = deltas.values()
+        return only
+
     def _interleave_qkv(self, outs: dict[str, torch.Tensor]) -> torch.Tensor:
         """[q of group g, k of g, v of g] for each local group, as megatron's fused QKV lays out its rows."""
         g = self.groups
@@ -203,6 +217,18 @@ def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_g
 def _add_delta(linear, args, output):
     out, bias = output
     return out + linear.lora.delta(args[0]).to(out.dtype), bias
+
+
+def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapted linears' weights with their adapters merged (new tensors; the module is unchanged), by
+    parameter name: what generation and export take in place of the frozen base's."""
+    out = {}
+    with torch.no_grad():
+        for name, child in module.named_modules():
+            adapter = getattr(child, "lora", None)
+            if isinstance(adapter, LoRAAdapter):
+                out[f"{name}.weight"] = child.weight + adapter.delta_weight().to(child.weight.dtype)
+    return out
 
 
 def lora_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
