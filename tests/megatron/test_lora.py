@@ -4,7 +4,8 @@ The same tiny Llama and the same adapters (PEFT's, with random B so that they ch
 logits of megatron's stage with ``attach_lora`` at TP1 and TP2 equal PEFT's model's to 1e-5, and so do the
 adapters' gradients of one loss, cut to each rank's shard (fused QKV and gated fc1 interleaved as megatron
 lays them out; the row-parallel adapters' partial products summed over TP); the merged weights equal PEFT's
-merge_and_unload() cut to the shard, bit for bit. The base is frozen.
+merge_and_unload() cut to the shard, bit for bit; the adapters gathered whole and written as a PEFT adapter
+directory load in peft and give PEFT's logits. The base is frozen.
 Config checks, with no process.
 """
 
@@ -70,12 +71,13 @@ def _shard(tensor, part: str, which: str, tp_rank: int, tp: int):
     return tensor
 
 
-def _case(rank, world_size, path, reference, tp):
+def _case(rank, world_size, path, reference, tp, export_dir):
     from hybridengine.model.spec import ModelSpec
     from workers.megatron.config import EngineConfig
     from workers.megatron.engine import MegatronEngine
     from hybridengine.model.hf_mapping import cut_shard, hf_source
-    from workers.megatron.lora import LoRAConfig, attach_lora, lora_parameters, merged_weights
+    from workers.megatron.lora import (LoRAConfig, attach_lora, full_adapters, lora_parameters, merged_weights,
+                                       save_peft_adapter)
 
     ref = torch.load(reference, weights_only=False)
     spec = ModelSpec.from_pretrained(path)
@@ -92,6 +94,11 @@ def _case(rank, world_size, path, reference, tp):
     trained = lora_parameters(module)
     assert trained and all(p.requires_grad for p in trained.values())
     assert not any(p.requires_grad for n, p in module.named_parameters() if n not in trained)  # the base frozen
+    # Exported whole, under PEFT's names: what a PEFT adapter directory holds (the test loads it in peft).
+    whole = full_adapters(module, spec, tp, engine.groups.tp_group)
+    assert sorted(whole) == sorted(k.replace(".default", "") for k in ref["adapters"])
+    if rank == 0:
+        save_peft_adapter(whole, LoRAConfig(rank=RANK, alpha=ALPHA), export_dir, path)
     # Merged: each adapted weight equals PEFT's merge_and_unload() cut to this rank's shard, bit for bit.
     merged = merged_weights(module)
     assert len(merged) == 4 * spec.num_layers
@@ -121,9 +128,22 @@ def test_lora_on_the_parallel_linears_matches_peft_at_tp1_and_tp2(tmp_path):
     model = make_llama(tmp_path / "llama", heads=4, kv_heads=2, head_dim=16, layers=2)
     reference = tmp_path / "peft.pt"
     _reference(str(model), reference)
-    outcomes = run_cases_in_processes(_case, 2, {"TP1xDP2": (str(model), str(reference), 1),
-                                                 "TP2": (str(model), str(reference), 2)})
+    outcomes = run_cases_in_processes(_case, 2, {"TP1xDP2": (str(model), str(reference), 1, str(tmp_path / "tp1")),
+                                                 "TP2": (str(model), str(reference), 2, str(tmp_path / "tp2"))})
     assert all(failure is None for failure in outcomes.values()), outcomes
+    # The exported adapter directories load in PEFT onto the base and give the reference's logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridengine.model.spec import ModelSpec
+
+    ids, _ = _inputs(ModelSpec.from_pretrained(model))
+    want = torch.load(reference, weights_only=False)["logits"]
+    for exported in ("tp1", "tp2"):
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                                           str(tmp_path / exported))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=0)
 
 
 def test_lora_settings_are_checked_with_every_problem_named():

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_shapes", "lora_parameters",
-           "merged_weights"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_adapters", "full_shapes",
+           "lora_parameters", "merged_weights", "save_peft_adapter"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -229,6 +229,49 @@ def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(adapter, LoRAAdapter):
                 out[f"{name}.weight"] = child.weight + adapter.delta_weight().to(child.weight.dtype)
     return out
+
+
+_HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int = 0, pp: int = 1
+                  ) -> dict[str, torch.Tensor]:
+    """This stage's adapters whole (gathered over TP), under PEFT's names
+    (``base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight``); collective over the TP group."""
+    layers = spec.layers_of_stage(pp_rank, pp)
+    out = {}
+    for name, child in module.named_modules():
+        adapter = getattr(child, "lora", None)
+        if not isinstance(adapter, LoRAAdapter):
+            continue
+        layer = layers[int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])]
+        for part in adapter.lora_A:
+            a, b = adapter.lora_A[part].detach(), adapter.lora_B[part].detach()
+            if tp > 1:  # the cut side back whole: a row adapter's A by its columns, a column adapter's B by its rows
+                cut, dim = (a, 1) if adapter.row_parallel else (b, 0)
+                pieces = [torch.empty_like(cut) for _ in range(tp)]
+                torch.distributed.all_gather(pieces, cut.contiguous(), group=tp_group)
+                whole = torch.cat(pieces, dim)
+                a, b = (whole, b) if adapter.row_parallel else (a, whole)
+            prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULES[part]}"
+            out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.cpu().clone(), b.cpu().clone()
+    return out
+
+
+def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out_dir, base_model: str | None = None) -> None:
+    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads."""
+    from pathlib import Path
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=list(config.targets),
+               task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in adapters.items()}, str(out / "adapter_model.safetensors"))
 
 
 def lora_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
