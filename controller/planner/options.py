@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from hybridengine.model.spec import ModelConfigError
 from hybridengine.parallel.layout import ParallelLayout, divisors
@@ -220,6 +221,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                   gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp)
 
 
+@lru_cache(maxsize=1024)  # the same (layout, generation layout) for every micro-batch and concurrency option
 def expert_reshard_bytes(spec, train: ParallelLayout, gen: GenerationLayout, precision: str) -> int:
     """The most any rank receives of its generation experts from ``train``: the experts' bound (closed form)."""
     layout = plan_reshard(train, gen)

@@ -114,17 +114,17 @@ class ExpertGrid:
 
     ep: int = 1
     etp: int | None = None  # None: the TP size
-    link: Link | None = None
+    link: Link | None = None  # None: the TP group's (the caller's ``tp_link``)
 
     def exchange_time(self, spec: ModelSpec, tp: int, tokens: int, precision: str, passes: int,
-                      efficiency: Efficiency) -> float:
+                      efficiency: Efficiency, tp_link: Link) -> float:
         """The token dispatch and combine of every MoE layer of a stage over ``passes`` passes (forward 2, a
         training pass 4): each rank's share of ``tokens`` (sequence-parallel under TP), k copies each."""
         if spec.moe is None:
             return 0.0
         group = self.ep * (tp if self.etp is None else self.etp)
         share = tokens * spec.moe.topk * spec.hidden_size * dtype_bytes(precision) / tp
-        return passes * all_to_all_time(share, group, self.link or Link(1e12, 0.0), efficiency)
+        return passes * all_to_all_time(share, group, self.link or tp_link, efficiency)
 
 
 def _attention_flops(spec: ModelSpec, seq_len: int) -> float:
@@ -189,7 +189,7 @@ def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, dev
     sends = (tp_collectives // 2) * micro * transfer_time(hidden / tp, pp_link or tp_link, efficiency) if pp > 1 else 0.0
     host = micro * layers * flops_factor * efficiency.micro_batch_layer_s
     exchange = micro * layers * (experts or ExpertGrid()).exchange_time(
-        spec, tp, shape.micro_batch * shape.seq_len, precision, tp_collectives, efficiency)
+        spec, tp, shape.micro_batch * shape.seq_len, precision, tp_collectives, efficiency, tp_link)
     return (compute + host) * (1 + bubble) + tp_comm + sends + exchange
 
 

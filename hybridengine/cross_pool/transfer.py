@@ -34,6 +34,7 @@ from hybridengine.cross_pool.plan import Bucket, CrossPoolPlan, Route, shard_buc
 from hybridengine.model.geometry import split_tp_shard
 from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
+from hybridengine.reshard.expert_pieces import assemble, cut_piece, pack, unpack
 
 __all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink"]
 
@@ -132,13 +133,11 @@ class CrossPoolTransfer:
         layers = spec.layers_of_stage(at.pp_rank, train.pp)
         pending = []
         for gen_rank, pieces in self.experts.sends(train_rank).items():
-            parts = []
+            blocks = []
             for _, piece in pieces:
                 prefix = f"decoder.layers.{layers.index(piece.layer)}.mlp.experts.local_experts.{piece.expert - first}"
-                fc1, fc2 = params[f"{prefix}.{_FC1}"], params[f"{prefix}.{_FC2}"]
-                a, b, width = piece.units[0] - offset, piece.units[1] - offset, fc2.shape[1]
-                parts += [fc1[a:b].reshape(-1), fc1[width + a: width + b].reshape(-1), fc2[:, a:b].t().reshape(-1)]
-            message = torch.cat(parts)
+                blocks.append(cut_piece(params[f"{prefix}.{_FC1}"], params[f"{prefix}.{_FC2}"], piece, offset))
+            message = pack(blocks)
             pending.append((self.link.isend(message, self.gen_ranks[gen_rank], _EXPERT_TAG), message))
             self.bytes_sent += message.numel() * message.element_size()
         for work, _ in pending:
@@ -156,24 +155,10 @@ class CrossPoolTransfer:
         for train_rank, (work, flat) in posted.items():
             work.wait()
             self.bytes_received += flat.numel() * flat.element_size()
-            cursor = 0
-            for _, piece in receives[train_rank]:
-                n = piece.size * hidden
-                arrived[id(piece)] = (flat[cursor: cursor + n].view(piece.size, hidden),
-                                      flat[cursor + n: cursor + 2 * n].view(piece.size, hidden),
-                                      flat[cursor + 2 * n: cursor + 3 * n].view(piece.size, hidden).t())
-                cursor += 3 * n
+            arrived.update(unpack(flat, [p for _, p in receives[train_rank]], hidden))
         weights = {}
         for need in self.experts.needs[gen_rank]:
-            width = need.units[1] - need.units[0]
-            fc1 = torch.empty(2 * width, hidden, dtype=dtype, device=device)
-            fc2 = torch.empty(hidden, width, dtype=dtype, device=device)
-            for piece in need.pieces:
-                gate, up, down = arrived[id(piece)]
-                a, b = piece.units[0] - need.units[0], piece.units[1] - need.units[0]
-                fc1[a:b].copy_(gate)
-                fc1[width + a: width + b].copy_(up)
-                fc2[:, a:b].copy_(down)
+            fc1, fc2 = assemble(need, lambda piece: arrived[id(piece)], hidden, dtype, device)
             weights[self.experts.generation_name(gen_rank, need, _FC1)] = fc1
             weights[self.experts.generation_name(gen_rank, need, _FC2)] = fc2
         return weights

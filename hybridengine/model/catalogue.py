@@ -32,7 +32,7 @@ from hybridengine.model.spec import ModelSpec
 
 __all__ = [
     "ShardKind", "ShardGeometry", "CatalogueEntry", "REPLICATED", "COLUMNS", "FC1", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
-    "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup", "ExpertShard", "EXPERT_ENTRIES",
+    "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup", "ExpertShard", "EXPERT_ENTRIES", "layer_index",
 ]
 
 
@@ -267,6 +267,12 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, pp_rank: int, experts: Exper
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer (within its stage) of a megatron parameter or module name, whatever wraps the model
+    (``module.decoder.layers.3.mlp.router`` -> 3)."""
+    return int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
 
 
 def lookup(name: str, spec: ModelSpec, pp_rank: int, pp: int, tp: int = 1,

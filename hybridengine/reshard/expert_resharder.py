@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridengine.reshard.expert_pieces import Blocks, assemble, cut_piece, pack, unpack
 from hybridengine.reshard.expert_plan import ExpertNeed, ExpertPiece, ExpertPlan
 from hybridengine.reshard.transport import Transport
 
@@ -60,49 +61,27 @@ class ExpertResharder:
         local_layer = self.layers.index(layer)
         return f"decoder.layers.{local_layer}.mlp.experts.local_experts.{expert - self.first_expert}.{which}"
 
-    def _own(self, piece: ExpertPiece) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _own(self, piece: ExpertPiece) -> Blocks:
         """(gate rows, up rows, down columns) of ``piece`` from this rank's training shard."""
         fc1 = self.params[self._training_name(piece.layer, piece.expert, _FC1)]
         fc2 = self.params[self._training_name(piece.layer, piece.expert, _FC2)]
-        width = fc2.shape[1]
-        a, b = piece.units[0] - self.offset, piece.units[1] - self.offset
-        return fc1[a:b], fc1[width + a: width + b], fc2[:, a:b]
-
-    def _message(self, pieces: list[tuple[ExpertNeed, ExpertPiece]]) -> torch.Tensor:
-        parts = []
-        for _, piece in pieces:
-            gate, up, down = self._own(piece)
-            parts += [gate.reshape(-1), up.reshape(-1), down.t().reshape(-1)]
-        return torch.cat(parts)
+        return cut_piece(fc1, fc2, piece, self.offset)
 
     def to_generation(self) -> dict[str, torch.Tensor]:
         """This rank's generation experts by generation name; point to point with every peer the plan names."""
         probe = self.params[self._training_name(self.layers[0], self.first_expert, _FC2)]
         dtype, device, hidden = probe.dtype, probe.device, self.hidden
-        sends = {peer: self._message(pieces) for peer, pieces in self.sends.items()}
+        sends = {peer: pack([self._own(p) for _, p in pieces]) for peer, pieces in self.sends.items()}
         receives = {peer: torch.empty(3 * hidden * sum(p.size for _, p in pieces), dtype=dtype, device=device)
                     for peer, pieces in self.receives.items()}
         self.transport.exchange(sends, receives)
-        arrived: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(piece) -> its three blocks
+        arrived: dict[int, Blocks] = {}  # id(piece) -> its three blocks
         for peer, pieces in self.receives.items():
-            cursor, flat = 0, receives[peer]
-            for _, piece in pieces:
-                n = piece.size * hidden
-                gate, up = flat[cursor: cursor + n].view(piece.size, hidden), flat[cursor + n: cursor + 2 * n].view(piece.size, hidden)
-                down = flat[cursor + 2 * n: cursor + 3 * n].view(piece.size, hidden).t()
-                arrived[id(piece)] = (gate, up, down)
-                cursor += 3 * n
+            arrived.update(unpack(receives[peer], [p for _, p in pieces], hidden))
         weights = {}
         for need in self.plan.needs[self.rank]:
-            width = need.units[1] - need.units[0]
-            fc1 = torch.empty(2 * width, hidden, dtype=dtype, device=device)
-            fc2 = torch.empty(hidden, width, dtype=dtype, device=device)
-            for piece in need.pieces:
-                gate, up, down = self._own(piece) if piece.source == self.rank else arrived[id(piece)]
-                a, b = piece.units[0] - need.units[0], piece.units[1] - need.units[0]
-                fc1[a:b].copy_(gate)
-                fc1[width + a: width + b].copy_(up)
-                fc2[:, a:b].copy_(down)
+            fc1, fc2 = assemble(need, lambda piece: self._own(piece) if piece.source == self.rank else arrived[id(piece)],
+                                hidden, dtype, device)
             weights[generation_expert_name(self.plan, self.rank, need, _FC1)] = fc1
             weights[generation_expert_name(self.plan, self.rank, need, _FC2)] = fc2
         return weights

@@ -26,9 +26,11 @@ TP > 1) scatters a column linear's input, which a hook would see cut: refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from hybridengine.model.catalogue import layer_index
 
 __all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_adapters", "full_shapes",
            "lora_parameters", "merged_weights", "save_peft_adapter"]
@@ -51,7 +53,6 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] | str = "all-linear"
-    _targets: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,7 +74,6 @@ class LoRAConfig:
                             f"{list(LORA_TARGETS)} or 'all-linear'")
         if problems:
             raise ValueError("invalid LoRA config: " + "; ".join(problems))
-        object.__setattr__(self, "_targets", tuple(t for t in LORA_TARGETS if t in targets))
 
     @property
     def enabled(self) -> bool:
@@ -82,7 +82,9 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         """The HF targets adapted, in a fixed order."""
-        return self._targets
+        chosen = self.target_modules
+        return tuple(LORA_TARGETS) if chosen == "all-linear" else tuple(t for t in LORA_TARGETS if t in (
+            (chosen,) if isinstance(chosen, str) else chosen))
 
     @property
     def scaling(self) -> float:
@@ -245,7 +247,7 @@ def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int
         adapter = getattr(child, "lora", None)
         if not isinstance(adapter, LoRAAdapter):
             continue
-        layer = layers[int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])]
+        layer = layers[layer_index(name)]
         for part in adapter.lora_A:
             a, b = adapter.lora_A[part].detach(), adapter.lora_B[part].detach()
             if tp > 1:  # the cut side back whole: a row adapter's A by its columns, a column adapter's B by its rows

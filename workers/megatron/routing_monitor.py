@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridengine.model.catalogue import layer_index
 from hybridengine.model.spec import ModelSpec
 
 __all__ = ["RoutingMonitor"]
@@ -47,7 +48,7 @@ class RoutingMonitor:
         self.handles = []
         for name, child in module.named_modules():
             if isinstance(child, TopKRouter):
-                local = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+                local = layer_index(name)
                 self.handles.append(child.register_forward_hook(self._hook(layers[local])))
 
     def _hook(self, layer: int):

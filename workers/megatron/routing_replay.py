@@ -31,6 +31,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from hybridengine.model.catalogue import layer_index
+
 __all__ = ["ROLLOUT_ROUTES", "ROUTED_EXPERTS", "RoutingReplay", "check_replay"]
 
 ROUTED_EXPERTS = "routed_experts"  # routes to replay
@@ -69,7 +71,7 @@ class RoutingReplay:
                 if child.router_replay is None:
                     raise ValueError("the model's routers were built without megatron's routing replay "
                                      "(moe_enable_routing_replay)")
-                found[int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])] = child.router_replay
+                found[layer_index(name)] = child.router_replay
         self.replays = [found[i] for i in sorted(found)]
         # Every TP rank routes the same tokens unless the sequence is split over them: count them once.
         self.counts_here = sequence_parallel or tp_rank == 0

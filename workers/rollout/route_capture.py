@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridengine.model.catalogue import layer_index
+
 __all__ = ["ROUTE_DTYPE", "RouteRecorder", "gather_layers", "to_training_ids"]
 
 ROUTE_DTYPE = torch.int16  # expert ids: fewer than 32768 experts a layer
@@ -49,7 +51,7 @@ class RouteRecorder:
         self.handles = []
         for name, child in model.named_modules():
             if isinstance(child, TopKRouter):
-                local = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+                local = layer_index(name)
                 self.handles.append(child.register_forward_hook(self._hook(local)))
 
     def _hook(self, local: int):
