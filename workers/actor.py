@@ -20,6 +20,7 @@ from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
+from workers.megatron.lora import LoRAConfig
 from workers.megatron.hybrid_bridge import HybridBridge
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
@@ -103,8 +104,8 @@ class PolicyUpdateTerms:
 class _LogProbRole(EngineRole):
     """Shared by the actor and the reference policy: log-probs of response tokens."""
 
-    def _build_engine(self, model_path: str, engine, optim, value_model: bool = False) -> None:
-        super()._build_engine(model_path, engine, optim, value_model)
+    def _build_engine(self, model_path: str, engine, optim, value_model: bool = False, lora=None) -> None:
+        super()._build_engine(model_path, engine, optim, value_model, lora)
         if self.engine.config.fused_output_layer:
             self.engine.defer_output_layer()
 
@@ -140,9 +141,11 @@ class Actor(_LogProbRole):
         engine: EngineConfig | dict | None = None,
         optim: OptimConfig | dict | None = None,
         ppo: PPOActorConfig | dict | None = None,
+        lora: LoRAConfig | dict | None = None,
     ) -> None:
+        """``lora``: train LoRA adapters on the frozen base (rank 0 or None: every weight trains)."""
         self.ppo = as_config(PPOActorConfig, ppo)
-        self._build_engine(model_path, engine, as_config(OptimConfig, optim))
+        self._build_engine(model_path, engine, as_config(OptimConfig, optim), lora=lora)
         self.hybrid = HybridBridge(self.engine)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
@@ -156,6 +159,17 @@ class Actor(_LogProbRole):
         if result is None:
             return None
         return DataProto({"old_log_probs": result[0], "entropys": result[1]}, meta_info={"router_replay": replay} if replay else {})
+
+    @register(Dispatch.MESH_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """The reference policy's log-probs from this LoRA actor: its frozen base with the adapters off, so
+        no second model is held. Without adapters the actor is not the reference: refused."""
+        if not self.engine.adapters:
+            raise ValueError("compute_ref_log_prob on an actor needs LoRA adapters (its base is the reference); "
+                             "a fully trained actor's reference is a ReferencePolicy of its own")
+        with self.engine.base_model():
+            result = self._log_probs(data)
+        return None if result is None else DataProto({"ref_log_prob": result[0]})
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def update_actor(self, data: DataProto, terms: PolicyUpdateTerms | None = None,

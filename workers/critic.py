@@ -11,6 +11,7 @@ import torch
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
+from workers.megatron.lora import LoRAConfig
 from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
@@ -48,9 +49,11 @@ class Critic(EngineRole):
         engine: EngineConfig | dict | None = None,
         optim: OptimConfig | dict | None = None,
         critic: CriticConfig | dict | None = None,
+        lora: LoRAConfig | dict | None = None,
     ) -> None:
+        """``lora``: LoRA adapters on the frozen base, the value head trained whole beside them."""
         self.critic = as_config(CriticConfig, critic)
-        self._build_engine(model_path, engine, as_config(OptimConfig, optim), value_model=True)
+        self._build_engine(model_path, engine, as_config(OptimConfig, optim), value_model=True, lora=lora)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:

@@ -4,6 +4,12 @@ The reference is the HF model in fp32 with the loss written out here: the token 
 log-likelihood of the response tokens under the loss mask, which has holes inside responses (as an
 assistant-only chat mask has) besides the right padding. Per-row NLL sums, the loss, the gradient norm
 and the weights after one clipped Adam step agree to 1e-5.
+
+In the same processes, the same step on LoRA adapters (rank 4, every linear, started from a PEFT adapter
+directory with random B) against HF PEFT with torch's Adam on the adapters: NLL sums, loss, gradient norm,
+the adapters after the step (the job's PEFT export) and its merged HF export agree to 1e-5; the reference
+log-probs (the adapters off) are the base model's; the gradient buffers and optimizer state hold the
+adapters only. The PEFT export, loaded in peft, generates the merged export's greedy tokens.
 """
 
 import pytest
@@ -28,8 +34,35 @@ def sft_batch():
     return batch
 
 
-def reference_step(model_dir, batch):
-    model = hf_model(model_dir)
+LORA_RANK, LORA_ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    """PEFT's adapters on every linear, B random so that they change the output and A gets a gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(hf_model(model_dir), LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    out = tmp_path_factory.mktemp("peft_adapter")
+    peft.save_pretrained(str(out))
+    return out
+
+
+def _peft(model_dir, adapter):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(model_dir), str(adapter), is_trainable=True)
+
+
+def reference_step(model_dir, batch, adapter=None):
+    """HF's step (PEFT's on the adapters of ``adapter``, the base frozen): NLL sums, loss, gradient norm and the
+    state after one clipped Adam step."""
+    model = hf_model(model_dir) if adapter is None else _peft(model_dir, adapter)
     b = batch.batch
     logits = model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
     length = b["responses"].shape[1]
@@ -39,20 +72,24 @@ def reference_step(model_dir, batch):
     nll_sum = -(token_log_p * mask).sum(-1)
     loss = nll_sum.sum() / mask.sum()
     loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=ADAM_EPS).step()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    torch.optim.Adam(trained, lr=LR, betas=(0.9, 0.999), eps=ADAM_EPS).step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    merged = None if adapter is None else {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
     return {"nll_sum": nll_sum.detach(), "tokens": mask.sum(-1), "loss": loss.item(), "grad_norm": grad_norm,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "state": state, "merged": merged}
 
 
 @pytest.mark.parametrize("tp,pp,nproc", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4)],
                          ids=["TP1", "TP2", "PP2", "TP2xPP2"])
-def test_sft_step_matches_hf_with_the_same_mask(model_dir, tmp_path, tp, pp, nproc):
+def test_sft_step_matches_hf_with_the_same_mask(model_dir, adapter_dir, tmp_path, tp, pp, nproc):
     batch = sft_batch()
     torch.save(batch, tmp_path / "inputs.pt")
-    proc = run_torchrun(TESTS / "megatron" / "sft_program.py", [str(model_dir), str(tmp_path), "--tp", str(tp),
-                                                                 "--pp", str(pp)], nproc, timeout=400)
+    proc = run_torchrun(TESTS / "megatron" / "sft_program.py", [
+        str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--lora", str(adapter_dir), "--lora-rank",
+        str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA)], nproc, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["layout"] == f"TP{tp}xPP{pp}xDP{nproc // (tp * pp)}"
@@ -69,3 +106,42 @@ def test_sft_step_matches_hf_with_the_same_mask(model_dir, tmp_path, tp, pp, npr
     assert max((ref["state"][k] - before[k]).abs().max().item() for k in before) > 1e-4
     for name, expected in ref["state"].items():
         torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    _check_lora_step(model_dir, adapter_dir, tmp_path, batch, ref, result, generate=(tp, pp) == (2, 2))
+
+
+def _check_lora_step(model_dir, adapter_dir, out, batch, base, full, generate):
+    from safetensors.torch import load_file
+
+    result = torch.load(out / "lora_result.pt", weights_only=False)
+    ref = reference_step(model_dir, batch, adapter_dir)
+    torch.testing.assert_close(result["eval"].batch["nll_sum"], ref["nll_sum"], atol=1e-5, rtol=0)
+    assert (result["eval"].batch["nll_sum"] - base["nll_sum"]).abs().max() > 1e-3  # the adapters change the output
+    mask = batch.batch["response_mask"].float()  # the reference policy: the base, the adapters off
+    torch.testing.assert_close(-(result["ref"].batch["ref_log_prob"] * mask).sum(-1), base["nll_sum"], atol=1e-5, rtol=0)
+    for replica in result["metrics"]:
+        assert replica["sft/loss"] == [pytest.approx(ref["loss"], abs=1e-5)]
+        assert replica["sft/grad_norm"] == [pytest.approx(ref["grad_norm"], abs=1e-5)]
+    assert ref["grad_norm"] > 1.0  # so clipping was exercised
+    stepped = {k.replace(".default", ""): v for k, v in ref["state"].items() if "lora_" in k}
+    exported = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
+    assert sorted(exported) == sorted(stepped)
+    start = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    assert max((exported[k] - start[k]).abs().max().item() for k in start) > 1e-4  # the step moved them
+    for name, want in stepped.items():
+        torch.testing.assert_close(exported[name], want, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    merged = hf_model(out / "lora_merged").state_dict()
+    for name, want in ref["merged"].items():
+        torch.testing.assert_close(merged[name], want, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    # Only the adapters hold gradients and optimizer state: fp32 gradients, Adam's two moments.
+    for lora_rank, full_rank in zip(result["state_bytes"], full["state_bytes"]):
+        assert lora_rank["weights"] == full_rank["weights"] + lora_rank["gradients"]  # the adapters beside the base
+        assert 0 < lora_rank["gradients"] < full_rank["gradients"] / 5
+        assert 2 * lora_rank["gradients"] <= lora_rank["optimizer"] < 2 * lora_rank["gradients"] + 4096
+    if generate:  # the PEFT export in peft generates what the merged export generates
+        from peft import PeftModel
+
+        ids = batch.batch["input_ids"][1:2, 1:6]
+        loaded = PeftModel.from_pretrained(hf_model(model_dir), str(out / "lora_adapter"))
+        tokens = loaded.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(tokens, hf_model(out / "lora_merged").generate(input_ids=ids, max_new_tokens=8,
+                                                                           do_sample=False))

@@ -156,6 +156,9 @@ def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
     # The grid's own DP group, where megatron would otherwise reach for its (unset) global one.
     dp_group = engine.groups.collection.dp_cp
     model_state = engine.module().sharded_state_dict(metadata={"dp_cp_group": dp_group})
+    if engine.adapters:  # LoRA: the frozen base comes from the HF checkpoint; only what trains is saved
+        trained = _trained_names(engine)
+        model_state = {name: value for name, value in model_state.items() if name in trained}
     state = {"model": model_state}
     if engine.optimizer is not None:
         metadata = {"dp_cp_group": dp_group}
@@ -164,6 +167,15 @@ def _sharded_state(engine, is_loading: bool) -> dict[str, Any]:
             metadata["distrib_optim_sharding_type"] = DIST_OPT_SHARDING
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     return state
+
+
+def _trained_names(engine) -> set[str]:
+    return {name for name, p in engine.module().named_parameters() if p.requires_grad}
+
+
+def _lora_settings(engine) -> dict[str, Any] | None:
+    lora = engine.lora
+    return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
 
 
 def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] | None = None) -> Path:
@@ -190,6 +202,7 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
                 "layout": str(engine.layout),
                 "use_distributed_optimizer": _uses_dist_opt(engine),
                 "precision": engine.config.precision,
+                "lora": _lora_settings(engine),
                 "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
                 "extra": extra or {},
             },
@@ -235,8 +248,15 @@ def load_checkpoint(engine, path: str | Path) -> dict[str, Any]:
     _check_pool_is_world(engine)
     if engine.optimizer is not None:
         _check_optimizer_format(path, meta, engine)
+    _check_lora(path, meta, engine)
     state = dist_checkpointing.load(_sharded_state(engine, is_loading=True), str(path))
-    engine.module().load_state_dict(state["model"])
+    if engine.adapters:  # the adapters (and a value head) over the base the engine loaded from HF
+        missing = _trained_names(engine) - set(state["model"])
+        if missing:
+            raise CheckpointNotFound(f"{path} lacks the trained tensors {sorted(missing)[:4]}")
+        engine.module().load_state_dict(state["model"], strict=False)
+    else:
+        engine.module().load_state_dict(state["model"])
     if engine.optimizer is not None:
         if "optimizer" not in state:
             raise CheckpointNotFound(f"{path} holds no optimizer state; it was saved by a role without one")
@@ -257,6 +277,15 @@ def _check_pool_is_world(engine) -> None:
             f"ranks, and this {engine.layout} role runs on ranks {list(engine.groups.ranks)} only: give the "
             f"checkpointed roles a pool that spans the world (on Ray, every pool is its own world)"
         )
+
+
+def _check_lora(path: Path, meta: dict[str, Any], engine) -> None:
+    """Refuse a checkpoint whose LoRA settings (or their absence) differ from this job's: a LoRA checkpoint
+    holds only adapters, a full one no adapters."""
+    saved, here = meta.get("lora"), _lora_settings(engine)
+    if saved != here:
+        raise ValueError(f"{path} was saved with lora={saved} and this job has lora={here}: resume with the "
+                         f"same LoRA rank, alpha and targets (start a new run from an export to change them)")
 
 
 def _check_optimizer_format(path: Path, meta: dict[str, Any], engine) -> None:

@@ -30,6 +30,8 @@ from hybridengine.parallel.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
+from workers.megatron.lora import (LoRAConfig, adapters_disabled, attach_lora, full_adapters, load_peft_adapter,
+                                   merged_weights, save_peft_adapter)
 from workers.megatron.lr_schedule import build_lr_scheduler
 from workers.megatron.megatron_compat import fuse_cpu_adam, prepare_megatron, return_hidden_states
 from workers.megatron.model import build_gpt_stage
@@ -62,9 +64,15 @@ class MegatronEngine:
         world_size: int,
         optim: OptimConfig | None = None,
         process_group: Any = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
+        """``lora``: train low-rank adapters on a frozen base (``workers.megatron.lora``) instead of every weight."""
         self.model_path = Path(model_path)
         self.config = config
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None and optim is None:
+            raise ValueError("LoRA adapters train: a role without an optimizer (a reference or reward model) "
+                             "cannot take them")
         self.spec, layout, reader = check_training_setup(model_path, config, world_size)
         self.groups: MegatronGroups = training_groups(layout, config.seed, process_group)
         g = self.groups
@@ -76,6 +84,13 @@ class MegatronEngine:
         # activations between pipeline stages change shape: megatron sends each shape ahead.
         self.model_config.variable_seq_lengths = layout.pp > 1
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp, self.experts, g.etp_rank)
+        # Adapters before megatron's DDP and optimizer are built: the frozen base gets neither gradient buffers
+        # nor optimizer state. A value model's head is new, so it trains beside the adapters.
+        self.adapters = attach_lora(module, self.spec, self.lora, layout.tp, g.tp_group) if self.lora else {}
+        if self.adapters and self.lora.adapter_path is not None:
+            load_peft_adapter(module, self.spec, self.lora, layout.tp, g.tp_rank, g.pp_rank, layout.pp)
+        if self.adapters and self.spec.is_value_model and hasattr(module, "output_layer"):
+            module.output_layer.requires_grad_(True)
         # Routing figures are an update's (run_ppo_epochs reads them): a forward-only engine keeps none.
         self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe and optim is not None else None
         self.replay: RoutingReplay | None = None  # built at the first batch with routes to replay
@@ -383,12 +398,31 @@ class MegatronEngine:
         write = g.tp_rank == 0 and g.dp_rank == 0
         write_experts = g.etp_rank == 0 and layout.expert_coordinate(g.grid_rank).edp_rank == 0
         weight_map = export_hf_shard(self.module(), self.spec, out, g.tp_rank, layout.tp, g.pp_rank, layout.pp, g.tp_group,
-                                     write, dtype, self.experts, g.etp_group, write_experts)
+                                     write, dtype, self.experts, g.etp_group, write_experts,
+                                     merged_weights(self.module()) if self.adapters else None)
         maps: list[dict] = [None] * layout.world_size  # type: ignore[list-item]
         dist.all_gather_object(maps, weight_map, group=g.pool_group)
         if g.is_first:
             write_hf_index(out, maps, self.model_path, dtype)
         dist.barrier(group=g.pool_group)
+
+    def export_peft(self, out_dir: str) -> None:
+        """Write the adapters as a PEFT adapter directory that ``peft.PeftModel.from_pretrained(base, out_dir)``
+        loads onto this model's base checkpoint (collective over all ranks)."""
+        if not self.adapters:
+            raise ValueError("this engine has no LoRA adapters to export (its lora.rank is 0)")
+        g, layout = self.groups, self.layout
+        stage = full_adapters(self.module(), self.spec, layout.tp, g.tp_group, g.pp_rank, layout.pp)
+        stages: list[dict] = [None] * layout.world_size  # type: ignore[list-item]
+        dist.all_gather_object(stages, stage if g.tp_rank == 0 and g.dp_rank == 0 else {}, group=g.pool_group)
+        if g.is_first:
+            save_peft_adapter({k: v for s in stages for k, v in s.items()}, self.lora, out_dir, str(self.model_path))
+        dist.barrier(group=g.pool_group)
+
+    def base_model(self):
+        """Within: the model computes as its frozen base, the LoRA adapters off (the reference policy of a LoRA
+        actor); without adapters, as it is."""
+        return adapters_disabled(self.module())
 
 
 def _position_ids(ids: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
 from workers.megatron.config import EngineConfig, OptimConfig, as_config
 from workers.megatron.engine import MegatronEngine
+from workers.megatron.lora import LoRAConfig, check_lora
 from workers.keywords import check_constructor
 from workers.pretrained import resolve_pretrained
 from workers.register import register
@@ -42,19 +43,29 @@ class EngineRole(BaseWorker):
                         explicit_parallelism=tensor_parallel is not None or pipeline_parallel is not None)
 
     def _build_engine(
-        self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False
+        self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False,
+        lora: LoRAConfig | dict | None = None,
     ) -> None:
         spec = ModelSpec.from_pretrained(model_path)  # checked before any megatron group forms
         if spec.is_value_model != value_model:
             wanted = "a sequence-classification checkpoint with a value head" if value_model else "a causal LM checkpoint"
             raise ValueError(f"{type(self).__name__} needs {wanted}; {model_path} is a {spec.architecture}")
-        self.engine = MegatronEngine(model_path, as_config(EngineConfig, engine), self.world_size, optim, self.process_group)
+        lora = as_config(LoRAConfig, lora)
+        check_lora(spec, lora)  # named problems (targets, rank) before any megatron group forms
+        self.engine = MegatronEngine(model_path, as_config(EngineConfig, engine), self.world_size, optim,
+                                     self.process_group, lora)
         self.set_layout(self.engine.layout)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, path: str, precision: str | None = None) -> str:
         """Write the current weights as a Hugging Face checkpoint directory, in ``precision`` (None: the engine's)."""
         self.engine.export_hf(path, precision)
+        return path
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_peft(self, path: str) -> str:
+        """Write the LoRA adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained`` loads it)."""
+        self.engine.export_peft(path)
         return path
 
     @register(Dispatch.ONE_TO_ALL)

@@ -96,8 +96,9 @@ class HFCheckpointReader:
 
 
 def _trainable_state(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The model's own tensors by name; LoRA adapters (``workers.megatron.lora``) are not the model's."""
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
+        if "_extra_state" in name or ".lora.lora_" in name or not isinstance(tensor, torch.Tensor):
             continue
         yield name, tensor
 
@@ -123,9 +124,11 @@ def load_hf_shard(model: torch.nn.Module, reader: HFCheckpointReader, spec: Mode
 def export_hf_shard(
     model: torch.nn.Module, spec: ModelSpec, out_dir: Path, tp_rank: int, tp: int, pp_rank: int, pp: int, tp_group, write: bool,
     dtype: torch.dtype | None = None, experts: ExpertShard | None = None, etp_group=None, write_experts: bool = False,
+    replaced: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, str]:
     """Gather the stage's TP shards; where ``write``, merge and save them (in ``dtype``; None: the model's).
     Routed experts (those of ``experts``) are gathered over ``etp_group`` and saved where ``write_experts``.
+    ``replaced``: tensors written in place of the model's, by name (a LoRA model's merged weights).
 
     Returns the weight map of what this rank wrote.
     """
@@ -138,6 +141,7 @@ def export_hf_shard(
         source = hf_source(name, spec, pp_rank, pp, experts)
         size, group, writes, into = ((experts.size(tp), etp_group, write_experts, routed) if source.is_expert
                                      else (tp, tp_group, write, dense))
+        param = (replaced or {}).get(name, param)
         local = param.detach().to(dtype or param.dtype).contiguous()
         if size > 1 and source.kind != "replicated":
             shards = [torch.empty_like(local) for _ in range(size)]

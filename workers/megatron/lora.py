@@ -26,14 +26,16 @@ TP > 1) scatters a column linear's input, which a hook would see cut: refused.
 
 from __future__ import annotations
 
+import contextlib
+import types
 from dataclasses import dataclass
 
 import torch
 
 from hybridengine.model.catalogue import layer_index
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "attach_lora", "check_lora", "full_adapters", "full_shapes",
-           "lora_parameters", "merged_weights", "save_peft_adapter"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "full_adapters", "full_shapes",
+           "load_peft_adapter", "lora_parameters", "merged_weights", "save_peft_adapter"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -53,8 +55,13 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] | str = "all-linear"
+    # a PEFT adapter directory (a LoRA job's export) to start the adapters from, instead of PEFT's initialisation
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.target_modules, (list, tuple)):
+            chosen = tuple(self.target_modules)  # a YAML list, or "all-linear" read as a one-item list
+            object.__setattr__(self, "target_modules", "all-linear" if chosen == ("all-linear",) else chosen)
         problems = []
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             problems.append(f"rank must be a non-negative integer (0: LoRA off), got {self.rank!r}")
@@ -99,10 +106,13 @@ class LoRAAdapter(torch.nn.Module):
                  tp_group, groups: int = 1, dtype: torch.dtype = torch.float32, device=None) -> None:
         """``parts``: part -> (in features, out features) of this rank's A [r, in] and B [out, r]; ``groups``:
         the local query groups (the fused QKV's interleave)."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
         super().__init__()
         self.linear, self.scaling, self.tp_group, self.groups = linear, scaling, tp_group, groups
         self.row_parallel = linear in _ROW_PARALLEL
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.enabled = True  # False: the linear computes its base weight alone (``adapters_disabled``)
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         for part, (fan_in, fan_out) in parts.items():
@@ -110,6 +120,10 @@ class LoRAAdapter(torch.nn.Module):
             torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)  # PEFT's default: B starts at zero, so W is unchanged
             self.lora_A[part] = torch.nn.Parameter(a)
             self.lora_B[part] = torch.nn.Parameter(torch.zeros(fan_out, rank, dtype=dtype, device=device))
+            # The side cut over TP is marked as megatron marks its sharded weights, so the gradient norm counts
+            # it on every TP rank (the replicated side: once).
+            cut, dim = (self.lora_A[part], 1) if self.row_parallel else (self.lora_B[part], 0)
+            set_tensor_model_parallel_attributes(cut, is_parallel=True, dim=dim, stride=1)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """What the adapters add to the linear's output for input ``x`` [..., in] (this rank's part)."""
@@ -212,13 +226,45 @@ def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_g
                                       tp_group, groups, probe.dtype, probe.device)
                 child.lora = adapter
                 child.register_forward_hook(_add_delta)
+                child.sharded_state_dict = types.MethodType(_sharded_state_dict, child)
                 adapters[name] = adapter
     return adapters
 
 
 def _add_delta(linear, args, output):
+    if not linear.lora.enabled:
+        return output
     out, bias = output
     return out + linear.lora.delta(args[0]).to(out.dtype), bias
+
+
+def _sharded_state_dict(linear, prefix: str = "", sharded_offsets=(), metadata=None):
+    """An adapted linear's sharded state dict (megatron's dist-checkpointing): the weight and bias cut as the
+    linear cuts them, and each adapter's cut side along its own axis (B's rows for a column linear, A's
+    columns for a row one); the other side is replicated over TP."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    adapter = linear.lora
+    if adapter.row_parallel:
+        axes = {"weight": 1, **{f"lora.lora_A.{part}": 1 for part in adapter.lora_A}}
+    else:
+        axes = {"weight": 0, "bias": 0, **{f"lora.lora_B.{part}": 0 for part in adapter.lora_B}}
+    return make_sharded_tensors_for_checkpoint(linear.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                               sharded_offsets, tp_group=linear.tp_group,
+                                               dp_cp_group=(metadata or {})["dp_cp_group"])
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """Within: ``module`` computes as its frozen base (every adapter off), e.g. the reference policy."""
+    adapters = [child.lora for child in module.modules() if isinstance(getattr(child, "lora", None), LoRAAdapter)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -259,6 +305,48 @@ def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int
             prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULES[part]}"
             out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.cpu().clone(), b.cpu().clone()
     return out
+
+
+def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_rank: int, pp_rank: int = 0,
+                      pp: int = 1) -> None:
+    """Set this stage's adapters from the PEFT adapter directory ``config.adapter_path``, each cut to this TP
+    rank's shard; its rank, alpha and targets must be ``config``'s."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(config.adapter_path)
+    if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
+        raise FileNotFoundError(f"lora.adapter_path {folder} is not a PEFT adapter directory (adapter_config.json "
+                                f"and adapter_model.safetensors)")
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    targets = saved.get("target_modules")
+    targets = sorted(LORA_TARGETS) if targets == "all-linear" else sorted(targets or [])
+    if (saved.get("r"), float(saved.get("lora_alpha", 0)), targets) != (config.rank, float(config.alpha),
+                                                                           sorted(config.targets)):
+        raise ValueError(f"lora.adapter_path {folder} holds rank {saved.get('r')}, alpha {saved.get('lora_alpha')}, "
+                         f"targets {targets}; this job's lora is rank {config.rank}, alpha {config.alpha}, targets "
+                         f"{sorted(config.targets)}: set them to the adapter's")
+    whole = load_file(str(folder / "adapter_model.safetensors"))
+    layers = spec.layers_of_stage(pp_rank, pp)
+    with torch.no_grad():
+        for name, child in module.named_modules():
+            adapter = getattr(child, "lora", None)
+            if not isinstance(adapter, LoRAAdapter):
+                continue
+            prefix = f"base_model.model.model.layers.{layers[layer_index(name)]}"
+            for part in adapter.lora_A:
+                for which, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
+                    key = f"{prefix}.{_HF_MODULES[part]}.{which}.weight"
+                    if key not in whole:
+                        raise KeyError(f"lora.adapter_path {folder} has no {key}")
+                    tensor = whole[key]
+                    cut = (which == "lora_A") == adapter.row_parallel  # the side cut over TP
+                    if cut and tp > 1:
+                        dim = 1 if adapter.row_parallel else 0
+                        tensor = tensor.chunk(tp, dim)[tp_rank]
+                    params[part].copy_(tensor.to(params[part].dtype))
 
 
 def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out_dir, base_model: str | None = None) -> None:
