@@ -29,6 +29,7 @@ from controller.runtime.placement import ClusterNode, PlacementError, PoolShape,
 from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
+from workers.megatron.lora import LoRAConfig
 from workers.rollout.config import RolloutConfig
 from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
@@ -56,6 +57,8 @@ class RoleConfig:
     device_map: str | None = None
     # "package.module:Class" or a class: a subclass of the role's worker (Actor, Critic, ReferencePolicy) to run
     worker: str | type | None = None
+    # LoRA adapters trained on the frozen base (trained roles: actor, critic); rank 0: every weight trains
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.device_map not in (None, "auto"):
@@ -395,6 +398,38 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
     return problems
 
 
+def _needs_critic(alg) -> bool:
+    try:
+        return alg.needs_critic
+    except ValueError:  # an unknown algorithm, listed elsewhere
+        return False
+
+
+def lora_problems(roles: dict[str, tuple[Any, Any]]) -> list[str]:
+    """``role.lora`` of each role (key -> (its RoleConfig or None, its ModelSpec or None)): a role that trains
+    (actor, critic), targets and a rank the model takes (``check_lora``), an adapter directory that exists."""
+    from workers.megatron.lora import check_lora
+
+    problems = []
+    for key, (role, spec) in roles.items():
+        lora = getattr(role, "lora", None)
+        if lora is None or not lora.enabled:
+            continue
+        if key not in ("actor", "critic"):
+            problems.append(f"{key}.lora: LoRA trains adapters, and the {key} does not train; only actor.lora and "
+                            f"critic.lora are valid (a LoRA actor's reference is its base, the adapters off)")
+            continue
+        if lora.adapter_path is not None and not (Path(lora.adapter_path) / "adapter_config.json").is_file():
+            problems.append(f"{key}.lora.adapter_path {lora.adapter_path!r} is not a PEFT adapter directory (no "
+                            f"adapter_config.json)")
+        if spec is not None:
+            try:
+                check_lora(spec, lora)
+            except ValueError as exc:
+                problems.append(f"{key}.lora: {exc}")
+    return problems
+
+
 def _router_replay_problems(config: RLConfig, model_spec) -> list[str]:
     """algorithm.router_replay: a known mode, a mixture of experts, and a rollout that can report its routes."""
     from controller.algorithms.config import ROUTER_REPLAY_MODES
@@ -504,6 +539,9 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
     problems += _router_replay_problems(config, model_spec)
+    problems += lora_problems({"actor": (config.actor, model_spec),
+                               "critic": (config.critic, role_specs["critic"] if _needs_critic(alg) else None),
+                               "ref_policy": (config.ref_policy, None)})
     pools = {}
     try:
         pools = job_pools(trainer)

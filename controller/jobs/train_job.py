@@ -85,6 +85,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
         outputs = {"metrics": run_dir / "metrics.jsonl"}
         if trainer_cfg.export_hf:
             outputs["HF checkpoint"] = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
+            if config.actor.lora.enabled:  # the adapters too, in PEFT's format (hf_actor holds them merged)
+                outputs["PEFT adapter"] = trainer.export_peft(run_dir / "lora_adapter")
         plots = []
         if trainer_cfg.plots:
             from controller.metrics.plots import plot_run  # matplotlib only when asked
@@ -96,6 +98,8 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
             print(f"[hybridflow]   plot:           {path}")
         if "HF checkpoint" in outputs:
             print(f"[hybridflow]   HF checkpoint:  {outputs['HF checkpoint']}")
+        if "PEFT adapter" in outputs:
+            print(f"[hybridflow]   PEFT adapter:   {outputs['PEFT adapter']}")
         if "jsonl" in trainer_cfg.logger:
             _print_validation(config, read_metrics(run_dir))
     finally:

@@ -48,9 +48,7 @@ def assemble_roles(
     specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
     if critic is not None:
         specs["critic"] = critic
-    needs_ref = config.use_reference if config.use_reference is not None else (
-        config.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
-    if needs_ref:
+    if needs_reference(config, ppo, kl_loss_fn) and (ref_policy is not None or not lora_actor(actor)):
         specs["ref_policy"] = ref_policy or RoleSpec(_reference_cls(), {  # the actor's model, engine and layout rule
             "model_path": actor.model_path, "engine": actor.kwargs.get("engine")},
             device_map=actor.device_map, explicit_parallelism=actor.explicit_parallelism)
@@ -66,6 +64,26 @@ def assemble_roles(
     if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
         specs["cost"] = cost_model
     return specs
+
+
+def needs_reference(config, ppo, kl_loss_fn=None) -> bool:
+    """Whether the step reads reference log-probs: the algorithm's ``use_reference``, else a KL term."""
+    return config.use_reference if config.use_reference is not None else (
+        config.kl_in_reward or ppo.use_kl_loss or kl_loss_fn is not None)
+
+
+def lora_actor(actor: RoleSpec) -> bool:
+    """The actor trains LoRA adapters: its frozen base, the adapters off, is the reference policy, so a job
+    declares no reference of its own (``Actor.compute_ref_log_prob``)."""
+    lora = actor.kwargs.get("lora") or {}
+    return bool(lora.rank if hasattr(lora, "rank") else lora.get("rank", 0))
+
+
+def reference_role(specs: dict[str, RoleSpec], config, ppo, kl_loss_fn=None) -> str | None:
+    """The role that answers ``compute_ref_log_prob``: the reference policy, a LoRA actor, or none."""
+    if "ref_policy" in specs:
+        return "ref_policy"
+    return "actor" if lora_actor(specs["actor"]) and needs_reference(config, ppo, kl_loss_fn) else None
 
 
 def check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn=None, cost_model=None) -> None:

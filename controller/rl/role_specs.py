@@ -51,6 +51,8 @@ def kl_loss_function(value: str | Callable | None) -> Callable | None:
 
 def _engine_role(cls: type, path: str, role_cfg, **kwargs: Any) -> RoleSpec:
     engine = role_cfg.engine
+    if role_cfg.lora.enabled:  # a trained role's adapters (check_config refuses them on the others)
+        kwargs["lora"] = _fields(role_cfg.lora)
     return RoleSpec(cls, {"model_path": path, "engine": _fields(engine), **kwargs},
                     device_map=role_cfg.device_map,
                     explicit_parallelism=(engine.tensor_parallel, engine.pipeline_parallel) != (1, 1))

@@ -35,7 +35,7 @@ from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
 from controller.rl.job_prompts import rl_job_prompts
-from controller.rl.role_assembly import ROLE_ORDER
+from controller.rl.role_assembly import ROLE_ORDER, reference_role
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
 from controller.rl.rollout_dump import RolloutDump
@@ -437,9 +437,10 @@ class RLTrainer:
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                                    batch.batch["response_mask"]))
             batch = use_old_log_probs(batch, self.algorithm.config.old_log_prob_source)
-        if "ref_policy" in g:
+        reference = reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn)
+        if reference is not None:  # the reference policy, or a LoRA actor's base (its adapters off)
             with state.timed("ref"):
-                batch = batch.union(g["ref_policy"].compute_ref_log_prob(without_routes(batch)))
+                batch = batch.union(g[reference].compute_ref_log_prob(without_routes(batch)))
         if "critic" in g:
             with state.timed("values"):
                 batch = batch.union(g["critic"].compute_values(without_routes(batch)))
@@ -538,6 +539,13 @@ class RLTrainer:
         self.build()
         self.groups["actor"].save_hf(str(path), precision)
         AutoTokenizer.from_pretrained(self.specs["actor"].model_path).save_pretrained(str(path))
+        return Path(path)
+
+    def export_peft(self, path: str | Path) -> Path:
+        """A LoRA actor's adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, path)``
+        loads it onto the base model; ``export_hf`` writes them merged)."""
+        self.build()
+        self.groups["actor"].save_peft(str(path))
         return Path(path)
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.config import (
-    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, model_split_problem, read_config_values,
+    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, lora_problems, model_split_problem, read_config_values,
     trainer_problems,
 )
 
@@ -91,6 +91,7 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
         if getattr(trainer, key) != getattr(defaults, key):
             problems.append(f"trainer.{key} is a setting of RL training (hybridflow train); an SFT job has none: drop it")
     problems += trainer_problems(trainer)
+    problems += lora_problems({"actor": (config.actor, model_spec)})
     problems += _sft_data_problems(data, trainer)
     world = trainer.nnodes * trainer.nproc
     mp = engine.tensor_parallel * engine.pipeline_parallel

@@ -66,7 +66,8 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = Actor.from_pretrained(model_path, engine=engine.__dict__, tensor_parallel=engine.tensor_parallel,
                                   pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
-                                  optim=config.actor.optim)
+                                  optim=config.actor.optim,
+                                  **({"lora": config.actor.lora} if config.actor.lora.enabled else {}))
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
                            config=sft_config_to_dict(config), resume=trainer_cfg.resume)
     trainer = SFTTrainer(actor=actor, train=data.train, val=data.val, batch_size=config.data.batch_size,
@@ -85,6 +86,10 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
         if trainer_cfg.export_hf:
             out = trainer.export_hf(run_dir / "hf_actor", trainer_cfg.export_precision)
             lines.append(f"[hybridflow]   HF checkpoint:  {out} (an RL job's model_path can name it)")
+            if config.actor.lora.enabled:  # hf_actor holds the adapters merged; this, the adapters alone
+                peft = trainer.export_peft(run_dir / "lora_adapter")
+                lines.append(f"[hybridflow]   PEFT adapter:   {peft} (peft.PeftModel.from_pretrained(base, it); an RL "
+                             f"job's actor.lora.adapter_path can name it)")
         if trainer_cfg.plots:
             from controller.metrics.plots import plot_run
 

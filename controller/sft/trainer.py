@@ -113,6 +113,13 @@ class SFTTrainer:
         AutoTokenizer.from_pretrained(self.spec.kwargs["model_path"]).save_pretrained(str(path))
         return Path(path)
 
+    def export_peft(self, path: str | Path) -> Path:
+        """A LoRA actor's adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, path)``
+        loads it onto the base model; ``export_hf`` writes them merged)."""
+        self.build()
+        self.actor.save_peft(str(path))
+        return Path(path)
+
     def shutdown(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()

@@ -47,12 +47,15 @@ def _reference(path, out):
 
     peft = _peft_model(path)
     ids, probe = _inputs(ModelSpec.from_pretrained(path))
+    base = {n: t.clone() for n, t in peft.get_base_model().state_dict().items()}
     logits = peft(ids).logits
     (logits * probe).sum().backward()
     adapters = {n: p.detach().clone() for n, p in peft.named_parameters() if "lora_" in n}
     grads = {n: p.grad.clone() for n, p in peft.named_parameters() if "lora_" in n}
+    peft.save_pretrained(str(out.parent / "peft_adapter"))  # what a LoRA engine starts from (lora.adapter_path)
     merged = {n: t.clone() for n, t in peft.merge_and_unload().state_dict().items()}  # PEFT's own merge, in HF names
-    torch.save({"logits": logits.detach(), "adapters": adapters, "grads": grads, "merged": merged}, out)
+    base = {n.replace(".base_layer", ""): t for n, t in base.items() if "lora_" not in n}
+    torch.save({"logits": logits.detach(), "adapters": adapters, "grads": grads, "merged": merged, "base": base}, out)
 
 
 def _hf_name(layer: int, part: str, which: str) -> str:
@@ -124,12 +127,71 @@ def _case(rank, world_size, path, reference, tp, export_dir):
                 torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} {which} {part}: {m}")
 
 
+def _generation_case(rank, world_size, path, reference, tp, gen_tps):
+    """A LoRA engine's generation weights through the hybrid engine: the adapted linears equal PEFT's merge cut
+    to the generation layout, bit for bit; a second sync moves only the adapters' bytes."""
+    from pathlib import Path
+
+    from hybridengine.model.hf_mapping import cut_shard, hf_source
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.reshard.plan import GenerationLayout
+    from workers.megatron.config import EngineConfig, OptimConfig
+    from workers.megatron.engine import MegatronEngine
+    from workers.megatron.hybrid_bridge import HybridBridge
+    from workers.megatron.lora import LoRAConfig
+
+    ref = torch.load(reference, weights_only=False)
+    adapter_dir = str(Path(reference).parent / "peft_adapter")
+    engine = MegatronEngine(path, EngineConfig(tensor_parallel=tp, precision="fp32"), world_size, OptimConfig(),
+                            lora=LoRAConfig(rank=RANK, alpha=ALPHA, adapter_path=adapter_dir))
+    spec = ModelSpec.from_pretrained(path)
+    bridge = HybridBridge(engine)
+    adapted = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+    # what gathering the adapters whole receives: the other TP ranks' pieces of each cut side (fp32)
+    cut_sides = [t for n, t in ref["adapters"].items() if ("lora_B" in n) != any(r in n for r in ("o_proj", "down_proj"))]
+    gathered = sum(t.numel() * 4 for t in cut_sides) * (tp - 1) // tp
+    for gen_tp in gen_tps:
+        gen = GenerationLayout(gen_tp)
+        first = bridge.to_generation(gen)
+        weights = dict(bridge.weights)
+        assert sum(name.endswith(adapted) for name in weights) == 4 * spec.num_layers
+        for name, tensor in weights.items():
+            if name.endswith(adapted):
+                want = cut_shard(hf_source(name, spec, 0, 1), lambda hf, index: ref["merged"][hf][index], spec,
+                                 first["gen_tp_rank"], gen_tp)
+                assert torch.equal(tensor, want), (gen_tp, name)
+        bridge.to_training()
+        second = bridge.to_generation(gen)  # the base is where it was: only the adapters move
+        assert second["reshard/bytes_received"] == second["reshard/lora_bytes_received"]
+        assert second["reshard/lora_bytes_received"] == gathered
+        if gen_tp < tp:
+            assert first["reshard/bytes_received"] > 20 * second["reshard/bytes_received"]
+        bridge.to_training()
+    with torch.no_grad():  # adapters at zero: the generation weights are the base again, exactly
+        for adapter in engine.adapters.values():
+            for b in adapter.lora_B.values():
+                b.zero_()
+    info = bridge.to_generation(GenerationLayout(gen_tps[0]))
+    for name, tensor in bridge.weights.items():
+        if name.endswith(adapted):
+            want = cut_shard(hf_source(name, spec, 0, 1), lambda hf, index: ref["base"][hf][index], spec,
+                             info["gen_tp_rank"], gen_tps[0])
+            assert torch.equal(tensor, want), name
+
+
+def _either(rank, world_size, case, *args):
+    case(rank, world_size, *args)
+
+
 def test_lora_on_the_parallel_linears_matches_peft_at_tp1_and_tp2(tmp_path):
     model = make_llama(tmp_path / "llama", heads=4, kv_heads=2, head_dim=16, layers=2)
     reference = tmp_path / "peft.pt"
     _reference(str(model), reference)
-    outcomes = run_cases_in_processes(_case, 2, {"TP1xDP2": (str(model), str(reference), 1, str(tmp_path / "tp1")),
-                                                 "TP2": (str(model), str(reference), 2, str(tmp_path / "tp2"))})
+    outcomes = run_cases_in_processes(_either, 2, {
+        "TP1xDP2": (_case, str(model), str(reference), 1, str(tmp_path / "tp1")),
+        "TP2": (_case, str(model), str(reference), 2, str(tmp_path / "tp2")),
+        "generation: TP2 to genTP1, genTP2": (_generation_case, str(model), str(reference), 2, (1, 2)),
+        "generation: TP1xDP2 to genTP1": (_generation_case, str(model), str(reference), 1, (1,))})
     assert all(failure is None for failure in outcomes.values()), outcomes
     # The exported adapter directories load in PEFT onto the base and give the reference's logits.
     from peft import PeftModel

@@ -18,6 +18,8 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
+from workers.megatron.lora import merged_weights
+from workers.megatron.lora_generation import LoRAGenerationWeights
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
 
@@ -34,6 +36,8 @@ class HybridBridge:
         self._placed: tuple[int, ...] | None = None  # the expert placement the routers are in, while not training's
         self.weights: dict[str, torch.Tensor] = {}
         self.cross_pool: CrossPoolTransfer | None = None
+        # a LoRA engine's generation weights: the base resharded once, the adapters merged in every sync
+        self.lora = LoRAGenerationWeights(engine, self.transport, bucket_bytes) if engine.adapters else None
 
     @property
     def spec(self):
@@ -49,7 +53,10 @@ class HybridBridge:
         return next(self.engine.module().parameters()).dtype
 
     def _training_params(self) -> dict[str, torch.Tensor]:
-        return {name: p.data for name, p in self.engine.module().named_parameters()}
+        """The training shards by name; a LoRA engine's adapted weights with their adapters merged (new tensors)."""
+        module = self.engine.module()
+        params = {name: p.data for name, p in module.named_parameters()}
+        return {**params, **merged_weights(module)} if self.engine.adapters else params
 
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False) -> dict[str, Any]:
         """Build this rank's generation weights; collective over all ranks. Returns timing and bytes.
@@ -62,6 +69,13 @@ class HybridBridge:
         self.to_training()  # at most one generation state at a time; restores released shards
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
+        if self.lora is not None:  # the frozen base once, then only the adapters (``method`` moves the base)
+            start = time.perf_counter()
+            self.weights, moved = self.lora.build(weights, {n: p.data for n, p in self.engine.module().named_parameters()})
+            me = weights.layout.ranks[rank]
+            return {"timing_s/reshard": time.perf_counter() - start,
+                    "reshard/bytes_received": moved["base"] + moved["lora"], "reshard/lora_bytes_received": moved["lora"],
+                    "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
         params = self._training_params()
 
         def dense() -> dict[str, torch.Tensor]:  # all but the routed experts: what the micro-DP plan moves

@@ -34,8 +34,8 @@ import torch
 
 from hybridengine.model.catalogue import layer_index
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "full_adapters", "full_shapes",
-           "load_peft_adapter", "lora_parameters", "merged_weights", "save_peft_adapter"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "cut_adapter", "full_adapters", "full_shapes",
+           "fused_delta", "load_peft_adapter", "lora_parameters", "merged_weights", "save_peft_adapter", "whole_adapters"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -149,23 +149,43 @@ class LoRAAdapter(torch.nn.Module):
     def delta_weight(self) -> torch.Tensor:
         """``scaling x B A`` of every adapter, laid out as this rank's shard of the linear's weight (rows of the
         fused QKV interleaved group by group, [gate; up] for fc1): what merging adds to the weight."""
-        deltas = {part: (self.lora_B[part] @ self.lora_A[part]) * self.scaling for part in self.lora_A}
-        if self.linear.endswith("linear_qkv"):
-            # rows as outputs: the same interleave, with the input features trailing
-            fused = self._interleave_qkv({p: d.t() for p, d in deltas.items()})
-            return fused.t()
-        if self.linear.endswith("linear_fc1"):
-            return torch.cat([deltas["gate"], deltas["up"]], 0)
-        (only,) = deltas.values()
-        return only
+        return fused_delta(self.linear, {part: (self.lora_A[part], self.lora_B[part]) for part in self.lora_A},
+                           self.scaling, self.groups)
 
     def _interleave_qkv(self, outs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[q of group g, k of g, v of g] for each local group, as megatron's fused QKV lays out its rows."""
-        g = self.groups
-        q, k, v = (outs[p] for p in ("q", "k", "v"))
-        lead = q.shape[:-1]
-        fused = torch.cat([q.reshape(*lead, g, -1), k.reshape(*lead, g, -1), v.reshape(*lead, g, -1)], -1)
-        return fused.reshape(*lead, -1)
+        return _interleave_qkv(outs, self.groups)
+
+
+def _interleave_qkv(outs: dict[str, torch.Tensor], groups: int) -> torch.Tensor:
+    """[q of group g, k of g, v of g] for each of ``groups`` local groups, as megatron lays out the fused QKV rows."""
+    q, k, v = (outs[p] for p in ("q", "k", "v"))
+    lead = q.shape[:-1]
+    fused = torch.cat([q.reshape(*lead, groups, -1), k.reshape(*lead, groups, -1), v.reshape(*lead, groups, -1)], -1)
+    return fused.reshape(*lead, -1)
+
+
+def fused_delta(linear: str, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                groups: int) -> torch.Tensor:
+    """``scaling x B A`` of each part's (A, B), laid out as the linear's weight shard they are cut for: the
+    fused QKV's rows interleaved over its ``groups`` local query groups, fc1's as [gate; up]."""
+    deltas = {part: (b @ a) * scaling for part, (a, b) in parts.items()}
+    if linear.endswith("linear_qkv"):  # rows as outputs: the forward's interleave, the input features trailing
+        return _interleave_qkv({p: d.t() for p, d in deltas.items()}, groups).t()
+    if linear.endswith("linear_fc1"):
+        return torch.cat([deltas["gate"], deltas["up"]], 0)
+    (only,) = deltas.values()
+    return only
+
+
+def cut_adapter(linear: str, part: str, a: torch.Tensor, b: torch.Tensor, tp: int, tp_rank: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole adapter's (A, B) cut for TP rank ``tp_rank`` of ``tp``: a row linear's A by its input columns, a
+    column linear's B by its output rows (the rank's heads, query groups or FFN rows); the other side whole."""
+    if tp == 1:
+        return a, b
+    if linear in _ROW_PARALLEL:
+        return a.chunk(tp, 1)[tp_rank], b
+    return a, b.chunk(tp, 0)[tp_rank]
 
 
 def full_shapes(spec) -> dict[str, tuple[int, int]]:
@@ -283,17 +303,16 @@ _HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn
                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
-def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int = 0, pp: int = 1
-                  ) -> dict[str, torch.Tensor]:
-    """This stage's adapters whole (gathered over TP), under PEFT's names
-    (``base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight``); collective over the TP group."""
+def whole_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int = 0, pp: int = 1
+                   ) -> dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """This stage's adapters whole (gathered over TP, where they live), by (model layer, linear, part) -> (A, B);
+    collective over the TP group."""
     layers = spec.layers_of_stage(pp_rank, pp)
     out = {}
     for name, child in module.named_modules():
         adapter = getattr(child, "lora", None)
         if not isinstance(adapter, LoRAAdapter):
             continue
-        layer = layers[layer_index(name)]
         for part in adapter.lora_A:
             a, b = adapter.lora_A[part].detach(), adapter.lora_B[part].detach()
             if tp > 1:  # the cut side back whole: a row adapter's A by its columns, a column adapter's B by its rows
@@ -302,8 +321,18 @@ def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int
                 torch.distributed.all_gather(pieces, cut.contiguous(), group=tp_group)
                 whole = torch.cat(pieces, dim)
                 a, b = (whole, b) if adapter.row_parallel else (a, whole)
-            prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULES[part]}"
-            out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.cpu().clone(), b.cpu().clone()
+            out[(layers[layer_index(name)], adapter.linear, part)] = (a, b)
+    return out
+
+
+def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int = 0, pp: int = 1
+                  ) -> dict[str, torch.Tensor]:
+    """This stage's adapters whole (gathered over TP), on the CPU under PEFT's names
+    (``base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight``); collective over the TP group."""
+    out = {}
+    for (layer, _, part), (a, b) in whole_adapters(module, spec, tp, tp_group, pp_rank, pp).items():
+        prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULES[part]}"
+        out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.cpu().clone(), b.cpu().clone()
     return out
 
 
@@ -321,14 +350,14 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
         raise FileNotFoundError(f"lora.adapter_path {folder} is not a PEFT adapter directory (adapter_config.json "
                                 f"and adapter_model.safetensors)")
     saved = json.loads((folder / "adapter_config.json").read_text())
-    targets = saved.get("target_modules")
-    targets = sorted(LORA_TARGETS) if targets == "all-linear" else sorted(targets or [])
+    whole = load_file(str(folder / "adapter_model.safetensors"))
+    # the targets as the tensors name them (a saved target_modules may list full module paths, or a regex)
+    targets = sorted({key.split(".lora_A.")[0].rsplit(".", 1)[-1] for key in whole if ".lora_A." in key})
     if (saved.get("r"), float(saved.get("lora_alpha", 0)), targets) != (config.rank, float(config.alpha),
                                                                            sorted(config.targets)):
         raise ValueError(f"lora.adapter_path {folder} holds rank {saved.get('r')}, alpha {saved.get('lora_alpha')}, "
                          f"targets {targets}; this job's lora is rank {config.rank}, alpha {config.alpha}, targets "
                          f"{sorted(config.targets)}: set them to the adapter's")
-    whole = load_file(str(folder / "adapter_model.safetensors"))
     layers = spec.layers_of_stage(pp_rank, pp)
     with torch.no_grad():
         for name, child in module.named_modules():
@@ -341,12 +370,8 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
                     key = f"{prefix}.{_HF_MODULES[part]}.{which}.weight"
                     if key not in whole:
                         raise KeyError(f"lora.adapter_path {folder} has no {key}")
-                    tensor = whole[key]
-                    cut = (which == "lora_A") == adapter.row_parallel  # the side cut over TP
-                    if cut and tp > 1:
-                        dim = 1 if adapter.row_parallel else 0
-                        tensor = tensor.chunk(tp, dim)[tp_rank]
-                    params[part].copy_(tensor.to(params[part].dtype))
+                    a_or_b = cut_adapter(adapter.linear, part, whole[key], whole[key], tp, tp_rank)
+                    params[part].copy_(a_or_b[0 if which == "lora_A" else 1].to(params[part].dtype))
 
 
 def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out_dir, base_model: str | None = None) -> None:

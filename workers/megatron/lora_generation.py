@@ -1,0 +1,94 @@
+"""A LoRA actor's generation weights: the frozen base resharded once, the adapters merged in every step.
+
+The base never changes, so its generation shard is built once per generation layout through the
+3D-HybridEngine and kept. Each sync then moves only the adapters: every rank gathers them whole (over TP,
+then over the pipeline stages) and merges its generation shard of each adapted linear,
+``W_base + scaling x B A`` cut as the generation layout cuts the weight (the fused QKV's rows interleaved over
+the generation rank's query groups, fc1's as [gate; up]), into a buffer kept for the next step. The merge is
+the one PEFT's ``merge_and_unload`` computes, on the rank's rows or columns.
+
+What crosses the link after the first step is the adapters' bytes (``reshard/lora_bytes_received``), not the
+model's. The generation shard stays allocated between steps (the training shards are not released).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.model.catalogue import layer_index
+from hybridengine.reshard.plan import GenerationLayout
+from hybridengine.reshard.resharder import Resharder
+from hybridengine.reshard.weight_plan import WeightPlan
+from workers.megatron.lora import cut_adapter, fused_delta, whole_adapters
+
+__all__ = ["LoRAGenerationWeights"]
+
+
+class LoRAGenerationWeights:
+    """The generation shards of one LoRA engine (``MegatronEngine`` with adapters), per generation layout."""
+
+    def __init__(self, engine, transport, bucket_bytes: int | None = None) -> None:
+        self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
+        self.base: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
+        self.merged: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
+
+    def build(self, weights: WeightPlan, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's generation shard with the current adapters merged, and the move's bytes; collective."""
+        rank = dist.get_rank()
+        gen = weights.gen
+        base_bytes = 0
+        if gen not in self.base:  # the frozen base, once: the micro-DP gather, the training shards kept
+            before = self.transport.bytes_received
+            dense = {p.name: params[p.name] for p in weights.training_params(rank)}
+            self.base[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes).to_generation()
+            base_bytes = self.transport.bytes_received - before
+        adapters, lora_bytes = self._gather_adapters()
+        me = weights.layout.ranks[rank]
+        merged = self.merged.setdefault(gen, {})
+        scaling = self.engine.lora.scaling
+        spec = self.engine.spec
+        layers = spec.layers_of_stage(me.gen_pp_rank, gen.pipeline_parallel)
+        groups = max(spec.num_query_groups // gen.tensor_parallel, 1)
+        by_linear: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, linear, part), (a, b) in adapters.items():
+            if layer in layers:
+                by_linear.setdefault((layer, linear), {})[part] = cut_adapter(
+                    linear, part, a, b, gen.tensor_parallel, me.gen_tp_rank)
+        base = self.base[gen]
+        with torch.no_grad():
+            for name, tensor in base.items():
+                if not name.endswith(".weight") or ".layers." not in name:
+                    continue
+                linear = name.removesuffix(".weight").split(".layers.", 1)[1].split(".", 1)[1]
+                parts = by_linear.get((layers[layer_index(name)], linear))
+                if parts is None:
+                    continue
+                if name not in merged:
+                    merged[name] = torch.empty_like(tensor)
+                delta = fused_delta(linear, parts, scaling, groups)
+                torch.add(tensor, delta.to(tensor.device, tensor.dtype), out=merged[name])
+        return {**base, **merged}, {"base": base_bytes, "lora": lora_bytes}
+
+    def _gather_adapters(self) -> tuple[dict, int]:
+        """Every layer's adapters whole on this rank (over TP, then over the pipeline stages), and the bytes
+        this rank received doing so."""
+        engine = self.engine
+        g, layout = engine.groups, engine.layout
+        stage = whole_adapters(engine.module(), engine.spec, layout.tp, g.tp_group, g.pp_rank, layout.pp)
+        received = 0
+        for adapter in engine.adapters.values():  # over TP: the other ranks' pieces of each cut side
+            cut = adapter.lora_A if adapter.row_parallel else adapter.lora_B
+            received += sum(p.numel() * p.element_size() for p in cut.values()) * (layout.tp - 1)
+        if layout.pp == 1:
+            return stage, received
+        stages: list[dict] = [None] * layout.pp  # type: ignore[list-item]
+        dist.all_gather_object(stages, {k: (a.cpu(), b.cpu()) for k, (a, b) in stage.items()}, group=g.pp_group)
+        device = next(iter(stage.values()))[0].device
+        out = {}
+        for pp_rank, part in enumerate(stages):
+            for key, (a, b) in part.items():
+                out[key] = (a.to(device), b.to(device))
+                if pp_rank != g.pp_rank:
+                    received += a.numel() * a.element_size() + b.numel() * b.element_size()
+        return out, received
