@@ -46,7 +46,7 @@ def test_overrides_reach_nested_fields_and_parse_yaml_scalars():
 
 
 def test_bad_keys_values_and_overrides_name_the_key():
-    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['device_map', 'engine', 'model_path', 'optim', 'worker'\]"):
+    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['device_map', 'engine', 'lora', 'model_path', 'optim', 'worker'\]"):
         load_config(None, ["actor.engin.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel: expected an integer, got 'two'"):
         load_config(None, ["actor.engine.tensor_parallel=two"])
@@ -92,6 +92,23 @@ def test_model_checks_need_the_model(tmp_path):
     text = problems("rollout.max_prompt_length=100", "rollout.sampling.max_new_tokens=40", "actor.engine.pipeline_parallel=1",
                     "critic.engine.pipeline_parallel=1", spec=spec)
     assert "= 140 exceeds the model's max_position_embeddings 128" in text
+
+
+def test_lora_settings_are_checked_before_launch(tmp_path):
+    """Every LoRA problem at once: an unknown target (the valid ones listed), a rank above a layer's dimensions
+    (the model's), fused parts taken apart, LoRA on a role that does not train, and a missing adapter."""
+    with pytest.raises(ConfigError, match=r"actor.lora: .*target_modules \['qkv_proj'\]: unknown \['qkv_proj'\]; valid: \['q_proj'"):
+        load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.target_modules=[qkv_proj]"])
+    spec = ModelSpec.from_pretrained(make_llama(tmp_path / "m", layers=2))
+    text = problems("actor.lora.rank=100000", "critic.lora.rank=4", "critic.lora.target_modules=[q_proj]",
+                    "ref_policy.lora.rank=4", f"actor.lora.adapter_path={tmp_path}", spec=spec)
+    assert "actor.lora: LoRA rank 100000 exceeds q_proj's dimensions" in text
+    assert "critic.lora: LoRA target_modules must take ['q_proj', 'k_proj', 'v_proj'] together" in text
+    assert "ref_policy.lora: LoRA trains adapters, and the ref_policy does not train" in text
+    assert f"actor.lora.adapter_path '{tmp_path}' is not a PEFT adapter directory" in text
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.lora.rank=8", "critic.lora.rank=8",
+                                                          "actor.engine.pipeline_parallel=1",
+                                                          "critic.engine.pipeline_parallel=1"]), spec)
 
 
 def test_each_megatron_role_is_checked_on_its_own_layout(tmp_path):

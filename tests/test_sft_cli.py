@@ -141,3 +141,62 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
         # against vLLM's on every prompt and response token: bf16 engines on the same weights mostly agree.
         layers = [step[f"router_replay/agreement/layer_{i}"] for i in range(4)]
         assert 0.9 <= min(layers) and step["router_replay/agreement"] == pytest.approx(sum(layers) / 4) and max(layers) <= 1.0
+
+
+def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, model):  # noqa: F811
+    """LoRA through both CLIs: an SFT job whose checkpoints hold the adapters only and resume exactly, whose
+    PEFT export starts a LoRA GRPO job (``actor.lora.adapter_path``) with a KL loss against the base (the
+    adapters off), its rollout fed the merged weights and, after the first step, the adapters' bytes only."""
+    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.engine.precision=fp32"]
+    sft = [*SFT, "trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0", *lora]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}", f"trainer.run_dir={full}", *sft)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert f"PEFT adapter:   {full / 'lora_adapter'}" in proc.stdout
+    steps = read_metrics(full)
+    assert [s["step"] for s in steps] == [1, 2] and steps[1]["sft/loss"] < steps[0]["sft/loss"]
+    checkpoint = full / "checkpoints" / "actor" / "step_00000001"
+    saved = checkpoint_tensors(checkpoint)
+    assert saved and all(".lora.lora_" in name for name in saved), sorted(saved)[:4]  # nothing of the frozen base
+    # the adapters and Adam's two moments, in fp32: every linear of every layer, from the model's dimensions
+    assert sum(saved.values()) * 4 == 12 * lora_parameter_count(model, rank=8)
+    shutil.copytree(full, stopped)
+    (stopped / "checkpoints" / "trainer" / "latest").write_text("step_00000001.json")
+    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}", f"trainer.run_dir={stopped}",
+                      *sft, "trainer.resume=true", "trainer.export_hf=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert [exact(s) for s in read_metrics(stopped)] == [exact(s) for s in steps]
+
+    rl = tmp_path / "rl"
+    proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={rl}", f"model_path={model}",
+                      *TINY, *lora, f"actor.lora.adapter_path={full / 'lora_adapter'}", "trainer.launcher=torchrun",
+                      "trainer.nproc=2", "actor.engine.tensor_parallel=2", "rollout.engine=megatron",
+                      "algorithm.name=grpo", "rollout.sampling.n=2", "ppo.ppo_mini_batch_size=8", "ppo.ppo_epochs=1",
+                      "ppo.use_kl_loss=true", "reward.fn=arithmetic_answer", "trainer.total_steps=2",
+                      "trainer.export_hf=true")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    first, second = read_metrics(rl)
+    assert first["actor/kl_loss"] > 1e-4  # the SFT adapters moved the policy from the base, its reference
+    for step in (first, second):  # the rollout generated with the adapters merged (fp32: as the actor computes)
+        assert step["rollout/logprob_diff_max"] < 1e-3, step["rollout/logprob_diff_max"]
+    assert second["reshard/bytes_received"] == second["reshard/lora_bytes_received"] > 0
+    assert first["reshard/bytes_received"] > 10 * second["reshard/bytes_received"]
+    assert (rl / "hf_actor" / "config.json").is_file() and (rl / "lora_adapter" / "adapter_config.json").is_file()
+
+
+def checkpoint_tensors(path) -> dict[str, int]:
+    """The elements of each tensor a megatron checkpoint directory holds, by its key."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {name: math.prod(entry.size) for name, entry in entries.items() if hasattr(entry, "size")}
+
+
+def lora_parameter_count(path, rank: int) -> int:
+    from hybridengine.model.spec import ModelSpec
+    from workers.megatron.lora import full_shapes
+
+    spec = ModelSpec.from_pretrained(path)
+    return spec.num_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in full_shapes(spec).values())

@@ -62,7 +62,8 @@ __all__ = ["RLTrainer"]
 
 # The rollout's own metrics that a step reports; extra generation rounds add to the timings and bytes.
 ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
-                   "reshard/bytes_received", "reshard/expert_bytes_received", "rollout/tokens_per_s",
+                   "reshard/bytes_received", "reshard/expert_bytes_received", "reshard/lora_bytes_received",
+                   "rollout/tokens_per_s",
                    # either way the weights came (in place or across pools): the time and the bytes received
                    "timing_s/weight_update", "weight_update/bytes_received",
                    # a rollout on its own pool: the cross-pool transfer, beside the in-place reshard's

@@ -86,7 +86,7 @@ def _case(rank, world_size, path, reference, tp, export_dir):
     spec = ModelSpec.from_pretrained(path)
     engine = MegatronEngine(path, EngineConfig(tensor_parallel=tp, precision="fp32"), world_size)
     module, tp_rank = engine.module(), engine.groups.tp_rank
-    adapters = attach_lora(module, spec, LoRAConfig(rank=RANK, alpha=ALPHA), tp, engine.groups.tp_group)
+    adapters = attach_lora(module, spec, LoRAConfig(rank=RANK, alpha=ALPHA), tp, engine.groups.tp_group, tp_rank)
     assert len(adapters) == 4 * spec.num_layers  # per layer: linear_qkv (q, k, v), linear_proj, linear_fc1, linear_fc2
     with torch.no_grad():
         for name, adapter in adapters.items():
@@ -233,3 +233,27 @@ def test_lora_settings_are_checked_with_every_problem_named():
 
 
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_lora_initialisation_is_the_same_whole_adapter_at_any_tp_size():
+    """A starts from the layer's seed as one whole tensor, then is cut: every TP rank holds the same replicated
+    A (a column linear's) and its own columns of a row linear's, so checkpoints and merges agree across ranks;
+    its bound is Kaiming's over the whole input (PEFT's), and B starts at zero."""
+    from workers.megatron.lora import LoRAAdapter
+
+    for linear, parts, cut_dim in (("mlp.linear_fc1", {"gate": (32, 48), "up": (32, 48)}, None),
+                                   ("self_attention.linear_proj", {"o": (64, 32)}, 1)):
+        whole = LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, seed=11)
+        ranks = [LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, tp=2, tp_rank=r, seed=11) for r in (0, 1)]
+        for part, (fan_in, fan_out) in parts.items():
+            a = whole.lora_A[part]
+            assert a.shape == (4, fan_in) and 0.9 / fan_in ** 0.5 < a.abs().max() <= 1 / fan_in ** 0.5
+            pieces = [r.lora_A[part] for r in ranks]
+            if cut_dim is None:  # replicated over TP
+                assert all(torch.equal(p, a) for p in pieces)
+                assert [tuple(r.lora_B[part].shape) for r in ranks] == [(fan_out // 2, 4)] * 2
+            else:
+                assert torch.equal(torch.cat(pieces, cut_dim), a)
+            assert not any(r.lora_B[part].any() for r in ranks)
+        other = LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, seed=12)
+        assert not torch.equal(other.lora_A[next(iter(parts))], whole.lora_A[next(iter(parts))])

@@ -86,7 +86,8 @@ class MegatronEngine:
         load_hf_shard(module, reader, self.spec, g.tp_rank, layout.tp, g.pp_rank, layout.pp, self.experts, g.etp_rank)
         # Adapters before megatron's DDP and optimizer are built: the frozen base gets neither gradient buffers
         # nor optimizer state. A value model's head is new, so it trains beside the adapters.
-        self.adapters = attach_lora(module, self.spec, self.lora, layout.tp, g.tp_group) if self.lora else {}
+        self.adapters = attach_lora(module, self.spec, self.lora, layout.tp, g.tp_group, g.tp_rank, g.pp_rank,
+                                    layout.pp, config.seed) if self.lora else {}
         if self.adapters and self.lora.adapter_path is not None:
             load_peft_adapter(module, self.spec, self.lora, layout.tp, g.tp_rank, g.pp_rank, layout.pp)
         if self.adapters and self.spec.is_value_model and hasattr(module, "output_layer"):

@@ -102,10 +102,12 @@ class LoRAAdapter(torch.nn.Module):
     """The adapters of one megatron linear: ``parts`` maps an HF target's part (q, k, v, gate, up, o, down) to
     its (A, B) pair on this TP rank. Added to the linear's output by a forward hook."""
 
-    def __init__(self, linear: str, parts: dict[str, tuple[int, int, int]], rank: int, scaling: float, dropout: float,
-                 tp_group, groups: int = 1, dtype: torch.dtype = torch.float32, device=None) -> None:
-        """``parts``: part -> (in features, out features) of this rank's A [r, in] and B [out, r]; ``groups``:
-        the local query groups (the fused QKV's interleave)."""
+    def __init__(self, linear: str, parts: dict[str, tuple[int, int]], rank: int, scaling: float, dropout: float,
+                 tp_group, groups: int = 1, dtype: torch.dtype = torch.float32, device=None, tp: int = 1,
+                 tp_rank: int = 0, seed: int = 0) -> None:
+        """``parts``: part -> (in features, out features) of the whole (unsharded) projection; ``groups``: the
+        local query groups (the fused QKV's interleave); ``seed``: A's initialisation, the same for the whole A
+        at any TP size, so every rank holds the same replicated A and its own cut of a cut one."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
@@ -115,11 +117,13 @@ class LoRAAdapter(torch.nn.Module):
         self.enabled = True  # False: the linear computes its base weight alone (``adapters_disabled``)
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
-        for part, (fan_in, fan_out) in parts.items():
-            a = torch.empty(rank, fan_in, dtype=dtype, device=device)
-            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)  # PEFT's default: B starts at zero, so W is unchanged
-            self.lora_A[part] = torch.nn.Parameter(a)
-            self.lora_B[part] = torch.nn.Parameter(torch.zeros(fan_out, rank, dtype=dtype, device=device))
+        for index, (part, (fan_in, fan_out)) in enumerate(parts.items()):
+            # PEFT's default: A Kaiming-uniform over the whole input, B zero (so W starts unchanged)
+            whole = torch.empty(rank, fan_in, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(whole, a=5 ** 0.5, generator=torch.Generator().manual_seed(seed + index))
+            a, b = cut_adapter(linear, part, whole, torch.zeros(fan_out, rank), tp, tp_rank)
+            self.lora_A[part] = torch.nn.Parameter(a.to(device, dtype).clone())  # its own storage, not the whole one
+            self.lora_B[part] = torch.nn.Parameter(b.to(device, dtype).clone())
             # The side cut over TP is marked as megatron marks its sharded weights, so the gradient norm counts
             # it on every TP rank (the replicated side: once).
             cut, dim = (self.lora_A[part], 1) if self.row_parallel else (self.lora_B[part], 0)
@@ -217,8 +221,10 @@ def check_lora(spec, config: LoRAConfig) -> None:
                              f"use a rank of at most {min(fan_in, fan_out)}")
 
 
-def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_group) -> dict[str, LoRAAdapter]:
-    """Adapters on ``module``'s (a GPTModel stage's) targeted linears, the base frozen; returns them by linear name.
+def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_group, tp_rank: int = 0,
+                pp_rank: int = 0, pp: int = 1, seed: int = 0) -> dict[str, LoRAAdapter]:
+    """Adapters on ``module``'s (pipeline stage ``pp_rank``'s GPTModel) targeted linears, the base frozen;
+    returns them by linear name. A is initialised from ``seed`` and the model layer, whatever the layout.
 
     A fused linear takes an adapter for every part it fuses (q, k and v; gate and up): all of them must be
     targeted together (``check_lora``).
@@ -231,19 +237,19 @@ def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_g
         linear, part = LORA_TARGETS[target]
         by_linear.setdefault(linear, []).append(part)
     groups = max(spec.num_query_groups // tp, 1)
-    shapes = {}
-    for part, (fan_in, fan_out) in full_shapes(spec).items():  # this rank's: column linears cut out, row ones in
-        row = part in ("o", "down")
-        shapes[part] = (fan_in // tp, fan_out) if row else (fan_in, fan_out // tp)
+    shapes = full_shapes(spec)
+    layers = spec.layers_of_stage(pp_rank, pp)
     module.requires_grad_(False)  # the base is frozen: no gradient, no optimizer state
     probe = next(module.parameters())
     adapters = {}
     for name, child in list(module.named_modules()):
         for linear, parts in by_linear.items():
             if name.endswith(linear) and ".layers." in name:
+                layer = layers[layer_index(name)]
                 adapter = LoRAAdapter(linear, {p: shapes[p] for p in ("q", "k", "v", "o", "gate", "up", "down")
                                                if p in parts}, config.rank, config.scaling, config.dropout,
-                                      tp_group, groups, probe.dtype, probe.device)
+                                      tp_group, groups, probe.dtype, probe.device, tp, tp_rank,
+                                      seed=(seed * 1_000_003 + layer) * 16 + 8 * linear.startswith("mlp"))
                 child.lora = adapter
                 child.register_forward_hook(_add_delta)
                 child.sharded_state_dict = types.MethodType(_sharded_state_dict, child)
