@@ -1,20 +1,25 @@
 """The planner's model state held to the engine's own tensors (the parity programs' ``state_bytes``)."""
 
-from controller.planner.memory import ActivationShape, stage_activation_bytes, stage_state
+from controller.planner.memory import ActivationShape, lora_state, stage_activation_bytes, stage_state
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
 
 def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, precision: str, trains: bool,
                            distributed_optimizer: bool = False, vocab_multiple: int = 128, ep: int = 1,
-                           etp: int | None = None) -> None:
-    """Every rank's weights, gradients and optimizer bytes equal the planner's prediction, to the byte."""
+                           etp: int | None = None, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> None:
+    """Every rank's weights, gradients and optimizer bytes equal the planner's prediction, to the byte (with
+    ``lora_rank``: a role training LoRA adapters on ``lora_targets``)."""
     spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
     layout = ParallelLayout.for_world(len(measured), tp, pp, ep, etp)
     for rank, got in enumerate(measured):
         at = layout.coordinate(rank)
-        want = stage_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, trains, distributed_optimizer,
-                           ep, etp, layout.expert_coordinate(rank).edp_rank)
+        if lora_rank:
+            want = lora_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, distributed_optimizer,
+                              lora_rank, lora_targets)
+        else:
+            want = stage_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, trains,
+                               distributed_optimizer, ep, etp, layout.expert_coordinate(rank).edp_rank)
         expected = {"weights": want.weights, "gradients": want.gradients, "optimizer": want.optimizer}
         assert got == expected, (f"rank {rank} ({layout}, {precision}, distributed optimizer {distributed_optimizer}): "
                                  f"measured {got}, predicted {expected}")

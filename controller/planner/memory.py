@@ -37,7 +37,7 @@ from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "expert_weight_bytes", "kv_bytes_per_token",
-           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "megatron_order",
+           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "lora_numels", "lora_state", "megatron_order",
            "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -200,11 +200,53 @@ def stage_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_ran
     return StateMemory(padded * size, padded * 4, owned * (master + _MOMENTS) + params * _STEP_COUNTER)
 
 
+def lora_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int, rank: int, targets: tuple[str, ...]) -> Numels:
+    """(numel, False) of each LoRA adapter parameter (A and B of every targeted part of every layer) that stage
+    ``pp_rank`` holds on one TP rank: a column linear's B cut over TP, a row linear's A; and a value model's
+    head, which trains beside them (``workers.megatron.lora``)."""
+    from workers.megatron.lora import LORA_TARGETS, full_shapes
+
+    shapes = full_shapes(spec)
+    per_layer = []
+    for target in targets:
+        part = LORA_TARGETS[target][1]
+        fan_in, fan_out = shapes[part]
+        row = part in ("o", "down")
+        per_layer += [(rank * (fan_in // tp if row else fan_in), False), ((fan_out if row else fan_out // tp) * rank, False)]
+    head = ((spec.hidden_size * spec.num_labels, False),) if spec.is_value_model and pp_rank == pp - 1 else ()
+    return tuple(per_layer) * len(spec.layers_of_stage(pp_rank, pp)) + head
+
+
+def lora_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank: int, precision: str,
+               distributed_optimizer: bool, rank: int, targets: tuple[str, ...]) -> StateMemory:
+    """A LoRA role's state on one rank: the frozen base's weights and the adapters', and gradients and optimizer
+    state for the adapters only (megatron's DDP and optimizer skip what takes no gradient)."""
+    size = dtype_bytes(precision)
+    base = sum(n for n, _ in _stage_numels(spec, tp, pp, pp_rank))
+    adapters = lora_numels(spec, tp, pp, pp_rank, rank, targets)
+    count = sum(n for n, _ in adapters)
+    master = 4 if size == 2 else 0
+    if not distributed_optimizer:
+        return StateMemory((base + count) * size, count * 4, count * (master + _MOMENTS) + len(adapters) * _STEP_COUNTER)
+    buckets = _buckets(adapters, dp, distributed=True)
+    padded, owned, params, start = buckets[-1][-1][1], 0, 0, 0
+    for bucket in buckets:
+        elements, touched = _owned(bucket, start, dp, dp_rank)
+        owned, params, start = owned + elements, params + touched, bucket[-1][1]
+    return StateMemory((base + padded) * size, padded * 4, owned * (master + _MOMENTS) + params * _STEP_COUNTER)
+
+
 @lru_cache(maxsize=8192)
 def state_memory(spec: ModelSpec, tp: int, pp: int, dp: int, precision: str, trains: bool,
-                 distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None) -> StateMemory:
+                 distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = ()) -> StateMemory:
     """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (a mixture of
-    experts' at EP ``ep`` x ETP ``etp``; ``spec`` padded as the engine pads it)."""
+    experts' at EP ``ep`` x ETP ``etp``; ``spec`` padded as the engine pads it); with ``lora_rank``, a role
+    training LoRA adapters on ``lora_targets`` over its frozen base."""
+    if trains and lora_rank:
+        return max((lora_state(spec, tp, pp, s, dp, d, precision, distributed_optimizer, lora_rank, lora_targets)
+                    for s in range(pp) for d in (range(dp) if distributed_optimizer else (0,))),
+                   key=lambda m: m.total)
     if not (trains and distributed_optimizer):
         return max((stage_state(spec, tp, pp, s, dp, 0, precision, trains, False, ep, etp) for s in range(pp)),
                    key=lambda m: m.total)

@@ -165,7 +165,8 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         state_weights = weight_bytes(work.spec, tp, pp, workload.generation_precision)
         memory["weights"] = state_weights
     else:
-        state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer, ep, etp)
+        state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer, ep, etp,
+                             work.lora_rank, work.lora_targets)
         memory.update(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer)
         state_weights = state.total
     if work.forward_passes:

@@ -63,6 +63,8 @@ class RoleWork:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    lora_rank: int = 0  # LoRA adapters on the frozen base (trained roles); 0: every weight trains
+    lora_targets: tuple[str, ...] = ()
 
     def padded(self, tp: int) -> ModelSpec:
         return self.spec.with_padded_vocab(self.vocab_multiple, tp)
@@ -112,17 +114,22 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
                                             config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward)
     recompute_old = alg.old_log_prob_source != "rollout" and not from_update  # the actor's separate forward
 
-    def engine_fields(section) -> dict:
+    def engine_fields(section, trains: bool = False) -> dict:
         eng = section.engine
+        lora = dict(lora_rank=section.lora.rank, lora_targets=section.lora.targets) if trains and section.lora.enabled else {}
         return dict(precision=eng.precision, recompute=eng.recompute_granularity,
                     recompute_num_layers=eng.recompute_num_layers, vocab_multiple=eng.make_vocab_size_divisible_by,
                     micro_batch=eng.micro_batch_size, tp=eng.tensor_parallel, pp=eng.pipeline_parallel,
-                    ep=eng.expert_parallel, etp=eng.expert_tensor_parallel)
+                    ep=eng.expert_parallel, etp=eng.expert_tensor_parallel, **lora)
 
+    needs_ref = alg.use_reference if alg.use_reference is not None else (
+        alg.kl_in_reward or config.ppo.use_kl_loss or alg.kl_loss_fn is not None)
+    # A LoRA actor is its own reference (its base, the adapters off): one more forward pass, no second model.
+    ref_in_actor = needs_ref and config.ref_policy is None and config.actor.lora.enabled
     roles = [RoleWork("actor", policy, trains=True, distributed_optimizer=config.actor.optim.use_distributed_optimizer,
-                      forward_passes=int(recompute_old), epochs=config.ppo.ppo_epochs,
+                      forward_passes=int(recompute_old) + int(ref_in_actor), epochs=config.ppo.ppo_epochs,
                       mini_batch=config.ppo.ppo_mini_batch_size, generates=not separate_rollout,
-                      **engine_fields(config.actor))]
+                      **engine_fields(config.actor, trains=True))]
     if separate_rollout:
         roles.append(RoleWork("rollout", policy, trains=False, generates=True, vocab_multiple=None))
     if alg.needs_critic:
@@ -132,10 +139,8 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
         roles.append(RoleWork("critic", critic_spec, trains=True,
                               distributed_optimizer=config.critic.optim.use_distributed_optimizer, forward_passes=1,
                               epochs=config.critic_ppo.ppo_epochs, mini_batch=config.critic_ppo.ppo_mini_batch_size,
-                              **engine_fields(config.critic)))
-    needs_ref = alg.use_reference if alg.use_reference is not None else (
-        alg.kl_in_reward or config.ppo.use_kl_loss or alg.kl_loss_fn is not None)
-    if needs_ref:
+                              **engine_fields(config.critic, trains=True)))
+    if needs_ref and not ref_in_actor:
         ref = config.ref_policy or config.actor
         spec = load(ref.model_path) if ref.model_path else policy
         roles.append(RoleWork("ref_policy", spec, trains=False, forward_passes=1, **engine_fields(ref)))

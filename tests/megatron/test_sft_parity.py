@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
+from state_checks import assert_state_predicted
 from test_actor_parity import ADAM_EPS, LR, hf_model
 from tiny_models import make_llama, make_rl_batch
 
@@ -35,6 +36,7 @@ def sft_batch():
 
 
 LORA_RANK, LORA_ALPHA = 4, 8.0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +108,10 @@ def test_sft_step_matches_hf_with_the_same_mask(model_dir, adapter_dir, tmp_path
     assert max((ref["state"][k] - before[k]).abs().max().item() for k in before) > 1e-4
     for name, expected in ref["state"].items():
         torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
-    _check_lora_step(model_dir, adapter_dir, tmp_path, batch, ref, result, generate=(tp, pp) == (2, 2))
+    _check_lora_step(model_dir, adapter_dir, tmp_path, batch, ref, result, generate=(tp, pp) == (2, 2), tp=tp, pp=pp)
 
 
-def _check_lora_step(model_dir, adapter_dir, out, batch, base, full, generate):
+def _check_lora_step(model_dir, adapter_dir, out, batch, base, full, generate, tp, pp):
     from safetensors.torch import load_file
 
     result = torch.load(out / "lora_result.pt", weights_only=False)
@@ -137,6 +139,9 @@ def _check_lora_step(model_dir, adapter_dir, out, batch, base, full, generate):
         assert lora_rank["weights"] == full_rank["weights"] + lora_rank["gradients"]  # the adapters beside the base
         assert 0 < lora_rank["gradients"] < full_rank["gradients"] / 5
         assert 2 * lora_rank["gradients"] <= lora_rank["optimizer"] < 2 * lora_rank["gradients"] + 4096
+    # and the planner predicts them to the byte
+    assert_state_predicted(model_dir, result["state_bytes"], tp, pp, "fp32", trains=True, lora_rank=LORA_RANK,
+                           lora_targets=LORA_TARGETS)
     if generate:  # the PEFT export in peft generates what the merged export generates
         from peft import PeftModel
 

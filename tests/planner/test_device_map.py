@@ -79,3 +79,30 @@ def test_a_reward_classifier_megatron_cannot_hold_is_left_out_of_the_plan(tmp_pa
     assert job_workload(config).role_names == ("actor", "critic", "ref_policy")
     layouts = auto_layouts(config, {"actor", "critic", "ref_policy", "reward_model"}, parse_cluster("1x8xA100-80GB"))
     assert set(layouts) == {"actor", "critic", "ref_policy"}
+
+
+def test_a_lora_actor_is_its_own_reference_and_holds_state_for_its_adapters_only():
+    """With actor.lora the plan holds no reference model (the actor's base answers it, one more forward pass),
+    and the actor's gradients and optimizer state are its adapters' (``lora_state``), by the formula."""
+    from controller.planner.memory import lora_numels, state_memory
+    from controller.planner.workload import job_workload
+    from workers.megatron.lora import full_shapes
+
+    lora = ["actor.lora.rank=16", "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+    full, adapted = (job_workload(load_config(ROOT / "examples/paper_ppo.yaml", [*PAPER_7B, *extra]))
+                     for extra in ([], lora))
+    assert full.role_names == ("actor", "critic", "ref_policy", "reward_model")
+    assert adapted.role_names == ("actor", "critic", "reward_model")
+    actor = adapted.roles[0]
+    assert actor.forward_passes == full.roles[0].forward_passes + 1
+    assert (actor.lora_rank, actor.lora_targets) == (16, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    spec = actor.padded(2)
+    shapes = full_shapes(spec)
+    per_layer = sum(16 * (fan_in + fan_out) for part, (fan_in, fan_out) in shapes.items() if part in "qkvo")
+    assert sum(n for n, _ in lora_numels(spec, 1, 1, 0, 16, actor.lora_targets)) == per_layer * spec.num_layers
+    whole = state_memory(spec, 2, 1, 4, "bf16", True)
+    mine = state_memory(spec, 2, 1, 4, "bf16", True, lora_rank=16, lora_targets=actor.lora_targets)
+    count = sum(n for n, _ in lora_numels(spec, 2, 1, 0, 16, actor.lora_targets))
+    assert mine.weights == whole.weights + 2 * count  # the base, and the adapters in bf16
+    assert mine.gradients == 4 * count and mine.optimizer == 12 * count + 4 * 8 * spec.num_layers
+    assert mine.total < whole.total / 3
