@@ -24,7 +24,7 @@ __all__ = ["to_vllm_shard"]
 
 def to_vllm_shard(
     spec: ModelSpec, weights: dict[str, torch.Tensor], tp: int, pp: int, pp_rank: int, tp_rank: int = 0,
-    expert_parallel: bool = False,
+    expert_parallel: bool = False, partial: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A generation shard (megatron names local to its stage) under vLLM's names and per-rank layout.
 
@@ -39,6 +39,8 @@ def to_vllm_shard(
         experts = ExpertShard(tp, tp_rank, 1) if expert_parallel else ExpertShard(1, 0, tp)
     out, stacks = {}, {}
     for param in stage_params(spec, tp, pp, pp_rank, experts=experts):
+        if partial and param.name not in weights:
+            continue
         if param.expert is not None:
             fused = "w13_weight" if param.name.endswith("linear_fc1.weight") else "w2_weight"
             stacks.setdefault(f"model.layers.{param.layer}.mlp.experts.{fused}", []).append(weights[param.name])

@@ -35,9 +35,11 @@ class HybridBridge:
         self.expert_resharders: dict[GenerationLayout, ExpertResharder] = {}
         self._placed: tuple[int, ...] | None = None  # the expert placement the routers are in, while not training's
         self.weights: dict[str, torch.Tensor] = {}
+        self.changed: set[str] | None = None  # of ``weights``, what changed since the last sync at this layout
         self.cross_pool: CrossPoolTransfer | None = None
         # a LoRA engine's generation weights: the base resharded once, the adapters merged in every sync
         self.lora = LoRAGenerationWeights(engine, self.transport, bucket_bytes) if engine.adapters else None
+        self._last_gen: GenerationLayout | None = None
 
     @property
     def spec(self):
@@ -72,10 +74,13 @@ class HybridBridge:
         if self.lora is not None:  # the frozen base once, then only the adapters (``method`` moves the base)
             start = time.perf_counter()
             self.weights, moved = self.lora.build(weights, {n: p.data for n, p in self.engine.module().named_parameters()})
+            self.changed = None if moved["base"] or gen != self._last_gen else set(self.lora.merged[gen])
+            self._last_gen = gen
             me = weights.layout.ranks[rank]
             return {"timing_s/reshard": time.perf_counter() - start,
                     "reshard/bytes_received": moved["base"] + moved["lora"], "reshard/lora_bytes_received": moved["lora"],
                     "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
+        self.changed, self._last_gen = None, gen
         params = self._training_params()
 
         def dense() -> dict[str, torch.Tensor]:  # all but the routed experts: what the micro-DP plan moves

@@ -67,6 +67,7 @@ class Generator(Protocol):
     borrows_weights: bool
     loads_checkpoint: bool
     max_new_tokens: int | None
+    accepts_partial_weights: bool  # update_weights may take only the tensors that changed (the rest kept)
 
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]: ...
 
@@ -88,6 +89,7 @@ class GeneratorBase:
     borrows_weights: ClassVar[bool] = False
     loads_checkpoint: ClassVar[bool] = True
     max_new_tokens: int | None = None
+    accepts_partial_weights: bool = False
 
     @classmethod
     def from_context(cls, context: GeneratorContext) -> "GeneratorBase":

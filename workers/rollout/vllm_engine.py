@@ -168,6 +168,7 @@ class VLLMGenerator(GeneratorBase):
                 enable_prefix_caching=not return_routed_experts,
             )
         self.asleep = False
+        self.loaded_once = False  # a whole shard has been loaded (until then, every update is whole)
         # Generation expert j is training expert placement[j] (the hybrid engine placed the routers' rows so).
         self.placement = expert_placement(spec, plan) if return_routed_experts else None
         if return_routed_experts:
@@ -188,17 +189,27 @@ class VLLMGenerator(GeneratorBase):
             p.vllm_name for p in stage_params(spec, t_g, 1, 0) if p.kind == ShardKind.VOCAB_ROWS]
 
     # ----------------------------------------------------------------- weights
+    @property
+    def accepts_partial_weights(self) -> bool:
+        """Whether ``update_weights`` may take only the tensors that changed: the engine holds a whole shard
+        and keeps it between rollouts (a level-2 sleep would discard it)."""
+        return self.loaded_once and not self.sleeps
+
     def update_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Load this rank's generation shard (megatron names, generation layout) into the engine."""
+        """Load this rank's generation shard (megatron names, generation layout) into the engine; once it holds
+        one and keeps it (``accepts_partial_weights``), ``weights`` may be only the tensors that changed."""
         start = time.perf_counter()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         t_g, tp_rank = self.plan.gen.tensor_parallel, self.me.gen_tp_rank
-        shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank, self.plan.gen.expert_parallel)
+        partial = self.accepts_partial_weights
+        shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank, self.plan.gen.expert_parallel, partial=partial)
         for name in self._regrouped:
-            shard[name] = regroup_vocab_rows(shard[name], self.megatron_rows, self.vllm_rows, tp_rank, self._tp_ranks,
-                                             self._tp_group)
-        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank]))
+            if name in shard:
+                shard[name] = regroup_vocab_rows(shard[name], self.megatron_rows, self.vllm_rows, tp_rank,
+                                                 self._tp_ranks, self._tp_group)
+        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank], partial))
+        self.loaded_once = True
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"],
                 "rollout/kv_cache_tokens": self.kv_cache_tokens}

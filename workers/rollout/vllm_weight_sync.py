@@ -103,19 +103,21 @@ class VLLMShardLoader(VLLMRouteCapture):
                 return rows
         raise ShardLoadError("the engine's model has no vocab-parallel layer")
 
-    def load_shard(self, shard: dict[str, torch.Tensor], vocab_range: tuple[int, int] | None = None) -> dict[str, Any]:
+    def load_shard(self, shard: dict[str, torch.Tensor], vocab_range: tuple[int, int] | None = None,
+                   partial: bool = False) -> dict[str, Any]:
         """Copy ``shard`` (vLLM names, this rank's per-rank layout) into the model; returns bytes and time.
 
         ``vocab_range`` is the [start, end) of the vocabulary rows that the
         shard's embedding / output rows cover; it must be the range vLLM's
-        vocab-parallel layers hold on this rank.
+        vocab-parallel layers hold on this rank. ``partial``: the shard may
+        hold only some parameters (those that changed; the rest stay as loaded).
         """
         start = time.perf_counter()
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
         shard = {(name if name in expected else _fused_experts_name(name, expected)): tensor
                  for name, tensor in shard.items()}
-        missing, unknown = sorted(expected - set(shard)), sorted(set(shard) - expected)
+        missing, unknown = [] if partial else sorted(expected - set(shard)), sorted(set(shard) - expected)
         if missing or unknown:
             raise ShardLoadError(
                 f"the shard does not match the engine's parameters: missing {missing[:6]}, unknown {unknown[:6]} "

@@ -46,6 +46,8 @@ class WeightSource(Protocol):
     layout: ParallelLayout  # the training layout
     dtype: torch.dtype
     weights: dict[str, torch.Tensor]  # this rank's generation shard, while it exists
+    # the names in ``weights`` whose contents changed since the last ``to_generation`` at this layout; None: all
+    changed: set[str] | None
 
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp",
                       release_training: bool = False) -> dict[str, Any]: ...
@@ -82,7 +84,10 @@ class ColocatedSync(WeightSync):
         start = time.perf_counter()  # the engine wakes what it needs itself: weights now, the KV cache to generate
         metrics = {k: v for k, v in self.source.to_generation(self.gen, self.method, self.release_training).items()
                    if k not in _PLAN_KEYS}
-        metrics.update(generator.update_weights(self.source.weights))
+        weights, changed = self.source.weights, getattr(self.source, "changed", None)
+        if changed is not None and getattr(generator, "accepts_partial_weights", False):
+            weights = {name: weights[name] for name in changed}  # e.g. a LoRA actor's merged linears
+        metrics.update(generator.update_weights(weights))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = metrics["reshard/bytes_received"]
         if not generator.borrows_weights:
