@@ -33,9 +33,10 @@ RUNS = {
     # GSPO-token with masked IS over whole sequences, on the update's own forward
     "gspo_token": ["rollout.sampling.n=2", *ON_POLICY, "algorithm.rollout_correction.mode=mis",
                    "algorithm.rollout_correction.level=sequence"],
-    # CISPO over two epochs (a separate old-log-prob pass) with truncated IS per token
+    # CISPO over two epochs (a separate old-log-prob pass) with truncated IS per token; on LoRA adapters, so that
+    # vLLM takes the merged linears alone after its first load
     "cispo": ["rollout.sampling.n=2", "ppo.ppo_epochs=2", "ppo.ppo_mini_batch_size=8",
-              "algorithm.rollout_correction.mode=tis"],
+              "algorithm.rollout_correction.mode=tis", "actor.lora.rank=4", "actor.optim.lr=1e-3"],
 }
 RECOMPUTED = {"cispo"}  # more than one optimizer step per batch
 ON_VLLM = {"cispo"}  # the rest generate with megatron's engine, which starts in a fraction of vLLM's time
@@ -66,6 +67,8 @@ def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorit
             if s["dapo/filled_groups"] == 0:  # every kept group has a spread of rewards: non-zero advantages
                 assert s["critic/advantages/max"] > 0
     if algorithm == "cispo":  # TIS on the recompute path: each weight in (0, cap 2]
+        # LoRA: vLLM loaded the whole model once, then the merged linears (all but embeddings and norms) alone
+        assert 0 < steps[1]["weight_sync/bytes"] < 0.95 * steps[0]["weight_sync/bytes"]
         for s in steps:
             assert 0.0 < s["rollout_corr/weight_mean"] <= 2.0 and 0.0 <= s["rollout_corr/truncated_frac"] <= 1.0
             assert s["rollout_corr/masked_frac"] == 0.0

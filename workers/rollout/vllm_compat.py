@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 from typing import Any, Callable, Iterator
 
 from hybridengine.compat import LibraryShim, Patch
@@ -88,21 +89,39 @@ class _LayerwiseReload:
 
 @contextlib.contextmanager
 @VLLM.applies("layerwise_reload")
-def layerwise_reload(model: Any, model_config: Any) -> Iterator[Callable[[Any], contextlib.AbstractContextManager]]:
+def layerwise_reload(model: Any, model_config: Any, partial: bool = False
+                     ) -> Iterator[Callable[[Any], contextlib.AbstractContextManager]]:
     """A layerwise reload of ``model``: yields ``materialized``, and finalizes the reload at exit.
 
     Within ``with materialized(layer):`` the layer's parameters are in
     checkpoint format (per-rank shapes), to be filled in; at the end of the
     block vLLM's post-load processing runs on it (on CPU it repacks linear
     weights for oneDNN) and the result is copied into the engine's tensors.
+    ``partial``: some layers are left as they are; vLLM puts their tensors back, and its warning that they
+    "failed to load" is dropped.
     """
     steps = _LayerwiseReload()
     reprocess_fused_experts_on_reload()
     steps.initialize(model)
+    quiet = _UnloadedLayers() if partial else None
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if quiet is not None:
+        logger.addFilter(quiet)
     try:
         yield functools.partial(_materialized_layer, steps)
     finally:
-        steps.finalize(model, model_config)
+        try:
+            steps.finalize(model, model_config)
+        finally:
+            if quiet is not None:
+                logger.removeFilter(quiet)
+
+
+class _UnloadedLayers(logging.Filter):
+    """Drops vLLM's "Failed to load weights" for the layers a partial reload leaves as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
 
 
 @functools.cache

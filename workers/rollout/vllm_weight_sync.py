@@ -128,7 +128,7 @@ class VLLMShardLoader(VLLMRouteCapture):
             module_name, _, param_name = name.rpartition(".")
             by_layer.setdefault(module_name, []).append((param_name, tensor))
         copied = 0
-        with layerwise_reload(model, self.model_runner.model_config) as materialized:
+        with layerwise_reload(model, self.model_runner.model_config, partial) as materialized:
             for module_name, tensors in by_layer.items():
                 layer = model.get_submodule(module_name)
                 with materialized(layer):  # then post-load processing, and the copy into the kernel tensors
