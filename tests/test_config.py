@@ -106,6 +106,11 @@ def test_lora_settings_are_checked_before_launch(tmp_path):
     assert "critic.lora: LoRA target_modules must take ['q_proj', 'k_proj', 'v_proj'] together" in text
     assert "ref_policy.lora: LoRA trains adapters, and the ref_policy does not train" in text
     assert f"actor.lora.adapter_path '{tmp_path}' is not a PEFT adapter directory" in text
+    assert "rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0" in problems(
+        "rollout.lora_sync=adapter")
+    with pytest.raises(ConfigError, match="lora_sync 'adapter' serves LoRA adapters with vLLM's LoRA kernels; the "
+                                          "'megatron' engine takes them merged"):
+        load_config(EXAMPLES / "ppo_tiny.yaml", ["rollout.lora_sync=adapter", "rollout.engine=megatron"])
     check_config(load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.lora.rank=8", "critic.lora.rank=8",
                                                           "actor.engine.pipeline_parallel=1",
                                                           "critic.engine.pipeline_parallel=1"]), spec)

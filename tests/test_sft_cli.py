@@ -146,7 +146,8 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
 def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, model):  # noqa: F811
     """LoRA through both CLIs: an SFT job whose checkpoints hold the adapters only and resume exactly, whose
     PEFT export starts a LoRA GRPO job (``actor.lora.adapter_path``) with a KL loss against the base (the
-    adapters off), its rollout fed the merged weights and, after the first step, the adapters' bytes only."""
+    adapters off), its vLLM rollout serving the adapters on the base (``rollout.lora_sync: adapter``): after
+    the first step only the adapters' bytes move, and vLLM's log-probs are the actor's."""
     lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.engine.precision=fp32"]
     sft = [*SFT, "trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0", *lora]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
@@ -170,15 +171,17 @@ def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, mod
     rl = tmp_path / "rl"
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={rl}", f"model_path={model}",
                       *TINY, *lora, f"actor.lora.adapter_path={full / 'lora_adapter'}", "trainer.launcher=torchrun",
-                      "trainer.nproc=2", "actor.engine.tensor_parallel=2", "rollout.engine=megatron",
+                      "trainer.nproc=2", "actor.engine.tensor_parallel=2", "rollout.engine=vllm",
+                      "rollout.lora_sync=adapter",
                       "algorithm.name=grpo", "rollout.sampling.n=2", "ppo.ppo_mini_batch_size=8", "ppo.ppo_epochs=1",
                       "ppo.use_kl_loss=true", "reward.fn=arithmetic_answer", "trainer.total_steps=2",
                       "trainer.export_hf=true")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     first, second = read_metrics(rl)
     assert first["actor/kl_loss"] > 1e-4  # the SFT adapters moved the policy from the base, its reference
-    for step in (first, second):  # the rollout generated with the adapters merged (fp32: as the actor computes)
+    for step in (first, second):  # vLLM generated with the adapters (fp32: as the actor computes)
         assert step["rollout/logprob_diff_max"] < 1e-3, step["rollout/logprob_diff_max"]
+        assert step["weight_sync/bytes"] == 4 * lora_parameter_count(model, rank=8)  # the adapters whole, fp32
     assert second["reshard/bytes_received"] == second["reshard/lora_bytes_received"] > 0
     assert first["reshard/bytes_received"] > 10 * second["reshard/bytes_received"]
     assert (rl / "hf_actor" / "config.json").is_file() and (rl / "lora_adapter" / "adapter_config.json").is_file()

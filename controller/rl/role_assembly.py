@@ -8,14 +8,16 @@ and returns them by name, in the order the trainer builds them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from controller.errors import ConfigError
+from workers.megatron.lora import LoRAConfig
 from workers.reward import RuleReward
 from workers.role_spec import RoleSpec
 
-__all__ = ["ROLE_ORDER", "assemble_roles", "check_reward_sources"]
+__all__ = ["ROLE_ORDER", "assemble_roles", "check_reward_sources", "lora_actor", "needs_reference", "reference_role"]
 
 ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "cost")
 
@@ -45,6 +47,12 @@ def assemble_roles(
                           f"{config.name} would need a cost critic")
     if config.router_replay != "off":  # the rollout reports the experts it routed each token to
         rollout = _returning_routes(rollout)
+    if lora_actor(actor):  # the rollout learns the adapters' shape (an engine serving them unmerged needs it)
+        lora = actor.kwargs["lora"]
+        lora = lora if isinstance(lora, dict) else dataclasses.asdict(lora)
+        targets = LoRAConfig(**{k: v for k, v in lora.items() if k != "adapter_path"}).targets
+        rollout = _with_rollout_config(rollout, lora_adapter={"rank": lora["rank"], "alpha": lora.get("alpha", 16.0),
+                                                              "targets": list(targets)})
     specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
     if critic is not None:
         specs["critic"] = critic
@@ -96,15 +104,17 @@ def check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn=None, c
 
 
 def _returning_routes(rollout: RoleSpec) -> RoleSpec:
-    """``rollout`` with ``return_routed_experts`` set in its config (a RolloutConfig or its dict)."""
-    from dataclasses import replace
+    """``rollout`` with ``return_routed_experts`` set in its config."""
+    return _with_rollout_config(rollout, return_routed_experts=True)
 
+
+def _with_rollout_config(rollout: RoleSpec, **fields: Any) -> RoleSpec:
+    """``rollout`` with ``fields`` set in its config (a RolloutConfig or its dict)."""
     from workers.rollout.config import RolloutConfig
 
     config = rollout.kwargs.get("config")
-    config = replace(config, return_routed_experts=True) if isinstance(config, RolloutConfig) else {
-        **(config or {}), "return_routed_experts": True}
-    return replace(rollout, kwargs={**rollout.kwargs, "config": config})
+    config = dataclasses.replace(config, **fields) if isinstance(config, RolloutConfig) else {**(config or {}), **fields}
+    return dataclasses.replace(rollout, kwargs={**rollout.kwargs, "config": config})
 
 
 def _reference_cls():

@@ -18,7 +18,7 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.lora import merged_weights
+from workers.megatron.lora import merged_weights, peft_tensors
 from workers.megatron.lora_generation import LoRAGenerationWeights
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
@@ -60,11 +60,14 @@ class HybridBridge:
         params = {name: p.data for name, p in module.named_parameters()}
         return {**params, **merged_weights(module)} if self.engine.adapters else params
 
-    def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False) -> dict[str, Any]:
+    def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False,
+                      merge_adapters: bool = True) -> dict[str, Any]:
         """Build this rank's generation weights; collective over all ranks. Returns timing and bytes.
 
         A mixture of experts' routed experts go point to point (``ExpertResharder``), whatever ``method``
-        moves the rest; under generation expert parallelism the router's rows follow the plan's placement."""
+        moves the rest; under generation expert parallelism the router's rows follow the plan's placement.
+        A LoRA engine's adapters are merged into them; ``merge_adapters`` False: the weights are the frozen
+        base and the adapters come whole in PEFT's names (``lora_adapters``), for an engine that serves them."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
         weights = plan_weights(self.engine.spec, self.engine.layout, gen)
@@ -73,8 +76,10 @@ class HybridBridge:
         before = self.transport.bytes_received
         if self.lora is not None:  # the frozen base once, then only the adapters (``method`` moves the base)
             start = time.perf_counter()
-            self.weights, moved = self.lora.build(weights, {n: p.data for n, p in self.engine.module().named_parameters()})
-            self.changed = None if moved["base"] or gen != self._last_gen else set(self.lora.merged[gen])
+            self.weights, moved = self.lora.build(weights, {n: p.data for n, p in self.engine.module().named_parameters()},
+                                                  merge_adapters)
+            self.changed = None if moved["base"] or gen != self._last_gen else (
+                set(self.lora.merged[gen]) if merge_adapters else set())
             self._last_gen = gen
             me = weights.layout.ranks[rank]
             return {"timing_s/reshard": time.perf_counter() - start,
@@ -112,6 +117,10 @@ class HybridBridge:
             "gen_pp_rank": me.gen_pp_rank,
             "gen_dp_rank": me.gen_dp_rank,
         }
+
+    def lora_adapters(self) -> dict[str, torch.Tensor]:
+        """The adapters of the last unmerged sync, whole, on the CPU under PEFT's names."""
+        return peft_tensors(self.lora.whole)
 
     def _place_router(self, placement: tuple[int, ...]) -> None:
         """Reorder every router's rows in the generation weights to ``placement`` (generation expert k is

@@ -35,7 +35,8 @@ import torch
 from hybridengine.model.catalogue import layer_index
 
 __all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "cut_adapter", "full_adapters", "full_shapes",
-           "fused_delta", "load_peft_adapter", "lora_parameters", "merged_weights", "save_peft_adapter", "whole_adapters"]
+           "fused_delta", "load_peft_adapter", "lora_parameters", "merged_weights", "peft_tensors", "save_peft_adapter",
+           "whole_adapters"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -335,8 +336,13 @@ def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int
                   ) -> dict[str, torch.Tensor]:
     """This stage's adapters whole (gathered over TP), on the CPU under PEFT's names
     (``base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight``); collective over the TP group."""
+    return peft_tensors(whole_adapters(module, spec, tp, tp_group, pp_rank, pp))
+
+
+def peft_tensors(adapters: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole adapters by (layer, linear, part) as PEFT names them, on the CPU."""
     out = {}
-    for (layer, _, part), (a, b) in whole_adapters(module, spec, tp, tp_group, pp_rank, pp).items():
+    for (layer, _, part), (a, b) in adapters.items():
         prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULES[part]}"
         out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.cpu().clone(), b.cpu().clone()
     return out

@@ -32,9 +32,13 @@ class LoRAGenerationWeights:
         self.engine, self.transport, self.bucket_bytes = engine, transport, bucket_bytes
         self.base: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
         self.merged: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
+        # the last sync's adapters whole, (layer, linear, part) -> (A, B), when they were not merged
+        self.whole: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def build(self, weights: WeightPlan, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's generation shard with the current adapters merged, and the move's bytes; collective."""
+    def build(self, weights: WeightPlan, params: dict[str, torch.Tensor], merge: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's generation shard with the current adapters merged (``merge`` False: the base alone, the
+        adapters whole in ``self.whole``, for an engine that serves them), and the move's bytes; collective."""
         rank = dist.get_rank()
         gen = weights.gen
         base_bytes = 0
@@ -44,6 +48,9 @@ class LoRAGenerationWeights:
             self.base[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes).to_generation()
             base_bytes = self.transport.bytes_received - before
         adapters, lora_bytes = self._gather_adapters()
+        if not merge:
+            self.whole = adapters
+            return dict(self.base[gen]), {"base": base_bytes, "lora": lora_bytes}
         me = weights.layout.ranks[rank]
         merged = self.merged.setdefault(gen, {})
         scaling = self.engine.lora.scaling

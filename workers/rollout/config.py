@@ -11,7 +11,10 @@ from workers.rollout.batch import TRUNCATION_MODES
 from workers.rollout.generator import registered_generators
 from workers.rollout.sampling import SamplingConfig
 
-__all__ = ["RolloutConfig"]
+__all__ = ["LORA_SYNC_MODES", "RolloutConfig"]
+
+
+LORA_SYNC_MODES = ("merge", "adapter")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,11 @@ class RolloutConfig:
     # a mixture of experts' completions carry the experts their tokens were routed to (rollout_routed_experts);
     # the trainer sets it from algorithm.router_replay
     return_routed_experts: bool = False
+    # A LoRA actor's weights into the rollout: "merge" (the adapters merged into the generation weights, which
+    # receive only the adapters' bytes after the first sync) or "adapter" (vLLM serves the adapters with its
+    # LoRA kernels on the frozen base, loaded once). lora_adapter is set by the job from actor.lora.
+    lora_sync: str = "merge"
+    lora_adapter: dict[str, Any] | None = None  # {rank, alpha, targets} of the actor's adapters; None: no LoRA
     max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields
@@ -63,6 +71,11 @@ class RolloutConfig:
             problems.append(f"engine {self.engine!r} is not one of {registered_generators()}")
         if self.truncation not in TRUNCATION_MODES:
             problems.append(f"truncation {self.truncation!r} is not one of {TRUNCATION_MODES}")
+        if self.lora_sync not in LORA_SYNC_MODES:
+            problems.append(f"lora_sync {self.lora_sync!r} is not one of {LORA_SYNC_MODES}")
+        if self.lora_sync == "adapter" and self.engine != "vllm":
+            problems.append(f"lora_sync 'adapter' serves LoRA adapters with vLLM's LoRA kernels; the {self.engine!r} "
+                            f"engine takes them merged (lora_sync: merge)")
         if self.reshard_method not in RESHARD_METHODS:
             problems.append(f"reshard_method {self.reshard_method!r} is not one of {RESHARD_METHODS}")
         for name in ("tensor_parallel", "pipeline_parallel", "max_prompt_length", "kv_cache_bytes", "max_num_seqs"):

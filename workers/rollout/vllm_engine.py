@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -80,6 +81,18 @@ def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
                          f"ranks instead (rollout.expert_parallel: false), or generate at tensor_parallel 1")
 
 
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+
+
+def _lora_options(lora: dict) -> dict:
+    """vLLM's engine options to serve one LoRA of ``lora["rank"]`` at a time."""
+    fits = [r for r in _VLLM_LORA_RANKS if r >= lora["rank"]]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to {_VLLM_LORA_RANKS[-1]}; the actor's is {lora['rank']}: "
+                         f"use rollout.lora_sync: merge")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
 class VLLMGenerator(GeneratorBase):
     """This rank's vLLM engine at the generation layout of ``plan``: it copies the weights it is given into
     its own tensors (``borrows_weights`` False) and can serve a checkpoint as loaded."""
@@ -101,6 +114,7 @@ class VLLMGenerator(GeneratorBase):
             # (or serving its own checkpoint) keeps its weights, which a level-2 sleep would discard.
             sleep_between_rollouts=cfg.sleep_between_rollouts and context.colocated,
             return_routed_experts=getattr(cfg, "return_routed_experts", False),
+            lora_adapter=cfg.lora_adapter if getattr(cfg, "lora_sync", "merge") == "adapter" else None,
         )
         generator.max_new_tokens = cfg.sampling.max_new_tokens  # max_model_len was sized for it
         return generator
@@ -122,7 +136,10 @@ class VLLMGenerator(GeneratorBase):
         enforce_eager: bool = True,
         sleep_between_rollouts: bool = True,
         return_routed_experts: bool = False,
+        lora_adapter: dict | None = None,
     ) -> None:
+        """``lora_adapter`` ({rank, alpha, targets}): serve a LoRA actor's adapters with vLLM's LoRA kernels on
+        the frozen base (``update_adapters``) instead of taking them merged."""
         from vllm import LLM
 
         check_vllm_head_dim(spec)
@@ -166,7 +183,9 @@ class VLLMGenerator(GeneratorBase):
                 enable_sleep_mode=self.sleeps,
                 # Routes are captured per request as computed (workers.rollout.vllm_routes): no shared prefixes.
                 enable_prefix_caching=not return_routed_experts,
+                **(_lora_options(lora_adapter) if lora_adapter else {}),
             )
+        self.lora_adapter, self.lora_request, self._lora_dir = lora_adapter, None, None
         self.asleep = False
         self.loaded_once = False  # a whole shard has been loaded (until then, every update is whole)
         # Generation expert j is training expert placement[j] (the hybrid engine placed the routers' rows so).
@@ -189,6 +208,38 @@ class VLLMGenerator(GeneratorBase):
             p.vllm_name for p in stage_params(spec, t_g, 1, 0) if p.kind == ShardKind.VOCAB_ROWS]
 
     # ----------------------------------------------------------------- weights
+    @property
+    def serves_adapters(self) -> bool:
+        """A LoRA actor's adapters come unmerged (``update_adapters``), served on the frozen base."""
+        return self.lora_adapter is not None
+
+    def update_adapters(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Serve these whole adapters (PEFT's names) from the next generation on, as a new LoRA of vLLM's (the
+        previous one is dropped); vLLM cuts them for its TP rank."""
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from workers.megatron.lora import LoRAConfig, save_peft_adapter
+
+        start = time.perf_counter()
+        lora = self.lora_adapter
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="hybridflow-lora-")
+        previous = self.lora_request
+        serial = previous.lora_int_id + 1 if previous is not None else 1
+        folder = f"{self._lora_dir}/{serial}"
+        save_peft_adapter(tensors, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"],
+                                              target_modules=tuple(lora["targets"])), folder)
+        self.lora_request = LoRARequest(f"policy-{serial}", serial, folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        return {"timing_s/weight_sync": time.perf_counter() - start,
+                "weight_sync/bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "rollout/kv_cache_tokens": self.kv_cache_tokens}
+
     @property
     def accepts_partial_weights(self) -> bool:
         """Whether ``update_weights`` may take only the tensors that changed: the engine holds a whole shard
@@ -239,7 +290,7 @@ class VLLMGenerator(GeneratorBase):
             for request in requests
         ]
         prompts = [{"prompt_token_ids": list(request.prompt_ids)} for request in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         routes = [None] * len(outputs)
         if self.placement is not None:  # this rank's worker: [positions, layers, k] of each request
             (routes,) = self.llm.collective_rpc("take_routes", args=([o.request_id for o in outputs],))
@@ -274,3 +325,5 @@ class VLLMGenerator(GeneratorBase):
         runs last, when the worker host shuts down."""
         shutdown_engine(self.llm)
         unlink_segments(self._shm_token)  # the names only: the segments go when the last rank unmaps them
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)

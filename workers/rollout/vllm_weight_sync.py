@@ -77,6 +77,17 @@ def _reprocess_tied_layers(model: torch.nn.Module, loaded: set[str]) -> None:
             method.process_weights_after_loading(module)
 
 
+def _engine_name(name: str, expected: set[str]) -> str:
+    """``name`` as the engine's model calls it: as is, a mixture of experts' fused tensor, or the base layer
+    of a layer vLLM wraps to serve LoRA adapters (``...qkv_proj.base_layer.weight``)."""
+    if name in expected:
+        return name
+    module, _, param = name.rpartition(".")
+    if f"{module}.base_layer.{param}" in expected:
+        return f"{module}.base_layer.{param}"
+    return _fused_experts_name(name, expected)
+
+
 def _fused_experts_name(name: str, expected: set[str]) -> str:
     """The engine's name of a fused-experts tensor sent as ``...mlp.experts.w13_weight`` / ``w2_weight``: vLLM
     0.32's fused-experts layer keeps them one module deeper (``...mlp.experts.routed_experts.w13_weight``)."""
@@ -115,8 +126,7 @@ class VLLMShardLoader(VLLMRouteCapture):
         start = time.perf_counter()
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
-        shard = {(name if name in expected else _fused_experts_name(name, expected)): tensor
-                 for name, tensor in shard.items()}
+        shard = {_engine_name(name, expected): tensor for name, tensor in shard.items()}
         missing, unknown = [] if partial else sorted(expected - set(shard)), sorted(set(shard) - expected)
         if missing or unknown:
             raise ShardLoadError(

@@ -82,12 +82,17 @@ class ColocatedSync(WeightSync):
 
     def update(self, generator: Generator) -> dict[str, Any]:
         start = time.perf_counter()  # the engine wakes what it needs itself: weights now, the KV cache to generate
-        metrics = {k: v for k, v in self.source.to_generation(self.gen, self.method, self.release_training).items()
-                   if k not in _PLAN_KEYS}
+        serves = getattr(generator, "serves_adapters", False)  # a LoRA actor's adapters, unmerged
+        moved = self.source.to_generation(self.gen, self.method, self.release_training,
+                                          **({"merge_adapters": False} if serves else {}))
+        metrics = {k: v for k, v in moved.items() if k not in _PLAN_KEYS}
         weights, changed = self.source.weights, getattr(self.source, "changed", None)
         if changed is not None and getattr(generator, "accepts_partial_weights", False):
             weights = {name: weights[name] for name in changed}  # e.g. a LoRA actor's merged linears
-        metrics.update(generator.update_weights(weights))
+        if weights or not serves:
+            metrics.update(generator.update_weights(weights))
+        if serves:
+            metrics.update(generator.update_adapters(self.source.lora_adapters()))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = metrics["reshard/bytes_received"]
         if not generator.borrows_weights:
