@@ -541,9 +541,6 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += _router_replay_problems(config, model_spec)
     if rollout.lora_sync == "adapter" and not config.actor.lora.enabled:
         problems.append("rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0")
-    if rollout.lora_sync == "adapter" and (trainer.mode != "sync" or "rollout" in trainer.placement):
-        problems.append("rollout.lora_sync 'adapter' is served by a rollout colocated with the actor (trainer.mode "
-                        "sync, no trainer.placement.rollout); a rollout of its own takes the adapters merged")
     problems += lora_problems({"actor": (config.actor, model_spec),
                                "critic": (config.critic, role_specs["critic"] if _needs_critic(alg) else None),
                                "ref_policy": (config.ref_policy, None)})

@@ -40,6 +40,7 @@ __all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink"]
 
 _FC1, _FC2 = "linear_fc1.weight", "linear_fc2.weight"
 _EXPERT_TAG = 1 << 24  # the experts' messages, after every dense bucket's tags
+_WHOLE_TAG = 1 << 25  # a tensor every generation rank receives whole (send_whole)
 
 
 class GroupLink:
@@ -220,6 +221,24 @@ class CrossPoolTransfer:
             views.update(self._receive_experts(gen_rank, dtype, device))
         self.weights = views
         return views
+
+    # ------------------------------------------------ one tensor to every generation rank
+    def send_whole(self, train_rank: int, tensor: torch.Tensor) -> None:
+        """Training rank 0 sends ``tensor`` to every generation rank (e.g. a LoRA actor's adapters, whole); the
+        other training ranks send nothing. Collective with the generation ranks' ``receive_whole``."""
+        if train_rank != 0:
+            return
+        pending = [self.link.isend(tensor, peer, _WHOLE_TAG) for peer in self.gen_ranks]
+        for work in pending:
+            work.wait()
+        self.bytes_sent += tensor.numel() * tensor.element_size() * len(self.gen_ranks)
+
+    def receive_whole(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor training rank 0 ``send_whole``s, flat."""
+        tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.link.irecv(tensor, self.train_ranks[0], _WHOLE_TAG).wait()
+        self.bytes_received += tensor.numel() * tensor.element_size()
+        return tensor
 
     @classmethod
     def standalone(cls, spec: ModelSpec, plan: CrossPoolPlan, joint_rank: int, host: str, port: int,

@@ -2,7 +2,8 @@
 reshards in place) and a cross-pool sync (the actor's pool sends, the rollout's pool receives) each bring the
 generation shard into a generator through ``WeightSync.update`` / ``done``. The shards must equal the same
 slices read straight from the HF checkpoint, each rank must receive its bound, and both must report the same
-weight-update metrics. Generators that copy and that borrow the weights are both driven."""
+weight-update metrics. Generators that copy and that borrow the weights are both driven. A LoRA actor's
+cross-pool sync: the base once, then the adapters, merged on the rollout's side as PEFT merges them."""
 
 import pytest
 import torch
@@ -28,12 +29,13 @@ class _Params:
 
 
 class _Engine:
-    """What the hybrid bridge reads of a megatron engine: the model, the layout, the parameters, the rank."""
+    """What the hybrid bridge reads of a megatron engine: the model, the layout, the parameters, the rank, and
+    its LoRA adapters (none)."""
 
     def __init__(self, spec, layout, params, rank):
         from types import SimpleNamespace
 
-        self.spec, self.layout, self._module = spec, layout, _Params(params)
+        self.spec, self.layout, self._module, self.adapters = spec, layout, _Params(params), {}
         self.groups = SimpleNamespace(grid_rank=rank)
 
     def module(self):
@@ -137,22 +139,117 @@ def _cross_pool(rank, world_size, path, port):
     sync.close()
 
 
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def _cross_pool_lora(rank, world_size, path, port, reference):
+    """A LoRA actor's weights across pools (training TP2 on ranks 0-1, two generation replicas at TP1 on ranks
+    2-3): the base crosses once, then each push carries the adapters whole (training rank 0 to every generation
+    rank); each generation rank merges them into the base it kept, bit-equal to PEFT's merge, and a copying
+    engine takes only the merged linears after the first push. (The actor's side sends as ``HybridBridge``
+    does for a LoRA engine; the bridge's gathering of the adapters is the colocated path's, tested there.)"""
+    from safetensors.torch import load_file
+
+    from hybridengine.model.spec import ModelSpec
+    from hybridengine.parallel.layout import ParallelLayout
+    from hybridengine.reshard.plan import GenerationLayout
+    from workers.megatron.hybrid_bridge import HybridBridge
+    from workers.megatron.lora import adapter_layout, flatten_adapters
+    from workers.rollout.weight_sync import weight_sync_for
+
+    ref = torch.load(reference, weights_only=False)
+    spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1), GenerationLayout(1, 1)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    layout = adapter_layout(spec, 4, targets)
+    whole_bytes = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in layout) * 4
+    adapted = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+    if rank < 2:
+        coord = train.coordinate(rank)
+        params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+        bridge = HybridBridge(_Engine(spec, train, params, rank))
+        bridge.connect_generation_pool("127.0.0.1", port, gen, 2, "auto", timeout_s=60)
+        saved = load_file(f"{ref['adapter_dir']}/adapter_model.safetensors")
+        prefix = "base_model.model.model.layers"
+        adapters = {key: (saved[f"{prefix}.{key[0]}.{HF_MODULES[key[2]]}.lora_A.weight"],
+                          saved[f"{prefix}.{key[0]}.{HF_MODULES[key[2]]}.lora_B.weight"]) for key, _, _ in layout}
+        transfer = bridge.cross_pool
+        transfer.send(rank, params)  # the frozen base, once
+        for _ in range(2):
+            before = transfer.bytes_sent
+            transfer.send_whole(rank, flatten_adapters(adapters, layout))
+            assert transfer.bytes_sent - before == (2 * whole_bytes if rank == 0 else 0)  # to each generation rank
+        transfer.close()
+        return
+    training = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
+                "make_vocab_size_divisible_by": None, "precision": "fp32"}
+    sync = weight_sync_for(None, training, spec=spec, gen=gen, gen_dp=2, rank=rank - 2, dtype=torch.float32,
+                           device="cpu", lora={"rank": 4, "alpha": 8.0, "targets": list(targets)})
+    sync.connect("127.0.0.1", port, "auto", timeout_s=60)
+    generator = _recording_generator(False)
+    generator.accepts_partial_weights = True
+    first = sync.update(generator)
+    base = shard_from_checkpoint(path, spec, 1, 1, 0, 0)
+    assert list(generator.weights) == list(base)
+    merged = [name for name in base if name.endswith(adapted)]
+    assert len(merged) == 4 * spec.num_layers
+    for name, tensor in generator.weights.items():
+        assert torch.equal(tensor, ref["merged"][name]), name  # PEFT's merge where adapted, else the base
+    second = sync.update(generator)
+    assert second["weight_update/bytes_received"] == whole_bytes < first["weight_update/bytes_received"]
+    assert sorted(generator.weights) == sorted(merged)  # the merged linears alone
+    for name in merged:
+        assert torch.equal(generator.weights[name], ref["merged"][name]), name
+    sync.close()
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("weight_sync") / "llama", heads=8, kv_heads=4)
 
 
-def test_colocated_and_cross_pool_syncs_go_through_one_interface(llama):
+def _peft_reference(path, out):
+    """PEFT's adapters (rank 4, every linear, random B) saved as an adapter directory, and its merge in
+    megatron's names at TP1 (what a generation rank at TP1 holds)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hybridengine.model.spec import ModelSpec
+
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft.save_pretrained(str(out / "adapter"))
+    merged_dir = out / "merged"
+    merged_model = peft.merge_and_unload()
+    merged_model.save_pretrained(str(merged_dir))
+    (merged_dir / "config.json").write_text((path / "config.json").read_text())
+    spec = ModelSpec.from_pretrained(merged_dir)
+    torch.save({"adapter_dir": str(out / "adapter"), "merged": shard_from_checkpoint(merged_dir, spec, 1, 1, 0, 0)},
+               out / "peft.pt")
+    return out / "peft.pt"
+
+
+def test_colocated_and_cross_pool_syncs_go_through_one_interface(llama, tmp_path):
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store, lora_store = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2))
+    reference = _peft_reference(llama, tmp_path)
     outcomes = run_cases_in_processes(_sync_case, 4, {"colocated": ("colocated", str(llama), store.port),
-                                                      "cross_pool": ("cross_pool", str(llama), store.port)})
-    assert outcomes == {"colocated": None, "cross_pool": None}, outcomes
+                                                      "cross_pool": ("cross_pool", str(llama), store.port),
+                                                      "cross_pool_lora": ("lora", str(llama), lora_store.port,
+                                                                          reference)})
+    assert outcomes == {"colocated": None, "cross_pool": None, "cross_pool_lora": None}, outcomes
 
 
-def _sync_case(rank, world_size, which, path, port):
+def _sync_case(rank, world_size, which, path, port, reference=None):
     if which == "colocated":
         _colocated(rank, world_size, path)
+    elif which == "lora":
+        _cross_pool_lora(rank, world_size, path, port, str(reference))
     else:
         _cross_pool(rank, world_size, path, port)

@@ -18,7 +18,7 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.lora import merged_weights, peft_tensors
+from workers.megatron.lora import adapter_layout, flatten_adapters, merged_weights, peft_tensors
 from workers.megatron.lora_generation import LoRAGenerationWeights
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
@@ -40,6 +40,7 @@ class HybridBridge:
         # a LoRA engine's generation weights: the base resharded once, the adapters merged in every sync
         self.lora = LoRAGenerationWeights(engine, self.transport, bucket_bytes) if engine.adapters else None
         self._last_gen: GenerationLayout | None = None
+        self._base_sent = False  # a LoRA engine's frozen base has crossed to the rollout pool
 
     @property
     def spec(self):
@@ -160,6 +161,7 @@ class HybridBridge:
         plan = plan_for_model(engine.spec, engine.layout, gen, gen_dp, element, method)
         self.cross_pool = CrossPoolTransfer.standalone(engine.spec, plan, engine.groups.grid_rank, host, port,
                                                        timeout_s, self.bucket_bytes or 64 << 20)
+        self._base_sent = False
         return {"method": plan.method, "reason": plan.reason}
 
     def send_to_generation_pool(self) -> dict[str, float]:
@@ -167,6 +169,16 @@ class HybridBridge:
         if self.cross_pool is None:
             raise RuntimeError("no rollout pool is connected: call connect_generation_pool first")
         before, start = self.cross_pool.bytes_sent, time.perf_counter()
-        self.cross_pool.send(self.engine.groups.grid_rank, self._training_params())
+        rank = self.engine.groups.grid_rank
+        if self.lora is not None:  # the frozen base once, then the adapters whole (the rollout merges them)
+            if not self._base_sent:
+                self.cross_pool.send(rank, {n: p.data for n, p in self.engine.module().named_parameters()})
+                self._base_sent = True
+            adapters, _ = self.lora.gather_adapters()
+            lora = self.engine.lora
+            self.cross_pool.send_whole(rank, flatten_adapters(adapters, adapter_layout(self.engine.spec, lora.rank,
+                                                                                       lora.targets)))
+        else:
+            self.cross_pool.send(rank, self._training_params())
         return {"timing_s/weight_send": time.perf_counter() - start,
                 "weight_transfer/bytes_sent": self.cross_pool.bytes_sent - before}

@@ -35,7 +35,7 @@ import torch
 from hybridengine.model.catalogue import layer_index
 
 __all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "cut_adapter", "full_adapters", "full_shapes",
-           "fused_delta", "load_peft_adapter", "lora_parameters", "merged_weights", "peft_tensors", "save_peft_adapter",
+           "fused_delta", "load_peft_adapter", "lora_parameters", "merged_weights", "peft_tensors", "adapter_layout", "flatten_adapters", "unflatten_adapters", "save_peft_adapter",
            "whole_adapters"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
@@ -337,6 +337,36 @@ def full_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int
     """This stage's adapters whole (gathered over TP), on the CPU under PEFT's names
     (``base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight``); collective over the TP group."""
     return peft_tensors(whole_adapters(module, spec, tp, tp_group, pp_rank, pp))
+
+
+def adapter_layout(spec, rank: int, targets: tuple[str, ...]) -> list[tuple[tuple[int, str, str], tuple, tuple]]:
+    """Every whole adapter of the model in one fixed order, (layer, linear, part) with A's and B's shapes: how a
+    flat message of them is laid out (``flatten_adapters``), the same on both sides of a link."""
+    shapes = full_shapes(spec)
+    out = []
+    for layer in range(spec.num_layers):
+        for target in LORA_TARGETS:
+            if target in targets:
+                linear, part = LORA_TARGETS[target]
+                fan_in, fan_out = shapes[part]
+                out.append(((layer, linear, part), (rank, fan_in), (fan_out, rank)))
+    return out
+
+
+def flatten_adapters(adapters: dict, layout: list) -> torch.Tensor:
+    """Whole adapters by (layer, linear, part) -> (A, B) as one flat tensor, in ``layout``'s order."""
+    return torch.cat([t.reshape(-1) for key, _, _ in layout for t in adapters[key]])
+
+
+def unflatten_adapters(flat: torch.Tensor, layout: list) -> dict:
+    """``flatten_adapters``' inverse: views of ``flat``."""
+    out, offset = {}, 0
+    for key, a_shape, b_shape in layout:
+        a_numel, b_numel = a_shape[0] * a_shape[1], b_shape[0] * b_shape[1]
+        out[key] = (flat[offset: offset + a_numel].view(a_shape),
+                    flat[offset + a_numel: offset + a_numel + b_numel].view(b_shape))
+        offset += a_numel + b_numel
+    return out
 
 
 def peft_tensors(adapters: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

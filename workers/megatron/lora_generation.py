@@ -22,7 +22,33 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.weight_plan import WeightPlan
 from workers.megatron.lora import cut_adapter, fused_delta, whole_adapters
 
-__all__ = ["LoRAGenerationWeights"]
+__all__ = ["LoRAGenerationWeights", "merge_into"]
+
+
+def merge_into(base: dict[str, torch.Tensor], adapters: dict, spec, gen: GenerationLayout, gen_tp_rank: int,
+               gen_pp_rank: int, scaling: float, out: dict[str, torch.Tensor]) -> None:
+    """``out[name] = base[name] + scaling x B A`` for every adapted linear of a generation shard (``base``, names
+    local to generation stage ``gen_pp_rank``), the whole ``adapters`` ((layer, linear, part) -> (A, B)) cut for
+    generation TP rank ``gen_tp_rank``; ``out``'s tensors are made at the first call and refilled after."""
+    layers = spec.layers_of_stage(gen_pp_rank, gen.pipeline_parallel)
+    groups = max(spec.num_query_groups // gen.tensor_parallel, 1)
+    by_linear: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (layer, linear, part), (a, b) in adapters.items():
+        if layer in layers:
+            by_linear.setdefault((layer, linear), {})[part] = cut_adapter(linear, part, a, b, gen.tensor_parallel,
+                                                                          gen_tp_rank)
+    with torch.no_grad():
+        for name, tensor in base.items():
+            if not name.endswith(".weight") or ".layers." not in name:
+                continue
+            linear = name.removesuffix(".weight").split(".layers.", 1)[1].split(".", 1)[1]
+            parts = by_linear.get((layers[layer_index(name)], linear))
+            if parts is None:
+                continue
+            if name not in out:
+                out[name] = torch.empty_like(tensor)
+            delta = fused_delta(linear, parts, scaling, groups)
+            torch.add(tensor, delta.to(tensor.device, tensor.dtype), out=out[name])
 
 
 class LoRAGenerationWeights:
@@ -47,37 +73,18 @@ class LoRAGenerationWeights:
             dense = {p.name: params[p.name] for p in weights.training_params(rank)}
             self.base[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes).to_generation()
             base_bytes = self.transport.bytes_received - before
-        adapters, lora_bytes = self._gather_adapters()
+        adapters, lora_bytes = self.gather_adapters()
         if not merge:
             self.whole = adapters
             return dict(self.base[gen]), {"base": base_bytes, "lora": lora_bytes}
         me = weights.layout.ranks[rank]
         merged = self.merged.setdefault(gen, {})
-        scaling = self.engine.lora.scaling
-        spec = self.engine.spec
-        layers = spec.layers_of_stage(me.gen_pp_rank, gen.pipeline_parallel)
-        groups = max(spec.num_query_groups // gen.tensor_parallel, 1)
-        by_linear: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for (layer, linear, part), (a, b) in adapters.items():
-            if layer in layers:
-                by_linear.setdefault((layer, linear), {})[part] = cut_adapter(
-                    linear, part, a, b, gen.tensor_parallel, me.gen_tp_rank)
+        merge_into(self.base[gen], adapters, self.engine.spec, gen, me.gen_tp_rank, me.gen_pp_rank,
+                   self.engine.lora.scaling, merged)
         base = self.base[gen]
-        with torch.no_grad():
-            for name, tensor in base.items():
-                if not name.endswith(".weight") or ".layers." not in name:
-                    continue
-                linear = name.removesuffix(".weight").split(".layers.", 1)[1].split(".", 1)[1]
-                parts = by_linear.get((layers[layer_index(name)], linear))
-                if parts is None:
-                    continue
-                if name not in merged:
-                    merged[name] = torch.empty_like(tensor)
-                delta = fused_delta(linear, parts, scaling, groups)
-                torch.add(tensor, delta.to(tensor.device, tensor.dtype), out=merged[name])
         return {**base, **merged}, {"base": base_bytes, "lora": lora_bytes}
 
-    def _gather_adapters(self) -> tuple[dict, int]:
+    def gather_adapters(self) -> tuple[dict, int]:
         """Every layer's adapters whole on this rank (over TP, then over the pipeline stages), and the bytes
         this rank received doing so."""
         engine = self.engine

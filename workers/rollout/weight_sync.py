@@ -110,8 +110,11 @@ class CrossPoolSync(WeightSync):
     pushed = True
 
     def __init__(self, spec: ModelSpec, gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype,
-                 device: torch.device | str, training: dict[str, Any]) -> None:
+                 device: torch.device | str, training: dict[str, Any], lora: dict[str, Any] | None = None) -> None:
+        """``lora`` ({rank, alpha, targets}): the actor trains LoRA adapters; its frozen base arrives once and is
+        kept, then every update brings the adapters whole, merged here (or served, by an engine that can)."""
         self.spec, self.gen, self.gen_dp, self.rank, self.dtype, self.device = spec, gen, gen_dp, rank, dtype, device
+        self.lora, self.base, self.merged = lora, None, {}
         self.train = ParallelLayout(training["tensor_parallel"], training["pipeline_parallel"],
                                     training["data_parallel"], training.get("expert_parallel", 1),
                                     training.get("expert_tensor_parallel"))
@@ -131,6 +134,8 @@ class CrossPoolSync(WeightSync):
         if self.transfer is None:
             raise RuntimeError("no training pool is connected: call connect_training_pool first")
         before, start = self.transfer.bytes_received, time.perf_counter()
+        if self.lora is not None:
+            return self._update_lora(generator, before, start)
         weights = self.transfer.receive(self.rank, self.dtype, self.device)
         received = self.transfer.bytes_received - before
         metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received,
@@ -140,6 +145,34 @@ class CrossPoolSync(WeightSync):
         metrics["weight_update/bytes_received"] = received
         if not generator.borrows_weights:
             self.transfer.release()  # the engine holds its own copy; a borrowing one keeps the views until the next
+        return metrics
+
+    def _update_lora(self, generator: Generator, before: int, start: float) -> dict[str, Any]:
+        """A LoRA actor's weights: the base at the first update (kept), then its adapters whole, merged into the
+        base's adapted linears (the generator takes those alone when it can) or served unmerged."""
+        from workers.megatron.lora import adapter_layout, peft_tensors, unflatten_adapters
+        from workers.megatron.lora_generation import merge_into
+
+        first = self.base is None
+        if first:  # the base stays in the transfer's buffer: it is never released
+            self.base = self.transfer.receive(self.rank, self.dtype, self.device)
+        layout = adapter_layout(self.spec, self.lora["rank"], tuple(self.lora["targets"]))
+        numel = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in layout)
+        adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), layout)
+        received = self.transfer.bytes_received - before
+        metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received}
+        if getattr(generator, "serves_adapters", False):
+            if first:
+                metrics.update(generator.update_weights(self.base))
+            metrics.update(generator.update_adapters(peft_tensors(adapters)))
+        else:
+            coord = self.transfer.plan.gen_coordinate(self.rank)
+            merge_into(self.base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank,
+                       self.lora["alpha"] / self.lora["rank"], self.merged)
+            partial = not first and getattr(generator, "accepts_partial_weights", False)
+            metrics.update(generator.update_weights(dict(self.merged) if partial else {**self.base, **self.merged}))
+        metrics["timing_s/weight_update"] = time.perf_counter() - start
+        metrics["weight_update/bytes_received"] = received
         return metrics
 
     def close(self) -> None:
@@ -160,7 +193,8 @@ class CheckpointWeights(WeightSync):
 
 def weight_sync_for(source: WeightSource | None, training: dict[str, Any] | None, *, spec: ModelSpec,
                     gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype, device: torch.device | str,
-                    method: str = "micro_dp", release_training: bool = True) -> WeightSync:
+                    method: str = "micro_dp", release_training: bool = True,
+                    lora: dict[str, Any] | None = None) -> WeightSync:
     """The way weights reach this rollout: from a colocated actor's ``source``, across pools from the
     actor's pool described by ``training``, or none (the engine's own checkpoint)."""
     if source is not None and training is not None:
@@ -168,5 +202,5 @@ def weight_sync_for(source: WeightSource | None, training: dict[str, Any] | None
     if source is not None:
         return ColocatedSync(source, gen, method, release_training)
     if training is not None:
-        return CrossPoolSync(spec, gen, gen_dp, rank, dtype, device, training)
+        return CrossPoolSync(spec, gen, gen_dp, rank, dtype, device, training, lora)
     return CheckpointWeights()
