@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--agg", default="token-mean")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
+    parser.add_argument("--lora", help="critic: then a LoRA critic's step, its adapters from this PEFT directory")
     parser.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--logits-output", action="store_true",
@@ -83,6 +84,19 @@ def run_critic(args, pool, inputs, out):
     critic.save_hf(str(out / "after_step"))
     torch.save({"values": values, "metrics": metrics, "layout": str(critic.layout), "state_bytes": critic.state_bytes()},
                out / "result.pt")
+    if args.lora:  # the same on LoRA adapters over the frozen base, the value head trained beside them
+        lora = WorkerGroup(pool, Critic, role="lora_critic", kwargs=dict(
+            model_path=args.model,
+            engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                    "micro_batch_size": 2},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
+            critic={"ppo_mini_batch_size": 8, "shuffle": False, "clip_range_value": 0.2, "loss_agg_mode": args.agg},
+            lora={"rank": 4, "alpha": 8.0, "adapter_path": args.lora}))
+        values = lora.compute_values(batch)
+        metrics = lora.update_critic(batch.union(inputs["train"]))
+        lora.save_hf(str(out / "lora_merged"))
+        lora.save_peft(str(out / "lora_adapter"))
+        torch.save({"values": values, "metrics": metrics, "state_bytes": lora.state_bytes()}, out / "lora_result.pt")
 
 
 if __name__ == "__main__":

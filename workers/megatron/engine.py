@@ -414,10 +414,14 @@ class MegatronEngine:
             raise ValueError("this engine has no LoRA adapters to export (its lora.rank is 0)")
         g, layout = self.groups, self.layout
         stage = full_adapters(self.module(), self.spec, layout.tp, g.tp_group, g.pp_rank, layout.pp)
+        last = g.pp_rank == layout.pp - 1
+        if self.spec.is_value_model and last:  # the value head trains beside the adapters (PEFT's "score")
+            stage["value_head"] = self.module().output_layer.weight.detach().cpu()
         stages: list[dict] = [None] * layout.world_size  # type: ignore[list-item]
         dist.all_gather_object(stages, stage if g.tp_rank == 0 and g.dp_rank == 0 else {}, group=g.pool_group)
         if g.is_first:
-            save_peft_adapter({k: v for s in stages for k, v in s.items()}, self.lora, out_dir, str(self.model_path))
+            tensors = {k: v for s in stages for k, v in s.items()}
+            save_peft_adapter(tensors, self.lora, out_dir, str(self.model_path), tensors.pop("value_head", None))
         dist.barrier(group=g.pool_group)
 
     def base_model(self):

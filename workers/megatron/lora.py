@@ -416,9 +416,11 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
                     params[part].copy_(a_or_b[0 if which == "lora_A" else 1].to(params[part].dtype))
 
 
-def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out_dir, base_model: str | None = None) -> None:
+def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out_dir, base_model: str | None = None,
+                      value_head: torch.Tensor | None = None) -> None:
     """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads."""
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. ``value_head``: a value model's trained head,
+    saved as PEFT saves a sequence classifier's ``score`` (``modules_to_save``)."""
     from pathlib import Path
 
     from peft import LoraConfig
@@ -426,9 +428,12 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], config: LoRAConfig, out
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    head = {} if value_head is None else {"base_model.model.score.weight": value_head.detach().cpu().clone()}
     LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=list(config.targets),
-               task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in adapters.items()}, str(out / "adapter_model.safetensors"))
+               task_type="CAUSAL_LM" if value_head is None else "SEQ_CLS",
+               modules_to_save=None if value_head is None else ["score"],
+               base_model_name_or_path=base_model).save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in {**adapters, **head}.items()}, str(out / "adapter_model.safetensors"))
 
 
 def lora_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
