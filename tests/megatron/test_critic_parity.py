@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
+from peft_reference import peft_with_random_b
 from state_checks import assert_state_predicted
 from tiny_models import make_llama, make_rl_batch
 from workers import DataProto
@@ -22,15 +23,7 @@ def critic_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def critic_adapter(critic_dir, tmp_path_factory):
     """PEFT's SEQ_CLS adapters on every linear, B random; the score head in modules_to_save, as it starts."""
-    from peft import LoraConfig, get_peft_model
-
-    peft = get_peft_model(hf_critic(critic_dir), LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear",
-                                                             task_type="SEQ_CLS"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft = peft_with_random_b(hf_critic(critic_dir), 4, 8.0, task_type="SEQ_CLS")
     out = tmp_path_factory.mktemp("critic_adapter")
     peft.save_pretrained(str(out))
     return out
@@ -88,24 +81,15 @@ def test_critic_matches_hf_reference(critic_dir, critic_adapter, tmp_path, tp, p
     assert_state_predicted(critic_dir, result["state_bytes"], tp, pp, "fp32", trains=True)  # the value head's too
 
     model = hf_critic(critic_dir)
-    values = reference_values(model, batch)
-    old, returns = train.batch["values"], train.batch["returns"]
-    clipped = old + (values - old).clamp(-CLIP_VALUE, CLIP_VALUE)
-    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    loss = (per_token * mask).sum() / mask.sum()
-    clipfrac = (((clipped - returns) ** 2 > (values - returns) ** 2).float() * mask).sum() / mask.sum()
-    loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS).step()
+    _, loss, clipfrac, grad_norm = _value_step(model, batch, train, list(model.parameters()))
 
     m = mask.bool()
     torch.testing.assert_close(result["values"].batch["values"][m], values0[m], atol=1e-5, rtol=0)
     for replica in result["metrics"]:
-        assert replica["critic/vf_loss"][0] == pytest.approx(loss.item(), abs=1e-5)
-        assert replica["critic/vf_clipfrac"][0] == pytest.approx(clipfrac.item(), abs=1e-6)
+        assert replica["critic/vf_loss"][0] == pytest.approx(loss, abs=1e-5)
+        assert replica["critic/vf_clipfrac"][0] == pytest.approx(clipfrac, abs=1e-6)
         assert replica["critic/grad_norm"][0] == pytest.approx(grad_norm, abs=1e-5)
-    assert 0 < clipfrac.item() < 1
+    assert 0 < clipfrac < 1
     after = hf_critic(tmp_path / "after_step").state_dict()
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda msg, n=name: f"{n}: {msg}")

@@ -2,7 +2,7 @@
 
 The same tiny Llama and the same adapters (PEFT's, with random B so that they change the output): the
 logits of megatron's stage with ``attach_lora`` at TP1 and TP2 equal PEFT's model's to 1e-5, and so do the
-adapters' gradients of one loss, cut to each rank's shard (fused QKV and gated fc1 interleaved as megatron
+adapters' gradients of one loss (1e-5, or 1e-4 of the larger ones), cut to each rank's shard (fused QKV and gated fc1 interleaved as megatron
 lays them out; the row-parallel adapters' partial products summed over TP); the merged weights equal PEFT's
 merge_and_unload() cut to the shard, bit for bit; the adapters gathered whole and written as a PEFT adapter
 directory load in peft and give PEFT's logits. The base is frozen.
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_cases_in_processes
+from peft_reference import peft_with_random_b
 from tiny_models import make_llama
 
 RANK, ALPHA = 4, 8.0
@@ -21,17 +22,9 @@ HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
 
 
 def _peft_model(path):
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero: give it values, so the adapters change the output
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return peft
+    return peft_with_random_b(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), RANK, ALPHA)
 
 
 def _inputs(spec):
@@ -124,7 +117,8 @@ def _case(rank, world_size, path, reference, tp, export_dir):
         for which, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
             for part, p in params.items():
                 want = _shard(ref["grads"][_hf_name(layer, part, which)], part, which, tp_rank, tp)
-                torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} {which} {part}: {m}")
+                # 1e-5, and 1e-4 of the larger gradients of this probe loss: fp32 sums in another order
+                torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {which} {part}: {m}")
 
 
 def _generation_case(rank, world_size, path, reference, tp, gen_tps):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import TESTS, run_torchrun
+from peft_reference import peft_with_random_b
 from state_checks import assert_state_predicted
 from test_actor_parity import ADAM_EPS, LR, hf_model
 from tiny_models import make_llama, make_rl_batch
@@ -42,14 +43,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @pytest.fixture(scope="module")
 def adapter_dir(model_dir, tmp_path_factory):
     """PEFT's adapters on every linear, B random so that they change the output and A gets a gradient."""
-    from peft import LoraConfig, get_peft_model
-
-    peft = get_peft_model(hf_model(model_dir), LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft = peft_with_random_b(hf_model(model_dir), LORA_RANK, LORA_ALPHA)
     out = tmp_path_factory.mktemp("peft_adapter")
     peft.save_pretrained(str(out))
     return out

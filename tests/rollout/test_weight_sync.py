@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_cases_in_processes
+from peft_reference import peft_with_random_b
 from test_resharder import shard_from_checkpoint
 from tiny_models import make_llama
 
@@ -211,18 +212,11 @@ def llama(tmp_path_factory):
 def _peft_reference(path, out):
     """PEFT's adapters (rank 4, every linear, random B) saved as an adapter directory, and its merge in
     megatron's names at TP1 (what a generation rank at TP1 holds)."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from hybridengine.model.spec import ModelSpec
 
-    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                          LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft = peft_with_random_b(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 4, 8.0)
     peft.save_pretrained(str(out / "adapter"))
     merged_dir = out / "merged"
     merged_model = peft.merge_and_unload()
