@@ -18,7 +18,7 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.lora import adapter_layout, flatten_adapters, merged_weights, peft_tensors
+from workers.megatron.lora import adapter_layout, flatten_adapters, peft_tensors
 from workers.megatron.lora_generation import LoRAGenerationWeights
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
@@ -56,10 +56,7 @@ class HybridBridge:
         return next(self.engine.module().parameters()).dtype
 
     def _training_params(self) -> dict[str, torch.Tensor]:
-        """The training shards by name; a LoRA engine's adapted weights with their adapters merged (new tensors)."""
-        module = self.engine.module()
-        params = {name: p.data for name, p in module.named_parameters()}
-        return {**params, **merged_weights(module)} if self.engine.adapters else params
+        return {name: p.data for name, p in self.engine.module().named_parameters()}
 
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False,
                       merge_adapters: bool = True) -> dict[str, Any]:
@@ -75,10 +72,9 @@ class HybridBridge:
         self.to_training()  # at most one generation state at a time; restores released shards
         rank = torch.distributed.get_rank()
         before = self.transport.bytes_received
-        if self.lora is not None:  # the frozen base once, then only the adapters (``method`` moves the base)
+        if self.lora is not None:  # the frozen base once (by the micro-DP plan), then only the adapters
             start = time.perf_counter()
-            self.weights, moved = self.lora.build(weights, {n: p.data for n, p in self.engine.module().named_parameters()},
-                                                  merge_adapters)
+            self.weights, moved = self.lora.build(weights, self._training_params(), merge_adapters)
             self.changed = None if moved["base"] or gen != self._last_gen else (
                 set(self.lora.merged[gen]) if merge_adapters else set())
             self._last_gen = gen
@@ -172,7 +168,7 @@ class HybridBridge:
         rank = self.engine.groups.grid_rank
         if self.lora is not None:  # the frozen base once, then the adapters whole (the rollout merges them)
             if not self._base_sent:
-                self.cross_pool.send(rank, {n: p.data for n, p in self.engine.module().named_parameters()})
+                self.cross_pool.send(rank, self._training_params())
                 self._base_sent = True
             adapters, _ = self.lora.gather_adapters()
             lora = self.engine.lora
