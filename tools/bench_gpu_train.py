@@ -99,7 +99,7 @@ def build_summary(sections: list[tuple[str, str, float]], results: dict[str, obj
             "speedup_geomean": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3) if speedups else None,
             "slowest": f"{worst['op']} {worst['case']}: {worst['speedup']}x",
         }
-    for name in ("reward", "train", "rollout", "moe", "grpo"):
+    for name in ("reward", "train", "lora", "rollout", "moe", "grpo"):
         if isinstance(results.get(name), dict):
             summary[name] = results[name]
     return summary
@@ -218,9 +218,10 @@ def train_inner(args) -> dict:
     device = _device(args)
     row = {"model": args.shape, "precision": args.precision, "device": _device_name(device),
            **matmul_peak(device, args.matmul_size)}
+    lora = {"lora": {"rank": args.lora, "alpha": 2.0 * args.lora}} if getattr(args, "lora", 0) else {}
     actor = WorkerGroup(ResourcePool([1]), Actor, role="actor", kwargs=dict(
         model_path=args.model_dir, engine=_engine(args), optim={"lr": 1e-6},
-        ppo={"ppo_mini_batch_size": args.batch, "shuffle": False}))
+        ppo={"ppo_mini_batch_size": args.batch, "shuffle": False}, **lora))
     shape = SHAPES[args.shape]
     batch = make_batch(shape["vocab_size"], args.batch, args.prompt, args.response)
     seq_len = args.prompt + args.response
@@ -240,6 +241,7 @@ def train_inner(args) -> dict:
         "log_prob_mfu": round(mfu(update / 3, log_prob_s, peak), 4),
         "update_mfu": round(mfu(update, update_s, peak), 4),
         "peak_memory_gb": round(info["peak_memory_gb"], 2), "worker_device": info["device"],
+        "lora_rank": getattr(args, "lora", 0), "state_bytes": actor.state_bytes()[0],
     })
     return row
 
@@ -330,6 +332,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--matmul-size", type=int, default=8192, help="N of the bf16 peak matmul (train)")
         p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (the dry run)")
+        p.add_argument("--lora", type=int, default=0, help="train: LoRA adapters of this rank on every linear "
+                                                           "(alpha twice the rank); 0: every weight trains")
         p.add_argument("--json", metavar="PATH")
         p.add_argument("--inner", help=argparse.SUPPRESS)
         p.add_argument("--model-dir", help=argparse.SUPPRESS)

