@@ -168,7 +168,7 @@ def test_keywords_are_refused_where_written():
     from workers.actor import Actor
 
     with pytest.raises(TypeError, match=r"Actor: unknown keyword 'optimizer' \(did you mean 'optim'\?\); valid keywords: "
-                                        r"\['engine', 'model_path', 'optim', 'ppo'\]"):
+                                        r"\['engine', 'lora', 'model_path', 'optim', 'ppo'\]"):
         check_constructor(Actor, {"model_path": "m", "optimizer": {}})
     with pytest.raises(TypeError, match=r"Actor\(optim=...\): unknown keyword 'learning_rate'; valid keywords: "
                                         r"\['adam_beta1'"):
@@ -195,8 +195,9 @@ def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_pat
     from hybridflow import Actor, Critic, ReferencePolicy, RewardModel, Rollout, arithmetic_prompts
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
-    with pytest.raises(TypeError, match=r"Actor.from_pretrained: unknown keyword 'lr'; valid keywords: \['engine', "
-                                        r"'model_path', 'optim', 'ppo'\]"):
+    with pytest.raises(TypeError, match=r"Actor.from_pretrained: unknown keyword 'lr' \(it is a field of optim: "
+                                        r"optim=\{'lr': ...\}\); valid keywords: \['engine', 'lora', 'model_path', "
+                                        r"'optim', 'ppo'\]"):
         Actor.from_pretrained(model, device_map="auto", lr=1e-3)
     with pytest.raises(TypeError, match=r"Critic.from_pretrained\(critic=...\): unknown keyword 'ppo_epoch' \(did you "
                                         r"mean 'ppo_epochs'\?\)"):

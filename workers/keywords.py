@@ -19,10 +19,15 @@ from typing import Any
 __all__ = ["check_constructor", "check_keywords", "keyword_checked", "unknown_keyword_error"]
 
 
-def unknown_keyword_error(owner: str, key: str, valid: Iterable[str]) -> TypeError:
+def unknown_keyword_error(owner: str, key: str, valid: Iterable[str],
+                          sections: dict[str, set[str]] | None = None) -> TypeError:
+    """The error for ``key``, naming the valid keywords; the hint is the config section that has a field of that
+    name (``sections``: keyword -> its dataclass's fields), else the closest valid keyword."""
     valid = sorted(valid)
+    owners = [name for name, fields in (sections or {}).items() if key in fields]
     close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = (f" (it is a field of {owners[0]}: {owners[0]}={{{key!r}: ...}})" if owners
+            else f" (did you mean {close[0]!r}?)" if close else "")
     return TypeError(f"{owner}: unknown keyword {key!r}{hint}; valid keywords: {valid}")
 
 
@@ -32,15 +37,17 @@ def _keyword_names(fn: Callable) -> tuple[set[str], bool]:
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def check_keywords(owner: str, fn: Callable, kwargs: dict[str, Any], extra: Iterable[str] = ()) -> None:
-    """TypeError for the first keyword in ``kwargs`` that ``fn`` (or ``extra``) does not name."""
+def check_keywords(owner: str, fn: Callable, kwargs: dict[str, Any], extra: Iterable[str] = (),
+                   sections: dict[str, set[str]] | None = None) -> None:
+    """TypeError for the first keyword in ``kwargs`` that ``fn`` (or ``extra``) does not name (``sections``: the
+    fields of its config-section keywords, for the hint)."""
     names, open_ended = _keyword_names(fn)
     if open_ended:
         return
     names |= set(extra)
     for key in kwargs:
         if key not in names:
-            raise unknown_keyword_error(owner, key, names)
+            raise unknown_keyword_error(owner, key, names, sections)
 
 
 def keyword_checked(fn: Callable) -> Callable:
@@ -67,11 +74,14 @@ def check_constructor(cls: type, kwargs: dict[str, Any], owner: str | None = Non
     """Refuse keywords ``cls(...)`` does not take, and build every dict given for a dataclass-typed
     parameter (its unknown keys and bad values raise here, naming the section)."""
     owner = owner or cls.__name__
-    check_keywords(owner, cls.__init__, kwargs)
     try:
         hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # unresolvable annotations: the names were checked, the worker checks the values
+    except Exception:  # unresolvable annotations: the names are checked, the worker checks the values
+        check_keywords(owner, cls.__init__, kwargs)
         return
+    sections = {name: {f.name for f in dataclasses.fields(config_cls) if f.init}
+                for name, annotation in hints.items() if (config_cls := _config_class(annotation)) is not None}
+    check_keywords(owner, cls.__init__, kwargs, sections=sections)
     for key, value in kwargs.items():
         config_cls = _config_class(hints.get(key))
         if config_cls is None or not isinstance(value, dict):

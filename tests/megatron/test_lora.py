@@ -72,8 +72,8 @@ def _case(rank, world_size, path, reference, tp, export_dir):
     from workers.megatron.config import EngineConfig
     from workers.megatron.engine import MegatronEngine
     from hybridengine.model.hf_mapping import cut_shard, hf_source
-    from workers.megatron.lora import (LoRAConfig, attach_lora, full_adapters, lora_parameters, merged_weights,
-                                       save_peft_adapter)
+    from workers.megatron.lora import LoRAConfig, attach_lora, lora_parameters, merged_weights
+    from workers.megatron.lora_peft import full_adapters, save_peft_adapter
 
     ref = torch.load(reference, weights_only=False)
     spec = ModelSpec.from_pretrained(path)

@@ -156,7 +156,7 @@ def _cross_pool_lora(rank, world_size, path, port, reference):
     from hybridengine.parallel.layout import ParallelLayout
     from hybridengine.reshard.plan import GenerationLayout
     from workers.megatron.hybrid_bridge import HybridBridge
-    from workers.megatron.lora import adapter_layout, flatten_adapters
+    from workers.megatron.lora_generation import adapter_layout, flatten_adapters
     from workers.rollout.weight_sync import weight_sync_for
 
     ref = torch.load(reference, weights_only=False)

@@ -30,8 +30,8 @@ from hybridengine.parallel.layout import ParallelLayout
 from workers.data_proto import DataProto
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig, check_precision
 from workers.megatron.hf_checkpoint import export_hf_shard, load_hf_shard, write_hf_index
-from workers.megatron.lora import (LoRAConfig, adapters_disabled, attach_lora, full_adapters, load_peft_adapter,
-                                   merged_weights, save_peft_adapter)
+from workers.megatron.lora import LoRAConfig, adapters_disabled, attach_lora, merged_weights
+from workers.megatron.lora_peft import full_adapters, load_peft_adapter, save_peft_adapter
 from workers.megatron.lr_schedule import build_lr_scheduler
 from workers.megatron.megatron_compat import fuse_cpu_adam, prepare_megatron, return_hidden_states
 from workers.megatron.model import build_gpt_stage

@@ -18,8 +18,8 @@ from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.lora import adapter_layout, flatten_adapters, peft_tensors
-from workers.megatron.lora_generation import LoRAGenerationWeights
+from workers.megatron.lora_generation import LoRAGenerationWeights, adapter_layout, flatten_adapters
+from workers.megatron.lora_peft import peft_tensors
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
 

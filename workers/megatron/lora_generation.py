@@ -20,9 +20,39 @@ from hybridengine.model.catalogue import layer_index
 from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.weight_plan import WeightPlan
-from workers.megatron.lora import cut_adapter, fused_delta, whole_adapters
+from workers.megatron.lora import LORA_TARGETS, cut_adapter, full_shapes, fused_delta, whole_adapters
 
-__all__ = ["LoRAGenerationWeights", "merge_into"]
+__all__ = ["LoRAGenerationWeights", "adapter_layout", "flatten_adapters", "merge_into", "unflatten_adapters"]
+
+
+def adapter_layout(spec, rank: int, targets: tuple[str, ...]) -> list[tuple[tuple[int, str, str], tuple, tuple]]:
+    """Every whole adapter of the model in one fixed order, (layer, linear, part) with A's and B's shapes: how a
+    flat message of them is laid out (``flatten_adapters``), the same on both sides of a link."""
+    shapes = full_shapes(spec)
+    out = []
+    for layer in range(spec.num_layers):
+        for target in LORA_TARGETS:
+            if target in targets:
+                linear, part = LORA_TARGETS[target]
+                fan_in, fan_out = shapes[part]
+                out.append(((layer, linear, part), (rank, fan_in), (fan_out, rank)))
+    return out
+
+
+def flatten_adapters(adapters: dict, layout: list) -> torch.Tensor:
+    """Whole adapters by (layer, linear, part) -> (A, B) as one flat tensor, in ``layout``'s order."""
+    return torch.cat([t.reshape(-1) for key, _, _ in layout for t in adapters[key]])
+
+
+def unflatten_adapters(flat: torch.Tensor, layout: list) -> dict:
+    """``flatten_adapters``' inverse: views of ``flat``."""
+    out, offset = {}, 0
+    for key, a_shape, b_shape in layout:
+        a_numel, b_numel = a_shape[0] * a_shape[1], b_shape[0] * b_shape[1]
+        out[key] = (flat[offset: offset + a_numel].view(a_shape),
+                    flat[offset + a_numel: offset + a_numel + b_numel].view(b_shape))
+        offset += a_numel + b_numel
+    return out
 
 
 def merge_into(base: dict[str, torch.Tensor], adapters: dict, spec, gen: GenerationLayout, gen_tp_rank: int,

@@ -220,7 +220,8 @@ class VLLMGenerator(GeneratorBase):
 
         from vllm.lora.request import LoRARequest
 
-        from workers.megatron.lora import LoRAConfig, save_peft_adapter
+        from workers.megatron.lora import LoRAConfig
+        from workers.megatron.lora_peft import save_peft_adapter
 
         start = time.perf_counter()
         lora = self.lora_adapter

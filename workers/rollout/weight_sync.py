@@ -150,8 +150,8 @@ class CrossPoolSync(WeightSync):
     def _update_lora(self, generator: Generator, before: int, start: float) -> dict[str, Any]:
         """A LoRA actor's weights: the base at the first update (kept), then its adapters whole, merged into the
         base's adapted linears (the generator takes those alone when it can) or served unmerged."""
-        from workers.megatron.lora import adapter_layout, peft_tensors, unflatten_adapters
-        from workers.megatron.lora_generation import merge_into
+        from workers.megatron.lora_generation import adapter_layout, merge_into, unflatten_adapters
+        from workers.megatron.lora_peft import peft_tensors
 
         first = self.base is None
         if first:  # the base stays in the transfer's buffer: it is never released
