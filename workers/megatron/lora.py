@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from hybridengine.model.catalogue import layer_index
 
 __all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "cut_adapter",
-           "full_shapes", "fused_delta", "lora_parameters", "merged_weights", "whole_adapters"]
+           "adapted_linears", "full_shapes", "fused_delta", "lora_parameters", "merged_weights", "whole_adapters"]
 
 # HF target -> (megatron linear, its part); "all-linear" is every one of them
 LORA_TARGETS = {
@@ -69,11 +70,7 @@ class LoRAConfig:
             problems.append(f"alpha must be a positive number, got {self.alpha!r}")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
-        targets = self.target_modules
-        if targets == "all-linear":
-            targets = tuple(LORA_TARGETS)
-        elif isinstance(targets, str):
-            targets = (targets,)
+        targets = self._chosen()
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
             problems.append(f"target_modules {list(targets) if unknown else targets!r}: "
@@ -86,12 +83,18 @@ class LoRAConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def _chosen(self) -> tuple[str, ...]:
+        """``target_modules`` as a tuple of names, "all-linear" expanded."""
+        chosen = self.target_modules
+        if chosen == "all-linear":
+            return tuple(LORA_TARGETS)
+        return (chosen,) if isinstance(chosen, str) else tuple(chosen)
+
     @property
     def targets(self) -> tuple[str, ...]:
         """The HF targets adapted, in a fixed order."""
-        chosen = self.target_modules
-        return tuple(LORA_TARGETS) if chosen == "all-linear" else tuple(t for t in LORA_TARGETS if t in (
-            (chosen,) if isinstance(chosen, str) else chosen))
+        chosen = self._chosen()
+        return tuple(t for t in LORA_TARGETS if t in chosen)
 
     @property
     def scaling(self) -> float:
@@ -143,12 +146,7 @@ class LoRAAdapter(torch.nn.Module):
             else:
                 h = copy_to_tensor_model_parallel_region(h, self.tp_group)  # A's gradient summed over TP
             outs[part] = torch.nn.functional.linear(h, self.lora_B[part]) * self.scaling
-        if self.linear.endswith("linear_qkv"):
-            return self._interleave_qkv(outs)
-        if self.linear.endswith("linear_fc1"):
-            return torch.cat([outs["gate"], outs["up"]], -1)
-        (only,) = outs.values()
-        return only
+        return _fuse_outputs(self.linear, outs, self.groups)
 
     def delta_weight(self) -> torch.Tensor:
         """``scaling x B A`` of every adapter, laid out as this rank's shard of the linear's weight (rows of the
@@ -156,29 +154,27 @@ class LoRAAdapter(torch.nn.Module):
         return fused_delta(self.linear, {part: (self.lora_A[part], self.lora_B[part]) for part in self.lora_A},
                            self.scaling, self.groups)
 
-    def _interleave_qkv(self, outs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _interleave_qkv(outs, self.groups)
 
-
-def _interleave_qkv(outs: dict[str, torch.Tensor], groups: int) -> torch.Tensor:
-    """[q of group g, k of g, v of g] for each of ``groups`` local groups, as megatron lays out the fused QKV rows."""
-    q, k, v = (outs[p] for p in ("q", "k", "v"))
-    lead = q.shape[:-1]
-    fused = torch.cat([q.reshape(*lead, groups, -1), k.reshape(*lead, groups, -1), v.reshape(*lead, groups, -1)], -1)
-    return fused.reshape(*lead, -1)
+def _fuse_outputs(linear: str, outs: dict[str, torch.Tensor], groups: int) -> torch.Tensor:
+    """The parts' outputs (last dimension) as the linear's fused output lays them out: the QKV's interleaved
+    [q of group g, k of g, v of g] for each of ``groups`` local query groups, fc1's [gate; up], else the one."""
+    if linear.endswith("linear_qkv"):
+        q, k, v = (outs[p] for p in ("q", "k", "v"))
+        lead = q.shape[:-1]
+        fused = torch.cat([t.reshape(*lead, groups, -1) for t in (q, k, v)], -1)
+        return fused.reshape(*lead, -1)
+    if linear.endswith("linear_fc1"):
+        return torch.cat([outs["gate"], outs["up"]], -1)
+    (only,) = outs.values()
+    return only
 
 
 def fused_delta(linear: str, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
                 groups: int) -> torch.Tensor:
     """``scaling x B A`` of each part's (A, B), laid out as the linear's weight shard they are cut for: the
     fused QKV's rows interleaved over its ``groups`` local query groups, fc1's as [gate; up]."""
-    deltas = {part: (b @ a) * scaling for part, (a, b) in parts.items()}
-    if linear.endswith("linear_qkv"):  # rows as outputs: the forward's interleave, the input features trailing
-        return _interleave_qkv({p: d.t() for p, d in deltas.items()}, groups).t()
-    if linear.endswith("linear_fc1"):
-        return torch.cat([deltas["gate"], deltas["up"]], 0)
-    (only,) = deltas.values()
-    return only
+    # rows as outputs: the forward's layout over the transposed deltas, the input features leading
+    return _fuse_outputs(linear, {part: ((b @ a) * scaling).t() for part, (a, b) in parts.items()}, groups).t()
 
 
 def cut_adapter(linear: str, part: str, a: torch.Tensor, b: torch.Tensor, tp: int, tp_rank: int
@@ -280,10 +276,18 @@ def _sharded_state_dict(linear, prefix: str = "", sharded_offsets=(), metadata=N
                                                dp_cp_group=(metadata or {})["dp_cp_group"])
 
 
+def adapted_linears(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, LoRAAdapter]]:
+    """(name, linear, its adapter) of every linear of ``module`` that ``attach_lora`` adapted."""
+    for name, child in module.named_modules():
+        adapter = getattr(child, "lora", None)
+        if isinstance(adapter, LoRAAdapter):
+            yield name, child, adapter
+
+
 @contextlib.contextmanager
 def adapters_disabled(module: torch.nn.Module):
     """Within: ``module`` computes as its frozen base (every adapter off), e.g. the reference policy."""
-    adapters = [child.lora for child in module.modules() if isinstance(getattr(child, "lora", None), LoRAAdapter)]
+    adapters = [adapter for _, _, adapter in adapted_linears(module)]
     for adapter in adapters:
         adapter.enabled = False
     try:
@@ -296,13 +300,9 @@ def adapters_disabled(module: torch.nn.Module):
 def merged_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapted linears' weights with their adapters merged (new tensors; the module is unchanged), by
     parameter name: what generation and export take in place of the frozen base's."""
-    out = {}
     with torch.no_grad():
-        for name, child in module.named_modules():
-            adapter = getattr(child, "lora", None)
-            if isinstance(adapter, LoRAAdapter):
-                out[f"{name}.weight"] = child.weight + adapter.delta_weight().to(child.weight.dtype)
-    return out
+        return {f"{name}.weight": linear.weight + adapter.delta_weight().to(linear.weight.dtype)
+                for name, linear, adapter in adapted_linears(module)}
 
 
 def whole_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: int = 0, pp: int = 1
@@ -311,10 +311,7 @@ def whole_adapters(module: torch.nn.Module, spec, tp: int, tp_group, pp_rank: in
     collective over the TP group."""
     layers = spec.layers_of_stage(pp_rank, pp)
     out = {}
-    for name, child in module.named_modules():
-        adapter = getattr(child, "lora", None)
-        if not isinstance(adapter, LoRAAdapter):
-            continue
+    for name, _, adapter in adapted_linears(module):
         for part in adapter.lora_A:
             a, b = adapter.lora_A[part].detach(), adapter.lora_B[part].detach()
             if tp > 1:  # the cut side back whole: a row adapter's A by its columns, a column adapter's B by its rows

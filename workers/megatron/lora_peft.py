@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.model.catalogue import layer_index
-from workers.megatron.lora import LoRAAdapter, LoRAConfig, cut_adapter, whole_adapters
+from workers.megatron.lora import LoRAConfig, adapted_linears, cut_adapter, whole_adapters
 
 __all__ = ["full_adapters", "load_peft_adapter", "peft_tensors", "save_peft_adapter"]
 
@@ -55,10 +55,7 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
                          f"{sorted(config.targets)}: set them to the adapter's")
     layers = spec.layers_of_stage(pp_rank, pp)
     with torch.no_grad():
-        for name, child in module.named_modules():
-            adapter = getattr(child, "lora", None)
-            if not isinstance(adapter, LoRAAdapter):
-                continue
+        for name, _, adapter in adapted_linears(module):
             prefix = f"base_model.model.model.layers.{layers[layer_index(name)]}"
             for part in adapter.lora_A:
                 for which, params in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):

@@ -114,7 +114,7 @@ class CrossPoolSync(WeightSync):
         """``lora`` ({rank, alpha, targets}): the actor trains LoRA adapters; its frozen base arrives once and is
         kept, then every update brings the adapters whole, merged here (or served, by an engine that can)."""
         self.spec, self.gen, self.gen_dp, self.rank, self.dtype, self.device = spec, gen, gen_dp, rank, dtype, device
-        self.lora, self.base, self.merged = lora, None, {}
+        self.lora, self.base, self.merged, self._layout = lora, None, {}, None
         self.train = ParallelLayout(training["tensor_parallel"], training["pipeline_parallel"],
                                     training["data_parallel"], training.get("expert_parallel", 1),
                                     training.get("expert_tensor_parallel"))
@@ -156,9 +156,10 @@ class CrossPoolSync(WeightSync):
         first = self.base is None
         if first:  # the base stays in the transfer's buffer: it is never released
             self.base = self.transfer.receive(self.rank, self.dtype, self.device)
-        layout = adapter_layout(self.spec, self.lora["rank"], tuple(self.lora["targets"]))
-        numel = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in layout)
-        adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), layout)
+        if self._layout is None:  # the adapters' flat message, the same at every update
+            self._layout = adapter_layout(self.spec, self.lora["rank"], tuple(self.lora["targets"]))
+        numel = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in self._layout)
+        adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), self._layout)
         received = self.transfer.bytes_received - before
         metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received}
         if getattr(generator, "serves_adapters", False):
