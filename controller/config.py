@@ -541,6 +541,12 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += _router_replay_problems(config, model_spec)
     if rollout.lora_sync == "adapter" and not config.actor.lora.enabled:
         problems.append("rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0")
+    if rollout.lora_sync == "adapter" and rollout.engine == "vllm":
+        from workers.rollout.vllm_engine import VLLM_MAX_LORA_RANK
+
+        if config.actor.lora.rank > VLLM_MAX_LORA_RANK:
+            problems.append(f"rollout.lora_sync 'adapter': vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}, and "
+                            f"actor.lora.rank is {config.actor.lora.rank}; use rollout.lora_sync: merge (or auto)")
     problems += lora_problems({"actor": (config.actor, model_spec),
                                "critic": (config.critic, role_specs["critic"] if _needs_critic(alg) else None),
                                "ref_policy": (config.ref_policy, None)})

@@ -43,7 +43,9 @@ ON_VLLM = {"cispo"}  # the rest generate with megatron's engine, which starts in
 
 
 @pytest.mark.parametrize("algorithm", sorted(RUNS))
-def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorithm):  # noqa: F811
+def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorithm, monkeypatch):  # noqa: F811
+    # this machine as the planner sees it uncalibrated (nominal figures), whatever `plan --calibrate` wrote here
+    monkeypatch.setenv("HYBRIDFLOW_CALIBRATION", str(tmp_path / "none.json"))
     proc = hybridflow("train", "--config", "examples/ppo_tiny.yaml", f"trainer.run_dir={tmp_path}", f"model_path={model}",
                       "trainer.launcher=torchrun", f"algorithm.name={algorithm}",
                       f"rollout.engine={'vllm' if algorithm in ON_VLLM else 'megatron'}", *TINY,
@@ -67,6 +69,9 @@ def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorit
             if s["dapo/filled_groups"] == 0:  # every kept group has a spread of rewards: non-zero advantages
                 assert s["critic/advantages/max"] > 0
     if algorithm == "cispo":  # TIS on the recompute path: each weight in (0, cap 2]
+        # rollout.lora_sync auto: on a CPU the planner merges (vLLM's CPU LoRA kernels generate 6.3x slower here)
+        assert "rollout.lora_sync auto -> merge: " in proc.stderr, proc.stderr[-3000:]
+        assert "vLLM's LoRA kernels add 530% to a generation" in proc.stderr
         # LoRA: vLLM loaded the whole model once, then the merged linears (all but embeddings and norms) alone
         assert 0 < steps[1]["weight_sync/bytes"] < 0.95 * steps[0]["weight_sync/bytes"]
         for s in steps:

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from test_train_cli import TINY, hybridflow, model, read_metrics  # noqa: F401  (model: a fixture)
+from test_train_cli import TINY, hybridflow, model, read_metrics, third_party_lines  # noqa: F401  (model: a fixture)
 
 SFT = ["trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=1",
        "actor.engine.micro_batch_size=4", "data.batch_size=8", "data.train_size=64", "data.val_size=16",
@@ -177,6 +177,7 @@ def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, mod
                       "ppo.use_kl_loss=true", "reward.fn=arithmetic_answer", "trainer.total_steps=2",
                       "trainer.export_hf=true")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]  # vLLM's LoRA serving is quiet too
     first, second = read_metrics(rl)
     assert first["actor/kl_loss"] > 1e-4  # the SFT adapters moved the policy from the base, its reference
     for step in (first, second):  # vLLM generated with the adapters (fp32: as the actor computes)

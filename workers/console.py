@@ -79,6 +79,8 @@ HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
         # The worker chose its thread count (the trainer in the same process uses them); measured on the
         # SmolLM2 example, 2 threads in one process beat 1 (README, "A real model").
         r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads",
+        # A LoRA served with rollout.lora_sync: adapter names no tokenizer of its own: the base's serves it.
+        r"deprecated support for supporting different tokenizers for different LoRAs",
     ),
     # torch's op library looks for Triton kernels; CPU runs have none.
     "torch._library.triton": (r"Triton not available",),

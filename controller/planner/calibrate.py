@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from controller.planner.hardware import Accelerator, Cluster, ClusterError
-from controller.planner.timing import HOST_COSTS, Efficiency
+from controller.planner.timing import CPU_LORA_DECODE_OVERHEAD, HOST_COSTS, Efficiency
 
 __all__ = ["calibration_path", "load_calibration", "local_cluster", "local_efficiency", "measure",
            "recalibrate", "save_calibration"]
@@ -182,8 +182,10 @@ def local_cluster(processes: int, figures: dict | None = None) -> Cluster:
 
 
 def local_efficiency(figures: dict | None = None) -> Efficiency:
-    """The planner's efficiencies on this machine: the defaults, and the host costs fitted to measured runs
-    when the calibration holds them (``tools/plan_vs_measured.py --fit``; zero until then)."""
+    """The planner's efficiencies on this machine: the defaults, the host costs fitted to measured runs
+    when the calibration holds them (``tools/plan_vs_measured.py --fit``; zero until then), and vLLM's CPU LoRA
+    kernels' share of a generation (``CPU_LORA_DECODE_OVERHEAD`` unless the calibration has its own)."""
     figures = figures or load_calibration()
     fitted = figures.get("host_costs", {})
-    return Efficiency(**{name: float(fitted[name]) for name in HOST_COSTS if name in fitted})
+    return Efficiency(**{name: float(fitted[name]) for name in HOST_COSTS if name in fitted},
+                      lora_decode_overhead=float(figures.get("lora_decode_overhead", CPU_LORA_DECODE_OVERHEAD)))

@@ -24,7 +24,7 @@ from controller.planner.hardware import GIB, Accelerator, Cluster
 from controller.planner.options import Pin
 from controller.planner.prelaunch import gpu_cluster, job_sets
 from controller.planner.search import best_on_split
-from controller.planner.timing import Efficiency
+from controller.planner.timing import CPU_LORA_DECODE_OVERHEAD, Efficiency
 from controller.planner.workload import job_workload
 
 __all__ = ["auto_layouts", "job_cluster"]
@@ -52,7 +52,7 @@ def job_cluster(nodes: int, devices_per_node: int, processes: int, device_bytes:
                              _NOMINAL_GLOO["bandwidth"], _NOMINAL_GLOO["bandwidth"], "nominal, not measured",
                              link_latency=_NOMINAL_GLOO["latency"], network_latency=_NOMINAL_GLOO["latency"],
                              fp32_flops=_NOMINAL_CORE["fp32_flops"], reserved_bytes=0)
-        efficiency = Efficiency()
+        efficiency = Efficiency(lora_decode_overhead=CPU_LORA_DECODE_OVERHEAD)
     device = replace(device, memory_bytes=device_bytes // processes)  # the processes share the machine's RAM
     return Cluster(1, processes, device), efficiency
 

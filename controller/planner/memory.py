@@ -37,7 +37,7 @@ from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "expert_weight_bytes", "kv_bytes_per_token",
-           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "lora_numels", "lora_state", "megatron_order",
+           "kv_bytes_per_sequence", "kv_cache_bytes", "layer_activation_bytes", "lora_adapter_bytes", "lora_gather_bytes", "lora_merged_bytes", "lora_numels", "lora_state", "megatron_order",
            "stage_activation_bytes", "stage_state", "state_memory", "weight_bytes"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -215,6 +215,43 @@ def lora_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int, rank: int, targ
         per_layer += [(rank * (fan_in // tp if row else fan_in), False), ((fan_out if row else fan_out // tp) * rank, False)]
     head = ((spec.hidden_size * spec.num_labels, False),) if spec.is_value_model and pp_rank == pp - 1 else ()
     return tuple(per_layer) * len(spec.layers_of_stage(pp_rank, pp)) + head
+
+
+def lora_adapter_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, rank: int, targets: tuple[str, ...]) -> int:
+    """The adapters one rank of the busiest stage holds at TP ``tp`` x PP ``pp`` in ``precision`` (no value head):
+    at TP 1 and PP 1, the adapters whole (what crosses to a rollout pool each step); at a generation layout,
+    what an engine serving them keeps (vLLM cuts them as the training engine does)."""
+    size = dtype_bytes(precision)
+    body = spec if not spec.is_value_model else replace(spec, num_labels=0)
+    return max(sum(n for n, _ in lora_numels(body, tp, pp, s, rank, targets)) for s in range(pp)) * size
+
+
+def lora_gather_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, rank: int, targets: tuple[str, ...]) -> int:
+    """What the rank that receives most gets when a LoRA engine at TP ``tp`` x PP ``pp`` gathers its adapters whole
+    for a sync (``LoRAGenerationWeights.gather_adapters``): the other TP ranks' pieces of its stage's cut sides (a
+    column linear's B, a row linear's A), and the other stages' adapters whole."""
+    from workers.megatron.lora import LORA_TARGETS, full_shapes
+
+    shapes = full_shapes(spec)
+    cut = whole = 0
+    for target in targets:
+        part = LORA_TARGETS[target][1]
+        fan_in, fan_out = shapes[part]
+        cut += rank * (fan_in if part in ("o", "down") else fan_out)
+        whole += rank * (fan_in + fan_out)
+    layers = [len(spec.layers_of_stage(s, pp)) for s in range(pp)]
+    return max(cut * n * (tp - 1) // tp + whole * (sum(layers) - n) for n in layers) * dtype_bytes(precision)
+
+
+def lora_merged_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, targets: tuple[str, ...]) -> int:
+    """The adapted linears of one generation shard (busiest stage, TP ``tp``): what merging the adapters
+    writes every step (``workers.megatron.lora_generation.merge_into``), kept in a buffer of its own."""
+    from workers.megatron.lora import LORA_TARGETS, full_shapes
+
+    shapes = full_shapes(spec)
+    per_layer = sum(shapes[LORA_TARGETS[t][1]][0] * shapes[LORA_TARGETS[t][1]][1] for t in targets) // tp
+    layers = max(len(spec.layers_of_stage(s, pp)) for s in range(pp))
+    return per_layer * layers * dtype_bytes(precision)
 
 
 def lora_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank: int, precision: str,

@@ -23,9 +23,10 @@ from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts
 
 from controller.planner.hardware import Cluster
 from controller.planner.memory import (ActivationShape, activation_bytes, dtype_bytes, expert_weight_bytes,
-                                       kv_bytes_per_sequence, kv_cache_bytes, state_memory, weight_bytes)
+                                       kv_bytes_per_sequence, kv_cache_bytes, lora_adapter_bytes, lora_gather_bytes,
+                                       lora_merged_bytes, state_memory, weight_bytes)
 from controller.planner.timing import (Efficiency, ExpertGrid, Link, PassShape, all_gather_time, forward_time,
-                                       generation_time, train_time, transfer_time, weight_load_time)
+                                       generation_time, lora_merge_time, train_time, transfer_time, weight_load_time)
 from controller.planner.workload import RoleWork, Workload
 
 __all__ = ["Option", "Pin", "evaluate_option", "kv_concurrency", "role_options", "links_for"]
@@ -66,6 +67,8 @@ class Option:
     memory: dict = field(default_factory=dict, compare=False)  # the breakdown, for the report
     ep: int = 1  # a mixture of experts' expert parallelism
     etp: int | None = None  # and its expert TP (None: the TP size)
+    lora_sync: str | None = None  # a LoRA actor's generation: its adapters merged or served (rollout.lora_sync)
+    transfer_bytes: int | None = None  # a rollout pool's: what crosses from the actor's pool each step (None: resident)
 
     def dominates(self, other: "Option") -> bool:
         mine = (*self.times, self.resident, *self.extra)
@@ -80,6 +83,8 @@ class Option:
         text += f" mb{self.micro_batch}"
         if self.gen_tp is not None:
             text += f", generation TP{self.gen_tp}" + (f" PP{self.gen_pp}" if self.gen_pp != 1 else "")
+        if self.lora_sync is not None:
+            text += f", LoRA {self.lora_sync}"
         return text
 
 
@@ -141,9 +146,10 @@ def _micro_batches(work: RoleWork, workload: Workload, dp: int, pin: Pin) -> lis
 
 def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, tp: int,
                     pp: int, micro_batch: int, gen: tuple[int, int] | None = None,
-                    concurrency: int | None = None, ep: int = 1, etp: int | None = None) -> Option:
+                    concurrency: int | None = None, ep: int = 1, etp: int | None = None,
+                    lora_sync: str | None = None) -> Option:
     """One role at one layout on ``n`` devices: memory and stage times (``ep`` / ``etp``: a mixture of
-    experts' expert parallelism)."""
+    experts' expert parallelism; ``lora_sync``: how a LoRA actor's adapters reach the generating role)."""
     # The controller runs the roles in turn, so while this one works only its set's devices do (what matters
     # for CPU processes sharing a machine's cores); a rollout pool of its own generating beside it under
     # one-step-off is the exception, for the part of the step the two overlap, and is not modeled.
@@ -184,8 +190,12 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         times[2] = train_time(spec, tp, pp, dp, PassShape(workload.sequences * work.epochs, seq, micro_batch), steps,
                               device, work.precision, tp_link, dp_link, efficiency, work.distributed_optimizer,
                               work.recompute, pp_link, experts)
-    reshard = 0
-    if work.generates:
+    reshard, transfer = 0, None
+    if work.generates and lora_sync is not None:
+        times[0], extra[0], reshard, transfer = _lora_generation(work, workload, cluster, efficiency, device, n, tp, pp,
+                                                                 gen, concurrency, lora_sync, memory)
+        state_weights += memory.get("generation base", 0) + memory.get("merged linears", 0)
+    elif work.generates:
         gen_tp, gen_pp = gen
         replicas = n // (gen_tp * gen_pp)
         kv = kv_cache_bytes(work.spec, gen_tp, seq, concurrency, workload.generation_precision,
@@ -219,7 +229,68 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                                     workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
                                     workload.generation_precision)
     return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
-                  gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp)
+                  gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp,
+                  lora_sync if work.generates else None, transfer)
+
+
+def _lora_generation(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, device, n: int,
+                     tp: int, pp: int, gen: tuple[int, int], concurrency: int, mode: str, memory: dict
+                     ) -> tuple[float, int, int, int | None]:
+    """The generation stage of a LoRA actor's policy, its adapters ``mode`` (merge or adapter): the stage's time,
+    the bytes it adds while generating, what each rank receives for it, and what crosses to a rollout pool.
+
+    The frozen base reaches the generation layout once and is kept: by the actor's ranks (a copy where a micro-DP
+    group gathers it; at the training layout, the training shards themselves; a slice of them, views but for
+    fc1, whose gate and up halves are cut apart) or by a rollout pool's. The steady step then moves
+    the adapters alone (``workers.megatron.lora_generation``); ``merge`` rebuilds the adapted linears in a buffer
+    kept between steps, ``adapter`` has vLLM serve them (their slots beside its weights, its LoRA kernels in every
+    generation). The training weights are not released. An engine that sleeps between rollouts takes its whole
+    shard each step; one that keeps it takes the merged linears only, or the new adapters."""
+    gen_tp, gen_pp = gen
+    precision = workload.generation_precision
+    element = dtype_bytes(precision)
+    rank, targets = workload.lora_rank, workload.lora_targets
+    replicas = n // (gen_tp * gen_pp)
+    seq = workload.seq_len
+    kv = kv_cache_bytes(work.spec, gen_tp, seq, concurrency, precision, workload.kv_block_tokens)
+    memory["KV cache"] = kv
+    own_pool = work.role == "rollout"
+    gen_shard = (memory["weights"] if own_pool else
+                 weight_bytes(work.spec.with_padded_vocab(work.vocab_multiple, tp), gen_tp, gen_pp, precision))
+    merged = lora_merged_bytes(work.spec, gen_tp, gen_pp, precision, targets)
+    slots = lora_adapter_bytes(work.spec, gen_tp, gen_pp, precision, rank, targets) if mode == "adapter" else 0
+    whole = lora_adapter_bytes(work.spec, 1, 1, precision, rank, targets)
+    if not own_pool:  # the engine's own copy, while it generates (a rollout pool's are its state)
+        memory["generation weights"] = gen_shard
+    if own_pool or (gen_tp < tp or gen_pp < pp):  # received, or gathered by a micro-DP group: a copy
+        memory["generation base"] = gen_shard
+    elif gen_tp > tp:  # a slice of the training shards: views, but fc1's [gate; up] is cut apart and joined again
+        memory["generation base"] = lora_merged_bytes(work.spec, gen_tp, gen_pp, precision, ("gate_proj", "up_proj"))
+    if mode == "merge":
+        memory["merged linears"] = merged
+    else:
+        memory["served adapters"] = slots
+    time = 0.0
+    transfer = None
+    if own_pool:  # the adapters whole from the actor's pool (the search adds the transfer)
+        transfer, received = whole, 0
+    else:  # gathered whole over the actor's TP, then its stages
+        received = lora_gather_bytes(work.spec, tp, pp, precision, rank, targets)
+        time += all_gather_time(whole, tp * pp, links_for(cluster, tp * pp), efficiency)
+    if mode == "merge":
+        time += lora_merge_time(merged, rank, element, device, efficiency)
+    # What the engine takes each step; a new LoRA reaches every layer too (vLLM's add_lora).
+    if mode == "merge":
+        loaded = gen_shard if workload.generation_sleeps else merged
+    else:
+        loaded = (gen_shard if workload.generation_sleeps else 0) + slots
+    time += weight_load_time(work.spec, loaded, device, efficiency)
+    generation = generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
+                                 workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
+                                 precision)
+    if mode == "adapter":
+        generation += (generation - efficiency.call_s) * efficiency.lora_decode_overhead
+    return time + generation, (0 if own_pool else gen_shard) + kv + slots, received, transfer
 
 
 @lru_cache(maxsize=1024)  # the same (layout, generation layout) for every micro-batch and concurrency option
@@ -271,9 +342,12 @@ def _all_options(work: RoleWork, workload: Workload, cluster: Cluster, efficienc
         micro_batches = _micro_batches(work, workload, dp, pin) if work.role != "rollout" else [1]
         for micro in micro_batches:
             gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
+            modes = workload.lora_modes() if work.generates else (None,)
             for gen, concurrency in gens:
                 at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own is laid out as it generates
-                yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency, ep, etp)
+                for mode in modes:
+                    yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency, ep,
+                                          etp, mode)
 
 
 def footprint(option: Option) -> int:

@@ -45,10 +45,18 @@ def job_sets(config, workload: Workload) -> list[tuple[tuple[str, ...], int]]:
 
 
 def job_plan(config, cluster: Cluster, workload: Workload | None = None,
-             efficiency: Efficiency | None = None) -> Plan:
-    """The plan ``config`` runs, scored on ``cluster``'s devices (a ValueError when a layout cannot split a model)."""
+             efficiency: Efficiency | None = None, lora_sync: str | None = None) -> Plan:
+    """The plan ``config`` runs, scored on ``cluster``'s devices (a ValueError when a layout cannot split a model).
+    A LoRA actor's adapters reach the generating role as ``lora_sync`` says, or as the config sets them; with
+    ``rollout.lora_sync: auto``, as the planner chooses (``lora_choice.choose_lora_sync``)."""
     workload = workload or job_workload(config)
     efficiency = efficiency or Efficiency()
+    modes = workload.lora_modes()
+    if lora_sync is None and len(modes) > 1:
+        from controller.planner.lora_choice import choose_lora_sync
+
+        return choose_lora_sync(config, cluster, efficiency, workload).plan
+    mode = lora_sync or modes[0]
     groups = []
     for roles, devices in job_sets(config, workload):
         options: list[Option] = []
@@ -69,7 +77,7 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
                 raise ValueError(f"{role}: {exc}") from None
             ep, etp = (1, None) if role == "rollout" else (work.ep, work.etp)
             options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
-                                           work.micro_batch, gen, concurrency, ep, etp))
+                                           work.micro_batch, gen, concurrency, ep, etp, mode))
         groups.append(SetPlan(roles, devices, tuple(options)))
     transfer = sum(weight_transfer_time(o, cluster, efficiency) for g in groups if g.roles == ("rollout",)
                    for o in g.options)

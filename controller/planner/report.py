@@ -52,6 +52,8 @@ def plan_overrides(plan: Plan, cluster: Cluster) -> list[str]:
 def _layout_overrides(option: Option) -> list[str]:
     # The KV cache the plan sized: exactly its concurrency's sequences at full length.
     kv = [f"rollout.kv_cache_bytes={option.memory['KV cache']}"] if "KV cache" in option.memory else []
+    if option.lora_sync is not None:
+        kv.append(f"rollout.lora_sync={option.lora_sync}")
     if option.role == "rollout":
         return [f"rollout.tensor_parallel={option.tp}", f"rollout.pipeline_parallel={option.pp}", *kv]
     section = _SECTION[option.role]
@@ -111,6 +113,7 @@ def plan_json(plan: Plan, cluster: Cluster) -> dict:
         "sets": [{"roles": list(s.roles), "devices": s.devices, "memory_bytes": dict(zip(STAGES, s.memory)),
                   "roles_detail": [{"role": o.role, "tp": o.tp, "pp": o.pp, "dp": o.dp, "micro_batch": o.micro_batch,
                                     "gen_tp": o.gen_tp, "gen_pp": o.gen_pp, "concurrency": o.concurrency,
+                                    "lora_sync": o.lora_sync,
                                     "times_s": dict(zip(STAGES, o.times)), "state_bytes": o.resident,
                                     "memory_bytes": dict(o.memory), "reshard_bytes": o.reshard_bytes}
                                    for o in s.options]} for s in plan.sets],

@@ -183,9 +183,11 @@ def step_time(workload: Workload, sets: tuple[SetPlan, ...], transfer: float,
 
 def weight_transfer_time(option: Option, cluster: Cluster, efficiency: Efficiency) -> float:
     """The actor's weights to a rollout pool of its own: each rollout rank receives its generation shard
-    (over the node's link on one node, else the network)."""
+    (over the node's link on one node, else the network); a LoRA actor's, its adapters whole (the frozen base
+    crossed once)."""
     link = links_for(cluster, 1 if cluster.nodes == 1 else cluster.devices_per_node + 1)
-    return transfer_time(option.resident, link, efficiency)
+    sent = option.resident if option.transfer_bytes is None else option.transfer_bytes
+    return transfer_time(sent, link, efficiency)
 
 
 def _objective(workload: Workload, times: list[tuple[float, float, float]], rollout: int | None,

@@ -20,6 +20,11 @@
   token, bound by reading the weights and the KV cache from memory, or by
   compute when the batch is large; sequences beyond what the KV cache holds
   wait for a later wave.
+- **LoRA adapters** reach a generation engine merged or served. Merging
+  reads the frozen base's adapted linears and writes them back with the
+  product B A added (2 x rank FLOPs per weight) every step; served, they cost
+  the engine's LoRA kernels a fraction of every generation
+  (``Efficiency.lora_decode_overhead``).
 - **Collectives** are ring algorithms: an all-reduce moves 2 (n - 1) / n of
   the buffer per rank, an all-gather or reduce-scatter (n - 1) / n, each
   step paying the link's latency. A group within one node uses the node's
@@ -43,7 +48,7 @@ from hybridengine.model.spec import ModelSpec
 from controller.planner.hardware import Accelerator
 from controller.planner.memory import dtype_bytes, expert_weight_bytes, kv_bytes_per_token, weight_bytes
 
-__all__ = ["HOST_COSTS", "Efficiency", "ExpertGrid", "Link", "PassShape", "all_gather_time", "all_reduce_time",
+__all__ = ["CPU_LORA_DECODE_OVERHEAD", "HOST_COSTS", "lora_merge_time", "Efficiency", "ExpertGrid", "Link", "PassShape", "all_gather_time", "all_reduce_time",
            "all_to_all_time", "forward_time",
            "generation_time", "model_flops_per_token", "stage_flops_per_token", "optimizer_step_time", "train_time",
            "transfer_time", "weight_load_time"]
@@ -67,6 +72,10 @@ class Efficiency:
     weight_load_layer_s: float = 0.0  # each layer's new weights loaded into the generation engine
     reshard_layer_s: float = 0.0  # each layer gathered over the micro-DP group, when the reshard gathers
     step_s: float = 0.0  # each RL step, outside the roles: rewards, advantages, data, metrics
+    # The time a generation engine serving LoRA adapters (vLLM's LoRA kernels, one adapter) adds to a generation,
+    # as a fraction of it. GPUs: an estimate, not measured here (two small kernels a linear per step, some 10-20%
+    # of a decode step); this CPU's is measured (``CPU_LORA_DECODE_OVERHEAD``).
+    lora_decode_overhead: float = 0.15
 
 
     def on_faster_host(self, speedup: float) -> "Efficiency":
@@ -76,6 +85,10 @@ class Efficiency:
             return self
         return replace(self, **{name: getattr(self, name) / speedup for name in HOST_COSTS if name != "step_s"})
 
+
+# vLLM's CPU LoRA kernels on this machine: the SmolLM2 example with rank 16 on every linear generated in 11.0 s a
+# step served against 1.75 s merged (docs/concepts/lora.md), 6.3x.
+CPU_LORA_DECODE_OVERHEAD = 5.3
 
 HOST_COSTS = ("call_s", "micro_batch_layer_s", "optimizer_step_s", "decode_step_s", "weight_load_layer_s",
               "reshard_layer_s", "step_s")
@@ -266,3 +279,13 @@ def weight_load_time(spec: ModelSpec, shard_bytes: float, device: Accelerator, e
     """The generation engine taking its new shard: one copy of it through memory, and each layer's host cost."""
     return (shard_bytes / (device.memory_bandwidth * efficiency.memory)
             + spec.num_layers * efficiency.weight_load_layer_s)
+
+
+def lora_merge_time(merged_bytes: float, rank: int, element: int, device: Accelerator, efficiency: Efficiency) -> float:
+    """Merging the adapters into a generation shard's adapted linears (``merged_bytes`` of them): the base read
+    and the sum written through memory, and B A's 2 x rank FLOPs per weight."""
+    if merged_bytes <= 0:
+        return 0.0
+    weights = merged_bytes / element
+    return (2 * merged_bytes / (device.memory_bandwidth * efficiency.memory)
+            + 2 * rank * weights / (device.flops("bf16" if element == 2 else "fp32") * efficiency.forward))

@@ -87,6 +87,13 @@ class Workload:
     generation_tp: int = 1  # the config's rollout layout
     generation_pp: int = 1
     kv_block_tokens: int = 16  # the generation engine's KV block (vLLM: 16 on GPUs, 128 on its CPU backend)
+    # The engine frees its weights between rollouts (vLLM's sleep mode on GPUs) and takes a whole shard each step.
+    generation_sleeps: bool = True
+    # A LoRA actor's adapters (rank 0: none) and how they reach the generation engine: merge, adapter or auto
+    # (the planner's choice, ``Option.lora_sync``).
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_sync: str = "auto"
 
     @property
     def seq_len(self) -> int:
@@ -97,6 +104,18 @@ class Workload:
             if work.role == name:
                 return work
         raise KeyError(f"the job has no {name!r} role; it has {[w.role for w in self.roles]}")
+
+    def lora_modes(self) -> tuple[str | None, ...]:
+        """How the adapters may reach the generation engine: (None,) without LoRA, the mode set, or for
+        ``auto`` both where the engine can serve adapters (vLLM) and merging only elsewhere."""
+        if not self.lora_rank:
+            return (None,)
+        if self.lora_sync != "auto":
+            return (self.lora_sync,)
+        from workers.rollout.vllm_engine import VLLM_MAX_LORA_RANK
+
+        serves = self.generation_engine == "vllm" and self.lora_rank <= VLLM_MAX_LORA_RANK
+        return ("merge", "adapter") if serves else ("merge",)
 
     @property
     def role_names(self) -> tuple[str, ...]:
@@ -155,4 +174,7 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
                     max_num_seqs=rollout.max_num_seqs, generation_engine=rollout.engine,
                     release_training=rollout.release_training, flash_attention=flash_attention,
                     generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel,
-                    kv_block_tokens=128 if rollout.engine == "vllm" and not flash_attention else 16)
+                    kv_block_tokens=128 if rollout.engine == "vllm" and not flash_attention else 16,
+                    generation_sleeps=rollout.sleep_between_rollouts and flash_attention,
+                    **(dict(lora_rank=config.actor.lora.rank, lora_targets=config.actor.lora.targets,
+                            lora_sync=rollout.lora_sync) if config.actor.lora.enabled else {}))

@@ -21,6 +21,7 @@ setting) unless ``register_placement`` puts it elsewhere.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -130,6 +131,7 @@ class RLTrainer:
             self.rollout_proto.check(getattr(self.specs["rollout"].worker_cls, "produces", ROLLOUT_FIELDS))
         self._proto_seen = False
         self.verbose = trainer.log_phases
+        self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
         self.mode = trainer.mode
@@ -256,6 +258,7 @@ class RLTrainer:
         if self.groups:
             return
         self.lay_out()
+        self.choose_lora_sync()
         from controller.planner.prelaunch import check_before_launch
 
         check_before_launch(self.placed_config())  # a GPU job that will not fit, refused before any worker
@@ -293,20 +296,48 @@ class RLTrainer:
     def lay_out(self) -> None:
         """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
         (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
-        from controller.planner.device_map import auto_layouts, job_cluster
+        from controller.planner.device_map import auto_layouts
 
         auto = {role for role, spec in self.specs.items()
                 if spec.device_map == "auto" and not spec.explicit_parallelism}
         if not auto:
             return
-        used = {self.placement[role] for role in self.placement}
-        shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
-        cluster, efficiency = job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
-                                          sum(s.world_size for s in shapes), device_memory_bytes())
+        cluster, efficiency = self._job_cluster()
         layouts = auto_layouts(self.placed_config(), auto, cluster, efficiency, flash_attention=accelerator_count() > 0)
         for role, (tp, pp) in layouts.items():
             self.config = with_parallelism(self.config, role, tp, pp)
         self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+
+    def choose_lora_sync(self) -> None:
+        """``rollout.lora_sync: auto``: how a LoRA actor's adapters reach the rollout, merged or served, as the
+        planner scores the job on its devices (``controller.planner.lora_choice``); said on the console."""
+        if self.config.rollout.lora_sync != "auto":
+            return
+        from controller.planner.lora_choice import resolve_lora_sync
+
+        cluster, efficiency = self._job_cluster() if self.config.actor.lora.enabled else (None, None)
+        try:
+            placed, choice = resolve_lora_sync(replace(self.placed_config(), model_path=self.policy_path), cluster,
+                                               efficiency, flash_attention=accelerator_count() > 0)
+            rollout = placed.rollout
+        except ValueError as exc:  # a model the planner cannot read: the mode that runs on every engine
+            rollout, choice = replace(self.config.rollout, lora_sync="merge"), None
+            print(f"[hybridflow] rollout.lora_sync auto -> merge: the planner could not score the job ({exc})",
+                  file=sys.stderr, flush=True)
+        self.config = replace(self.config, rollout=rollout)
+        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+        self.lora_sync_choice = choice
+        if choice is not None:
+            print(f"[hybridflow] rollout.lora_sync auto -> {choice.mode}: {choice.reason}", file=sys.stderr, flush=True)
+
+    def _job_cluster(self):
+        """The job's devices as the planner sees them (``controller.planner.device_map.job_cluster``)."""
+        from controller.planner.device_map import job_cluster
+
+        used = {self.placement[role] for role in self.placement}
+        shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
+        return job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
+                           sum(s.world_size for s in shapes), device_memory_bytes())
 
     def placed_config(self):
         """The config with its pools as declared (``register_placement`` included) in ``trainer.placement``."""

@@ -126,6 +126,7 @@ def _generation_case(rank, world_size, path, reference, tp, gen_tps):
     to the generation layout, bit for bit; a second sync moves only the adapters' bytes."""
     from pathlib import Path
 
+    from controller.planner.memory import lora_gather_bytes, lora_merged_bytes, weight_bytes
     from hybridengine.model.hf_mapping import cut_shard, hf_source
     from hybridengine.model.spec import ModelSpec
     from hybridengine.reshard.plan import GenerationLayout
@@ -154,10 +155,28 @@ def _generation_case(rank, world_size, path, reference, tp, gen_tps):
                 want = cut_shard(hf_source(name, spec, 0, 1), lambda hf, index: ref["merged"][hf][index], spec,
                                  first["gen_tp_rank"], gen_tp)
                 assert torch.equal(tensor, want), (gen_tp, name)
+        # The planner's figures of what the sync keeps (controller.planner.options._lora_generation): the merged
+        # linears' buffer, and the base's generation shard, a copy of its own only where a micro-DP group gathers
+        # it (at the training layout, the training shards themselves).
+        targets = engine.lora.targets
+        kept = bridge.lora.merged[gen]
+        assert sum(t.numel() * t.element_size() for t in kept.values()) == lora_merged_bytes(spec, gen_tp, 1, "fp32",
+                                                                                             targets)
+        training = [p.data for p in engine.module().parameters()]
+        base = bridge.lora.base[gen].values()
+        copied = sum(t.numel() * t.element_size() for t in base
+                     if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in training))
+        if gen_tp < tp:  # gathered: all of it
+            assert copied == weight_bytes(engine.spec, gen_tp, 1, "fp32")
+        elif gen_tp > tp:  # sliced: fc1 alone, its gate and up halves joined again
+            assert copied == lora_merged_bytes(spec, gen_tp, 1, "fp32", ("gate_proj", "up_proj"))
+        else:
+            assert copied == 0
         bridge.to_training()
         second = bridge.to_generation(gen)  # the base is where it was: only the adapters move
         assert second["reshard/bytes_received"] == second["reshard/lora_bytes_received"]
         assert second["reshard/lora_bytes_received"] == gathered
+        assert gathered == lora_gather_bytes(spec, tp, 1, "fp32", RANK, targets)
         if gen_tp < tp:
             assert first["reshard/bytes_received"] > 20 * second["reshard/bytes_received"]
         bridge.to_training()
@@ -185,7 +204,7 @@ def test_lora_on_the_parallel_linears_matches_peft_at_tp1_and_tp2(tmp_path):
         "TP1xDP2": (_case, str(model), str(reference), 1, str(tmp_path / "tp1")),
         "TP2": (_case, str(model), str(reference), 2, str(tmp_path / "tp2")),
         "generation: TP2 to genTP1, genTP2": (_generation_case, str(model), str(reference), 2, (1, 2)),
-        "generation: TP1xDP2 to genTP1": (_generation_case, str(model), str(reference), 1, (1,))})
+        "generation: TP1xDP2 to genTP1, genTP2": (_generation_case, str(model), str(reference), 1, (1, 2))})
     assert all(failure is None for failure in outcomes.values()), outcomes
     # The exported adapter directories load in PEFT onto the base and give the reference's logits.
     from peft import PeftModel

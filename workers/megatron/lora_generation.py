@@ -1,7 +1,7 @@
 """A LoRA actor's generation weights: the frozen base resharded once, the adapters merged in every step.
 
 The base never changes, so its generation shard is built once per generation layout through the
-3D-HybridEngine and kept. Each sync then moves only the adapters: every rank gathers them whole (over TP,
+3D-HybridEngine and kept (at the training layout itself, it is the training shards: no copy). Each sync then moves only the adapters: every rank gathers them whole (over TP,
 then over the pipeline stages) and merges its generation shard of each adapted linear,
 ``W_base + scaling x B A`` cut as the generation layout cuts the weight (the fused QKV's rows interleaved over
 the generation rank's query groups, fc1's as [gate; up]), into a buffer kept for the next step. The merge is
@@ -101,7 +101,11 @@ class LoRAGenerationWeights:
         if gen not in self.base:  # the frozen base, once: the micro-DP gather, the training shards kept
             before = self.transport.bytes_received
             dense = {p.name: params[p.name] for p in weights.training_params(rank)}
-            self.base[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes).to_generation()
+            layout = self.engine.layout
+            if (gen.tensor_parallel, gen.pipeline_parallel) == (layout.tp, layout.pp):
+                self.base[gen] = dense  # the training shards are the generation shards: no copy
+            else:
+                self.base[gen] = Resharder(weights, rank, dense, self.transport, self.bucket_bytes).to_generation()
             base_bytes = self.transport.bytes_received - before
         adapters, lora_bytes = self.gather_adapters()
         if not merge:

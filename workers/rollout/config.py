@@ -14,7 +14,7 @@ from workers.rollout.sampling import SamplingConfig
 __all__ = ["LORA_SYNC_MODES", "RolloutConfig"]
 
 
-LORA_SYNC_MODES = ("merge", "adapter")
+LORA_SYNC_MODES = ("auto", "merge", "adapter")
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,10 @@ class RolloutConfig:
     # the trainer sets it from algorithm.router_replay
     return_routed_experts: bool = False
     # A LoRA actor's weights into the rollout: "merge" (the adapters merged into the generation weights, which
-    # receive only the adapters' bytes after the first sync) or "adapter" (vLLM serves the adapters with its
-    # LoRA kernels on the frozen base, loaded once). lora_adapter is set by the job from actor.lora.
-    lora_sync: str = "merge"
+    # receive only the adapters' bytes after the first sync), "adapter" (vLLM serves the adapters with its
+    # LoRA kernels on the frozen base, loaded once) or "auto" (the planner's choice on the job's devices, by
+    # memory then step time: controller.planner.lora_choice). lora_adapter is set by the job from actor.lora.
+    lora_sync: str = "auto"
     lora_adapter: dict[str, Any] | None = None  # {rank, alpha, targets} of the actor's adapters; None: no LoRA
     max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)

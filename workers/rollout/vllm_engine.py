@@ -38,7 +38,7 @@ from workers.rollout.vllm_compat import permuted_groups, shutdown_engine
 from workers.rollout.vllm_cpu_shm import agree_token, unique_segment_names, unlink_segments
 from workers.rollout.vocab_rows import megatron_vocab_rows, regroup_vocab_rows
 
-__all__ = ["VLLMGenerator", "check_vllm_head_dim", "vllm_rank_permutation"]
+__all__ = ["VLLM_MAX_LORA_RANK", "VLLMGenerator", "check_vllm_head_dim", "vllm_rank_permutation"]
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,14 @@ def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
 
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+VLLM_MAX_LORA_RANK = _VLLM_LORA_RANKS[-1]
 
 
 def _lora_options(lora: dict) -> dict:
     """vLLM's engine options to serve one LoRA of ``lora["rank"]`` at a time."""
     fits = [r for r in _VLLM_LORA_RANKS if r >= lora["rank"]]
     if not fits:
-        raise ValueError(f"vLLM serves LoRA ranks up to {_VLLM_LORA_RANKS[-1]}; the actor's is {lora['rank']}: "
+        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}; the actor's is {lora['rank']}: "
                          f"use rollout.lora_sync: merge")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
