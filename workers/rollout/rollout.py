@@ -96,6 +96,7 @@ class Rollout(BaseWorker):
             model_path, spec, self.plan, self.rank, dtype, cfg, self.eos_token_id, self.pad_token_id, self._decode,
             weights_pushed=source is not None or self.training is not None, colocated=source is not None))
         self.agent = None
+        self._serving = None  # (EngineLoop, ReplicaServer, the sync's metrics) between start_serving and serve
         if cfg.agent is not None:  # multi-turn conversations (workers.rollout.agent)
             from workers.rollout.agent import AgentLoop, ChatFormat
 
@@ -260,6 +261,43 @@ class Rollout(BaseWorker):
         batch.meta_info["temperature"] = sampling.logprob_temperature
         metrics.update(agent_metrics(results))
         return self._with_metrics(batch, metrics, start)
+
+    # ------------------------------------------------------- as a server (rollout.server)
+    @register(Dispatch.ONE_TO_ALL)
+    def start_serving(self, host: str = "127.0.0.1") -> dict[str, Any]:
+        """Take the policy's current weights (where the rollout pulls them) and open this rank's token-in,
+        token-out endpoint (``workers.rollout.serving``); its address and the sync's metrics. Requests are
+        served once ``serve`` runs; each rank is one replica (generation TP 1)."""
+        if not hasattr(self.generator, "serving_loop"):
+            raise ValueError(f"rollout.server needs an engine that serves requests one by one (vllm); the "
+                             f"{self.config.engine!r} engine generates batches")
+        if self.gen.tensor_parallel != 1 or self.gen.pipeline_parallel != 1:
+            raise ValueError(f"rollout.server serves one engine per process: generation tensor_parallel and "
+                             f"pipeline_parallel 1, got {self.gen.tensor_parallel} x {self.gen.pipeline_parallel}")
+        from workers.rollout.serving import ReplicaServer
+
+        metrics: dict[str, Any] = {}
+        if not self.weight_sync.pushed:
+            metrics.update(self.weight_sync.update(self.generator))
+        loop = self.generator.serving_loop(self.config.sampling)
+        self._serving = (loop, ReplicaServer(loop, host).start(), metrics)
+        return {"address": self._serving[1].address, "max_model_len": loop.max_model_len, **metrics}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def serve(self) -> dict[str, Any]:
+        """Generate for the requests that reach this rank's endpoint until it is told to stop
+        (``POST /stop``), then close it and let go of the weights; the serving's counts and metrics."""
+        if self._serving is None:
+            raise RuntimeError("serve() comes after start_serving()")
+        loop, server, metrics = self._serving
+        try:
+            stats = loop.run()
+        finally:
+            server.close()
+            self._serving = None
+        metrics = {**metrics, **{f"serving/{k}": v for k, v in stats.items()}}
+        metrics.update(self.weight_sync.done(self.generator))
+        return metrics
 
     # ------------------------------------------------------- on a pool of its own
     @register(Dispatch.ONE_TO_ALL)

@@ -268,29 +268,48 @@ class VLLMGenerator(GeneratorBase):
                 "rollout/kv_cache_tokens": self.kv_cache_tokens}
 
     # -------------------------------------------------------------- generation
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+    def _params(self, sampling: SamplingConfig, seed: int | None, **extra: Any):
+        """vLLM's SamplingParams of one request: the sampled token's (processed) log-prob with each token."""
         from vllm import SamplingParams
+
+        greedy = sampling.is_greedy
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=None if sampling.ignore_eos else [self.eos_token_id],
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            detokenize=bool(sampling.stop),
+            **extra,
+        )
+
+    def serving_loop(self, defaults: SamplingConfig):
+        """An ``EngineLoop`` over this engine, for requests that arrive one by one (``rollout.server``): each
+        request's ``sampling`` (SamplingConfig fields) over ``defaults``, its ``seed`` its own."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from workers.rollout.serving import EngineLoop
 
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        greedy = sampling.is_greedy
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=0.0 if greedy else sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p,
-                top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
-                max_tokens=sampling.max_new_tokens,
-                seed=request.seed,
-                stop=list(sampling.stop) or None,
-                stop_token_ids=None if sampling.ignore_eos else [self.eos_token_id],
-                ignore_eos=sampling.ignore_eos,
-                logprobs=0,
-                detokenize=bool(sampling.stop),
-            )
-            for request in requests
-        ]
+
+        def make_params(sampling: dict):
+            fields = defaults.updated({k: v for k, v in sampling.items() if k != "seed"})
+            return self._params(fields, sampling.get("seed"), output_kind=RequestOutputKind.DELTA)
+
+        return EngineLoop(self.llm.llm_engine, make_params, self.lora_request)
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        params = [self._params(sampling, request.seed) for request in requests]
         prompts = [{"prompt_token_ids": list(request.prompt_ids)} for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         routes = [None] * len(outputs)

@@ -1,0 +1,113 @@
+"""A session: the requests one agent sample makes, as the ids the engine was given and gave back.
+
+Each request's prompt is built by appending to what the session was served when it can be:
+
+- a chat request whose messages are an earlier request's messages, then the reply the server gave it, then
+  new messages (tool results, the user's next turn) continues that reply: its prompt is the earlier prompt,
+  the reply's sampled ids, and the new messages in the chat template's own delimiters
+  (``ChatFormat.observation_ids``); nothing the model said is tokenized again;
+- a completion request continues when its prompt ids start with an earlier prompt and completion.
+
+Anything else (the client rewrote or dropped history, or the template renders it otherwise) is rendered from
+scratch and starts a new branch: ``ServedTurn.parent`` is None. ``trajectories.session_samples`` turns the
+turns into training samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+from controller.serving.messages import normalized
+
+__all__ = ["ServedTurn", "Session", "SessionStore"]
+
+
+@dataclass
+class ServedTurn:
+    """One choice of one request: the prompt given to the engine and what it sampled."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    log_probs: list[float]
+    versions: list[int]
+    finish_reason: str
+    parent: int | None  # the turn whose prompt and completion this prompt starts with; None: a new branch
+    messages: list[dict] = field(default_factory=list)  # the conversation the request sent (chat)
+    reply: dict | None = None  # the assistant message returned (chat)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+class Session:
+    """``seed``: the session's first request draws from it, the k-th from ``seed + k`` (unless the request
+    gives its own); None: unseeded."""
+
+    def __init__(self, session_id: str, seed: int | None = None) -> None:
+        self.session_id, self.seed = session_id, seed
+        self.turns: list[ServedTurn] = []
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def next_seed(self) -> int | None:
+        seed = None if self.seed is None else self.seed + self.requests
+        self.requests += 1
+        return seed
+
+    def chat_prompt(self, messages: list[dict], chat) -> tuple[list[int], int | None]:
+        """The prompt ids of a chat request and the turn it continues (None: rendered from scratch)."""
+        wanted = [normalized(m) for m in messages]
+        for index in range(len(self.turns) - 1, -1, -1):
+            turn = self.turns[index]
+            if turn.reply is None:
+                continue
+            before = [normalized(m) for m in turn.messages] + [normalized(turn.reply)]
+            if len(wanted) > len(before) and wanted[:len(before)] == before:
+                closed = turn.completion_ids[-1:] == [chat.end_of_turn_id]  # else the framing adds it
+                return turn.ids + chat.observation_ids(messages[len(before):], closed=closed), index
+        return chat.prompt_ids(messages), None
+
+    def completion_prompt(self, prompt_ids: list[int]) -> int | None:
+        """The turn a completion request's prompt continues (the longest served sequence it starts with)."""
+        best, length = None, -1
+        for index, turn in enumerate(self.turns):
+            ids = turn.ids
+            if len(prompt_ids) > len(ids) > length and prompt_ids[:len(ids)] == ids:
+                best, length = index, len(ids)
+        return best
+
+    def record(self, turn: ServedTurn) -> int:
+        self.turns.append(turn)
+        return len(self.turns) - 1
+
+
+class SessionStore:
+    """The sessions of one serving, by id; a request with no session gets one of its own."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self._anonymous = itertools.count()
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str | None, seed: int | None = None) -> Session:
+        with self._lock:
+            if session_id is None:
+                session_id = f"request-{next(self._anonymous)}"
+            if session_id not in self.sessions:
+                self.sessions[session_id] = Session(session_id, seed)
+            return self.sessions[session_id]
+
+    def open(self, session_id: str, seed: int | None = None) -> Session:
+        """A new session (the trainer's, one per agent sample)."""
+        with self._lock:
+            if session_id in self.sessions:
+                raise ValueError(f"session {session_id!r} is already open")
+            self.sessions[session_id] = session = Session(session_id, seed)
+            return session
+
+    def pop(self, session_id: str) -> Session:
+        with self._lock:
+            return self.sessions.pop(session_id)

@@ -1,0 +1,65 @@
+"""The rollout behind its OpenAI-compatible endpoint, driven by the real ``openai`` client (2 torchrun ranks, two
+vLLM replicas colocated with an fp32 actor): sessions stay on one replica and spread over both; a chat with
+tools continued (once streamed) is one sample whose ids are exactly those served, the engine's tokens masked
+in; a rewritten history splits; the served log-probs are the actor's within 1e-4."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_torchrun
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from controller.models.builtin import resolve_model_path
+
+    root = tmp_path_factory.mktemp("serving")
+    model = resolve_model_path("builtin:tiny-chat", root)
+    proc = run_torchrun(HERE / "serving_program.py", [model, str(root)], nproc=2, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return model, torch.load(root / "serving.pt", weights_only=False)
+
+
+def test_the_openai_client_is_served_and_its_sessions_are_the_ids_served(served):
+    from transformers import AutoTokenizer
+
+    model, out = served
+    seen, samples = out["seen"], out["samples"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # Routing: a new session goes to the idler replica, and each stays where it started.
+    assert out["placed"] == {"a": 0, "b": 1} and out["requests"] == [4, 2]
+    assert [s["serving/requests"] for s in out["stats"]] == [4, 2]
+    assert seen["models"] == ["policy"]
+    assert "max_tokens 10000 is over this rollout's 12 tokens a turn" in seen["bad_request"]
+    # The chat with tools: three requests extend each other (the third streamed), the fourth rewrites history.
+    assert out["parents"]["a"] == [None, 0, 1, None]
+    a1, a2, a3, a4 = seen["a1"], seen["a2"], seen["a3"], seen["a4"]
+    assert "calculator" in tokenizer.decode(a1["prompt"])  # the tools reach the prompt (as instructions here)
+    assert a2["prompt"][:len(a1["prompt"]) + len(a1["ids"])] == a1["prompt"] + a1["ids"]
+    assert a3["prompt"][:len(a2["prompt"]) + len(a2["ids"])] == a2["prompt"] + a2["ids"]
+    assert a3["text"] == tokenizer.decode(a3["ids"], skip_special_tokens=True)  # the streamed deltas, joined
+    whole, rewritten = samples["a"]
+    assert whole.prompt_ids == a1["prompt"] and whole.context_ids == a3["prompt"] + a3["ids"]
+    model_ids = [t for t, m in zip(whole.response_ids, whole.response_mask) if m]
+    assert model_ids == a1["ids"] + a2["ids"] + a3["ids"] and whole.turns == 3
+    assert [lp for lp, m in zip(whole.log_probs, whole.response_mask) if m] == (
+        a1["log_probs"] + a2["log_probs"] + a3["log_probs"])
+    client_sent = len(whole.response_ids) - len(model_ids)
+    assert client_sent == len(a3["prompt"]) - len(a1["prompt"]) - len(a1["ids"]) - len(a2["ids"]) > 0
+    assert rewritten.prompt_ids == a4["prompt"] and rewritten.response_ids == a4["ids"]
+    assert all(v == 0 for v in whole.versions if v != -1) and set(whole.versions) == {-1, 0}
+    # Session b: a text completion and a chat at once, each a sample of its own.
+    b1, b2 = seen["b1"], seen["b2"]
+    assert b1["prompt"] == tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    assert b1["text"] == tokenizer.decode(b1["ids"], skip_special_tokens=True)
+    assert sorted((s.prompt_ids, s.response_ids) for s in samples["b"]) == sorted(
+        [(b1["prompt"], b1["ids"]), (b2["prompt"], b2["ids"])])
+    # The served log-probs are the actor's on the same ids (fp32).
+    every = [s for sid in ("a", "b") for s in samples[sid]]
+    for sample, actor in zip(every, out["actor_log_probs"]):
+        mask = torch.tensor(sample.response_mask).bool()
+        torch.testing.assert_close(actor[mask], torch.tensor(sample.log_probs)[mask], atol=1e-4, rtol=0)
