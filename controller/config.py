@@ -539,6 +539,13 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
     problems += _router_replay_problems(config, model_spec)
+    if rollout.agent is not None and rollout.agent.entrypoint is not None:
+        from controller.serving.user_agents import load_agent
+
+        try:
+            load_agent(rollout.agent.entrypoint)
+        except ValueError as exc:
+            problems.append(str(exc))
     if rollout.lora_sync == "adapter" and not config.actor.lora.enabled:
         problems.append("rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0")
     if rollout.lora_sync == "adapter" and rollout.engine == "vllm":

@@ -79,6 +79,9 @@ HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
         # The worker chose its thread count (the trainer in the same process uses them); measured on the
         # SmolLM2 example, 2 threads in one process beat 1 (README, "A real model").
         r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads",
+        # rollout.server hands the engine token ids one request at a time (LLMEngine.add_request), as vLLM's
+        # own LLM.generate does underneath; the notice is about the call's form.
+        r"Passing raw prompts to InputProcessor is deprecated",
         # A LoRA served with rollout.lora_sync: adapter names no tokenizer of its own: the base's serves it.
         r"deprecated support for supporting different tokenizers for different LoRAs",
     ),

@@ -130,7 +130,8 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
     policy = load(config.actor.model_path or config.model_path)
     separate_rollout = trainer.mode != "sync" or "rollout" in trainer.placement
     from_update = old_log_probs_from_update(alg.old_log_prob_source, config.ppo.ppo_epochs,
-                                            config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward)
+                                            config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward
+                                            ) and not rollout.serves_agent  # its batch may outgrow a mini-batch
     recompute_old = alg.old_log_prob_source != "rollout" and not from_update  # the actor's separate forward
 
     def engine_fields(section, trains: bool = False) -> dict:

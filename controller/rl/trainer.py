@@ -21,6 +21,7 @@ setting) unless ``register_placement`` puts it elsewhere.
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import time
@@ -132,6 +133,7 @@ class RLTrainer:
         self._proto_seen = False
         self.verbose = trainer.log_phases
         self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
+        self.served_rollout = None  # rollout.agent.entrypoint: generation through the rollout server
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
         self.mode = trainer.mode
@@ -156,7 +158,8 @@ class RLTrainer:
         self.max_response_length = config.rollout.max_response_length  # a conversation's, for agent rollouts
         self.old_log_probs_from_update = old_log_probs_from_update(
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
-            self.batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward)
+            self.batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward
+        ) and not config.rollout.serves_agent  # a served agent's batch may hold more rows than one mini-batch
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
@@ -289,6 +292,12 @@ class RLTrainer:
                     kwargs = separate_rollout_kwargs(kwargs, self.specs["actor"].kwargs.get("engine"),
                                                      self.groups["actor"].world_size)
                 self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs)
+        if rollout_cfg.serves_agent:
+            from controller.serving.served_rollout import ServedRollout
+
+            minis = [self.ppo.ppo_mini_batch_size] + ([self.config.critic_ppo.ppo_mini_batch_size]
+                                                      if "critic" in self.groups else [])
+            self.served_rollout = ServedRollout(self.groups["rollout"], tokenizer, rollout_cfg, math.lcm(*minis))
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
@@ -419,7 +428,7 @@ class RLTrainer:
                  keep_metrics: bool = True) -> DataProto:
         """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
         transfer = self.rollout_link.sync() if self.rollout_link is not None else {}
-        out = self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
+        out = self._responses(prompts, sampling)
         if self.rollout_proto is not None and not self._proto_seen:  # the declared fields, on a real batch
             self.rollout_proto.check([*out.batch, *out.non_tensor_batch])
             self._proto_seen = True
@@ -427,6 +436,13 @@ class RLTrainer:
         if keep_metrics and state is not None:
             self.record_rollout_metrics(state, metrics)
         return out
+
+    def _responses(self, prompts: DataProto, sampling: dict[str, Any], training: bool = True) -> DataProto:
+        """The rollout's batch for ``prompts``: from its engines, or through its server with the user's agent
+        (``rollout.agent.entrypoint``; padded to whole mini-batches when ``training``)."""
+        if self.served_rollout is not None:
+            return self.served_rollout.generate(prompts, sampling, pad=training)
+        return self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
 
     @staticmethod
     def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
@@ -533,7 +549,7 @@ class RLTrainer:
         if self.rollout_link is not None:
             self.rollout_link.sync()
         for prompts in self.val_loader.all_batches():
-            out = self.groups["rollout"].generate_sequences(with_sampling(prompts, {"greedy": True, "n": 1, "seed": None}))
+            out = self._responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
             scores.append(self.score(out).batch["scores"])
             lengths.append(out.batch["response_mask"].sum(-1).float())
         return {"val/reward/mean": float(torch.cat(scores).mean()), "val/response_length/mean": float(torch.cat(lengths).mean())}

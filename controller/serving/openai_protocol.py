@@ -2,7 +2,8 @@
 
 Besides the standard fields, every choice carries what the engine served, which OpenAI's own clients ignore
 (their models keep unknown fields): ``token_ids`` (the sampled ids), ``token_logprobs`` (their log-probs
-under the sampling distribution) and ``policy_versions`` (the weights that sampled each), and the response
+under the sampling distribution), ``policy_versions`` (the weights that sampled each) and, for a chat reply,
+``raw_content`` (its whole text, tool-call blocks included), and the response
 carries ``prompt_token_ids`` and ``hybridflow: {"session", "turns"}``.
 """
 
@@ -55,8 +56,11 @@ def _usage(prompt: int, completions: list[dict]) -> dict[str, int]:
 
 
 def _served(choice: dict) -> dict[str, Any]:
-    return {"token_ids": choice["token_ids"], "token_logprobs": choice["log_probs"],
-            "policy_versions": choice["versions"]}
+    served = {"token_ids": choice["token_ids"], "token_logprobs": choice["log_probs"],
+              "policy_versions": choice["versions"]}
+    if "raw_content" in choice:  # a chat reply's whole text, tool-call blocks included
+        served["raw_content"] = choice["raw_content"]
+    return served
 
 
 def chat_response(model: str, prompt_ids: list[int], choices: list[dict], session: str, turns: list[int],
@@ -97,7 +101,8 @@ def stream_chunk(kind: str, response_id: str, model: str, delta: dict[str, Any] 
         choice = {"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}
         obj = "text_completion"
     if extra:
-        choice.update({k: v for k, v in extra.items() if k in ("token_ids", "token_logprobs", "policy_versions")})
+        choice.update({k: v for k, v in extra.items()
+                       if k in ("token_ids", "token_logprobs", "policy_versions", "raw_content")})
     chunk = {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     if extra:
         chunk.update({k: v for k, v in extra.items() if k in ("prompt_token_ids", "hybridflow", "usage")})

@@ -39,10 +39,14 @@ __all__ = ["RolloutServer"]
 
 class RolloutServer:
     def __init__(self, tokenizer, replicas: list[str], sampling, max_model_len: int, tool_format: str = "hermes",
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy") -> None:
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy",
+                 fixed_sampling: bool = False) -> None:
         """``sampling``: the rollout's SamplingConfig, what a request does not set; ``max_model_len``: the
-        engines' context (prompt and completion)."""
+        engines' context (prompt and completion). ``fixed_sampling`` (training): a request's temperature,
+        top_p and top_k are the rollout's whatever it asks, so that the log-probs served are those the update
+        compares with; its max_tokens and stop strings are kept."""
         self.tokenizer, self.sampling, self.max_model_len = tokenizer, sampling, max_model_len
+        self.fixed_sampling = fixed_sampling
         self.tool_format, self.host, self.model_name = tool_format, host, model_name
         self.port = port or _free_port(host)
         self.router = ReplicaRouter(replicas)
@@ -73,6 +77,7 @@ class RolloutServer:
             async def shutdown():
                 await self.router.close()
                 await self._runner.cleanup()
+                await _cancel_others()
 
             asyncio.run_coroutine_threadsafe(shutdown(), self._aio).result(30)
             self._aio.call_soon_threadsafe(self._aio.stop)
@@ -86,8 +91,8 @@ class RolloutServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def open_session(self, session_id: str, seed: int | None = None) -> Session:
-        return self.sessions.open(session_id, seed)
+    def open_session(self, session_id: str, seed: int | None = None, **limits: int | None) -> Session:
+        return self.sessions.open(session_id, seed, **limits)
 
     def take_session(self, session_id: str) -> Session:
         """The session's record, removed from the server (and from its replica's load)."""
@@ -130,8 +135,19 @@ class RolloutServer:
                                                  tool_format=self.tool_format)
         return self._chat_formats[key]
 
-    def _check_length(self, prompt_ids: list[int], sampling: dict) -> None:
+    def _fields(self, body: dict) -> tuple[dict, int]:
+        sampling, n = sampling_fields(body, self.sampling.max_new_tokens)
+        if self.fixed_sampling:
+            for name in ("temperature", "top_p", "top_k"):
+                sampling.pop(name, None)
+        return sampling, n
+
+    def _check_length(self, prompt_ids: list[int], sampling: dict, session: Session | None = None,
+                      parent: int | None = None) -> None:
         room = self.max_model_len - len(prompt_ids)
+        if session is not None:
+            left = session.room(prompt_ids, parent)
+            room = room if left is None else min(room, left)
         wanted = sampling.get("max_new_tokens", self.sampling.max_new_tokens)
         if room < 1:
             raise RequestError(f"the prompt is {len(prompt_ids)} tokens, and the engine's context is "
@@ -164,13 +180,13 @@ class RolloutServer:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError("messages must be a non-empty list of chat messages")
-            sampling, n = sampling_fields(body, self.sampling.max_new_tokens)
+            sampling, n = self._fields(body)
             tools = body.get("tools") if body.get("tool_choice") != "none" else None
             session = self._session(request, body)
             chat = self._chat_format(tools)
             conversation = template_messages(messages)
             prompt_ids, parent = session.chat_prompt(conversation, chat)
-            self._check_length(prompt_ids, sampling)
+            self._check_length(prompt_ids, sampling, session, parent)
             if body.get("stream"):
                 if n != 1:
                     raise RequestError("stream serves one choice: n must be 1")
@@ -208,7 +224,7 @@ class RolloutServer:
                 calls = [tool_call_json(c.name, c.arguments, f"call_{uuid.uuid4().hex[:24]}") for c in reply.calls]
         finish = "tool_calls" if calls else out["finish_reason"]
         return {"message": assistant_message(content, calls), "finish_reason": finish, "token_ids": out["token_ids"],
-                "log_probs": out["log_probs"], "versions": out["versions"],
+                "log_probs": out["log_probs"], "versions": out["versions"], "raw_content": text,
                 "tokens": self.tokenizer.convert_ids_to_tokens(out["token_ids"])}
 
     async def _chat_stream(self, request, body, session, conversation, prompt_ids, parent, sampling, with_tools):
@@ -242,7 +258,8 @@ class RolloutServer:
         elif (message.get("content") or "") != sent:
             final["content"] = (message.get("content") or "")[len(sent):]
         extra = {"token_ids": served["token_ids"], "token_logprobs": served["log_probs"],
-                 "policy_versions": served["versions"], "prompt_token_ids": prompt_ids,
+                 "policy_versions": served["versions"], "raw_content": choice["raw_content"],
+                 "prompt_token_ids": prompt_ids,
                  "hybridflow": {"session": session.session_id, "turns": [turn]},
                  "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(served["token_ids"]),
                            "total_tokens": len(prompt_ids) + len(served["token_ids"])}}
@@ -265,10 +282,10 @@ class RolloutServer:
                 prompt_ids = list(prompt)
             else:
                 raise RequestError("prompt must be a string or a non-empty list of token ids (one prompt a request)")
-            sampling, n = sampling_fields(body, self.sampling.max_new_tokens)
+            sampling, n = self._fields(body)
             session = self._session(request, body)
             parent = session.completion_prompt(prompt_ids)
-            self._check_length(prompt_ids, sampling)
+            self._check_length(prompt_ids, sampling, session, parent)
             if body.get("stream"):
                 if n != 1:
                     raise RequestError("stream serves one choice: n must be 1")
@@ -317,6 +334,14 @@ class RolloutServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _cancel_others() -> None:
+    """Cancel what is left on this loop (kept-alive connections' handlers) and let it finish."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 async def _event(response, data: dict) -> None:

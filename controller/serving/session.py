@@ -46,8 +46,12 @@ class Session:
     """``seed``: the session's first request draws from it, the k-th from ``seed + k`` (unless the request
     gives its own); None: unseeded."""
 
-    def __init__(self, session_id: str, seed: int | None = None) -> None:
+    def __init__(self, session_id: str, seed: int | None = None, max_prompt_length: int | None = None,
+                 max_response_length: int | None = None) -> None:
+        """``max_prompt_length`` / ``max_response_length``: what one training sample holds (the trainer's
+        sessions); a request past them is refused, and a completion is cut to fit."""
         self.session_id, self.seed = session_id, seed
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.turns: list[ServedTurn] = []
         self.requests = 0
         self.lock = threading.Lock()
@@ -79,6 +83,26 @@ class Session:
                 best, length = index, len(ids)
         return best
 
+    def room(self, prompt_ids: list[int], parent: int | None) -> int | None:
+        """Tokens a completion of ``prompt_ids`` may take within the sample's limits (None: no limits); a
+        ValueError when the prompt alone is past them."""
+        if self.max_prompt_length is None and self.max_response_length is None:
+            return None
+        root = parent
+        while root is not None and self.turns[root].parent is not None:
+            root = self.turns[root].parent
+        first = len(prompt_ids) if root is None else len(self.turns[root].prompt_ids)
+        if self.max_prompt_length is not None and first > self.max_prompt_length:
+            raise ValueError(f"the conversation's first prompt is {first} tokens, over rollout.max_prompt_length "
+                             f"{self.max_prompt_length}")
+        if self.max_response_length is None:
+            return None
+        left = first + self.max_response_length - len(prompt_ids)
+        if left < 1:
+            raise ValueError(f"the conversation is {len(prompt_ids) - first} tokens after its first prompt, and a "
+                             f"sample holds {self.max_response_length} (rollout.agent.max_response_length)")
+        return left
+
     def record(self, turn: ServedTurn) -> int:
         self.turns.append(turn)
         return len(self.turns) - 1
@@ -100,12 +124,12 @@ class SessionStore:
                 self.sessions[session_id] = Session(session_id, seed)
             return self.sessions[session_id]
 
-    def open(self, session_id: str, seed: int | None = None) -> Session:
-        """A new session (the trainer's, one per agent sample)."""
+    def open(self, session_id: str, seed: int | None = None, **limits: int | None) -> Session:
+        """A new session (the trainer's, one per agent sample; ``limits``: ``Session``'s)."""
         with self._lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id!r} is already open")
-            self.sessions[session_id] = session = Session(session_id, seed)
+            self.sessions[session_id] = session = Session(session_id, seed, **limits)
             return session
 
     def pop(self, session_id: str) -> Session:

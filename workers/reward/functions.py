@@ -138,6 +138,9 @@ def environment(prompt: str, response: str, ground_truth: str | None, extra: dic
     if "agent_reward" not in extra:
         raise ValueError("reward fn 'environment' scores multi-turn rollouts: the sample has no agent_reward "
                          "(set rollout.agent, or choose another reward.fn)")
+    if extra["agent_reward"] is None:
+        raise ValueError("reward fn 'environment': the agent (rollout.agent.entrypoint) returned None for this "
+                         "sample; return its reward, or choose a reward.fn that scores the last assistant message")
     return float(extra["agent_reward"])
 
 

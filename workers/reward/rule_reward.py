@@ -46,7 +46,7 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 def final_reply(messages) -> str:
     """The last assistant message's text of a conversation ("" when the model never spoke)."""
-    return next((m["content"] for m in reversed(list(messages)) if m.get("role") == "assistant"), "")
+    return next((m.get("content") or "" for m in reversed(list(messages)) if m.get("role") == "assistant"), "")
 
 
 def _function_name(fn: Callable, spec: Any) -> str:

@@ -56,6 +56,9 @@ class RolloutConfig:
     seed: int = 0  # the vLLM engine's own seed; each request's draws come from sampling.seed
     # Multi-turn, tool-calling rollouts (workers.rollout.agent): None is the single-turn rollout.
     agent: AgentConfig | None = None
+    # The rollout behind an OpenAI-compatible endpoint on loopback (controller.serving), served by the replicas'
+    # vLLM engines; with agent.entrypoint, the user's agent talks to it as the environment.
+    server: bool = False
     # "auto": the planner picks the fastest generation TP that fits the devices (controller.planner.device_map),
     # unless tensor_parallel or pipeline_parallel is other than 1
     device_map: str | None = None
@@ -86,12 +89,27 @@ class RolloutConfig:
         if self.engine == "vllm" and self.pipeline_parallel != 1:
             problems.append(f"the vllm engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
                             f"use engine='megatron' for pipelined generation")
+        if self.agent is not None and self.agent.entrypoint is not None and not self.server:
+            problems.append(f"agent.entrypoint {self.agent.entrypoint!r} talks to the rollout server: set "
+                            f"server: true")
+        if self.server and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            problems.append(f"server: true serves one engine per process: tensor_parallel=1, pipeline_parallel=1, got "
+                            f"{self.tensor_parallel} x {self.pipeline_parallel}")
+        if self.server and self.engine != "vllm":
+            problems.append(f"server: true serves requests one by one with vLLM's engine; the {self.engine!r} engine "
+                            f"generates batches")
         if self.agent is not None and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             problems.append(f"agent (multi-turn) rollouts generate at tensor_parallel=1, pipeline_parallel=1 for now, "
                             f"got {self.tensor_parallel} x {self.pipeline_parallel}: the ranks of a generation group "
                             f"would have to agree on every turn's batch while tools run")
         if problems:
             raise ValueError("invalid rollout config: " + "; ".join(problems))
+
+    @property
+    def serves_agent(self) -> bool:
+        """The user's agent generates through the server (``agent.entrypoint``): a step's batch may hold more
+        rows than prompts x n (sessions that split, padding to whole mini-batches)."""
+        return self.server and self.agent is not None and self.agent.entrypoint is not None
 
     @property
     def max_response_length(self) -> int:

@@ -7,6 +7,7 @@
         tool_format: hermes      # hermes (Hermes / Qwen <tool_call>), json, or vllm:<parser>
         max_turns: 4
         max_response_length: 256
+        entrypoint: null         # or "package.module:agent": the user's own agent, on rollout.server
 
 Everything is resolved and checked when the config is built, before any
 worker starts: an unknown built-in, an import path that does not import, a
@@ -63,6 +64,12 @@ class AgentConfig:
     max_response_length: int = 256  # tokens after the prompt, model turns and observations together
     max_concurrent_steps: int = 16  # environment steps (tool calls) running at once
     max_observation_chars: int = 2000  # each tool result or error text cut to this many characters
+    # The user's agent as the environment (needs rollout.server): "package.module:function", an
+    # ``async def agent(client, row) -> float | None`` run once per sample with an openai.AsyncOpenAI client on
+    # the rollout server (controller.serving.user_agents); tools and environment above are then unused.
+    entrypoint: str | None = None
+    max_concurrent_sessions: int = 64  # agent samples running at once
+    session_timeout_s: float = 300.0  # an agent sample that takes longer ends (counted: agent/timeout)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -85,6 +92,12 @@ class AgentConfig:
             self.limits()
         except ValueError as exc:
             problems.append(str(exc))
+        if self.entrypoint is not None and (not isinstance(self.entrypoint, str) or ":" not in self.entrypoint):
+            problems.append(f"entrypoint {self.entrypoint!r} is not an import path 'package.module:function'")
+        if not isinstance(self.max_concurrent_sessions, int) or self.max_concurrent_sessions < 1:
+            problems.append(f"max_concurrent_sessions must be a positive integer, got {self.max_concurrent_sessions!r}")
+        if not isinstance(self.session_timeout_s, (int, float)) or not self.session_timeout_s > 0:
+            problems.append(f"session_timeout_s must be a positive number of seconds, got {self.session_timeout_s!r}")
         if not isinstance(self.max_observation_chars, int) or self.max_observation_chars < 1:
             problems.append(f"max_observation_chars must be a positive integer, got {self.max_observation_chars!r}")
         if problems:

@@ -46,7 +46,14 @@ class ReplicaServer:
 
     def close(self) -> None:
         if self._aio is not None and self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._aio).result(10)
+            async def shutdown():
+                await self._runner.cleanup()
+                others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in others:  # kept-alive connections' handlers
+                    task.cancel()
+                await asyncio.gather(*others, return_exceptions=True)
+
+            asyncio.run_coroutine_threadsafe(shutdown(), self._aio).result(30)
             self._aio.call_soon_threadsafe(self._aio.stop)
         if self._thread is not None:
             self._thread.join(10)
