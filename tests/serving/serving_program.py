@@ -1,6 +1,8 @@
 """Run under torchrun (2 ranks): an fp32 actor and its colocated vLLM rollout served through the OpenAI-compatible
-endpoint, driven by the real ``openai`` client. Writes OUT/serving.pt with what the client saw, the sessions'
-samples, and the actor's log-probs of those samples."""
+endpoint, driven by the real ``openai`` client; then the calculator environment (with a user who keeps asking,
+``talking_env.py``) as the built-in agent loop runs it and as a user's agent through the server, on the same
+prompts and seeds. Writes OUT/serving.pt with what the client saw, the sessions' samples, the actor's
+log-probs of those samples, and both agent batches."""
 
 import argparse
 import asyncio
@@ -10,14 +12,23 @@ import urllib.request
 import torch
 
 from controller import ResourcePool, WorkerGroup
+from controller.data.arithmetic import word_problems
+from controller.data.loader import PromptLoader
+from controller.rl.schedules import with_sampling
 from controller.runtime.process_exit import exit_process
 from controller.serving import RolloutServer, session_samples
+from controller.serving.served_rollout import ServedRollout
 from workers.actor import Actor
 from workers.data_proto import DataProto
 from workers.rollout import Rollout
 from workers.rollout.batch import sequence_tensors
+from workers.rollout.config import RolloutConfig
 from workers.rollout.sampling import SamplingConfig
 
+ROLLOUT = {"engine": "vllm", "server": True, "max_prompt_length": 900, "kv_cache_bytes": 64 << 20,
+           "sampling": {"max_new_tokens": 12, "temperature": 1.0},
+           "agent": {"tools": ["calculator"], "environment": "tests.serving.talking_env:KeepTalking",
+                     "entrypoint": "tests.serving.talking_env:agent", "max_turns": 3, "max_response_length": 96}}
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
                                                           "properties": {"expression": {"type": "string"}},
@@ -103,8 +114,7 @@ def main() -> None:
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2}, optim={"lr": 1e-3}))
-    rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
-        "engine": "vllm", "max_prompt_length": 900, "kv_cache_bytes": 32 << 20, "sampling": {"max_new_tokens": 12}}))
+    rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config=ROLLOUT))
     started = rollout.start_serving()
     serving = rollout.serve.submit()
     from transformers import AutoTokenizer
@@ -125,7 +135,14 @@ def main() -> None:
     samples = {sid: session_samples(session.turns) for sid, session in sessions.items()}
     every = [s for sid in ("a", "b") for s in samples[sid]]
     actor_log_probs = log_probs_of(actor, every, tokenizer.pad_token_id or 0)
-    torch.save({"seen": seen, "samples": samples, "actor_log_probs": actor_log_probs, "placed": placed,
+    # The same conversations by the built-in loop and through the server.
+    prompts = PromptLoader(word_problems(4, seed=3, steps=2, max_operand=20), tokenizer, 4, None,
+                           shuffle=False).next_batch()
+    builtin = rollout.generate_sequences(with_sampling(prompts, {"seed": 11, "n": 2}))
+    through_server = ServedRollout(rollout, tokenizer, RolloutConfig(**ROLLOUT)).generate(prompts, {"seed": 11, "n": 2},
+                                                                                          pad=False)
+    torch.save({"builtin": builtin, "served": through_server,
+                "seen": seen, "samples": samples, "actor_log_probs": actor_log_probs, "placed": placed,
                 "requests": requests, "stats": stats, "parents": {k: [t.parent for t in v.turns]
                                                                   for k, v in sessions.items()}},
                os.path.join(args.out, "serving.pt"))

@@ -5,10 +5,10 @@ padded to whole mini-batches with rows that train nothing; the step trains on th
 
 import math
 
-from test_train_cli import hybridflow, model, read_metrics, third_party_lines  # noqa: F401  (model: a fixture)
+from test_train_cli import hybridflow, read_metrics, third_party_lines
 
 
-def test_a_user_agent_trains_two_steps_and_its_failures_are_its_own(tmp_path, model):  # noqa: F811
+def test_a_user_agent_trains_two_steps_and_its_failures_are_its_own(tmp_path):
     proc = hybridflow("train", "--config", "examples/openai_agent.yaml", f"trainer.run_dir={tmp_path}",
                       "model_path=builtin:tiny-chat", "rollout.agent.entrypoint=tests.serving.flaky_agent:agent",
                       "reward.fn=environment", "rollout.agent.session_timeout_s=3", "trainer.total_steps=2",

@@ -63,3 +63,19 @@ def test_the_openai_client_is_served_and_its_sessions_are_the_ids_served(served)
     for sample, actor in zip(every, out["actor_log_probs"]):
         mask = torch.tensor(sample.response_mask).bool()
         torch.testing.assert_close(actor[mask], torch.tensor(sample.log_probs)[mask], atol=1e-4, rtol=0)
+
+
+def test_the_calculator_environment_through_the_server_is_the_built_in_loop(served):
+    """Same prompts, same seeds: the built-in loop's batch and the served agent's are equal tensor for tensor,
+    over several turns (the user keeps asking) and the token budget's cut."""
+    _, out = served
+    builtin, through_server = out["builtin"], out["served"]
+    assert len(builtin) == len(through_server) == 8  # 4 prompts x 2 samples
+    for key in ("prompts", "responses", "response_mask", "attention_mask", "position_ids", "rollout_log_probs"):
+        assert torch.equal(builtin.batch[key], through_server.batch[key]), key
+    turns = builtin.non_tensor_batch["agent_turns"]
+    assert list(turns) == list(through_server.non_tensor_batch["agent_turns"]) and min(turns) >= 2
+    mask = builtin.batch["response_mask"]
+    real = builtin.batch["attention_mask"][:, -mask.shape[1]:]
+    assert ((real == 1) & (mask == 0)).any(dim=1).all()  # every sample holds an observation between its turns
+    assert list(builtin.non_tensor_batch["agent_reward"]) == list(through_server.non_tensor_batch["agent_reward"])
