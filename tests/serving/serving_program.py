@@ -6,8 +6,10 @@ log-probs of those samples, and both agent batches."""
 
 import argparse
 import asyncio
+import json
 import os
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -85,6 +87,39 @@ async def drive(url: str) -> dict:
     return out
 
 
+def _post(address: str, path: str, body: dict):
+    request = urllib.request.Request(address + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=120)
+
+
+def updates_in_flight(addresses: list[str], prompt: list[int]) -> dict:
+    """A long request streams from replica ``k``; once its first tokens are out, every replica takes the policy's
+    weights (``POST /update``: the reshard is collective), by ``pause`` (the request goes on with them) and then
+    by ``finish`` (the request ends first). Each request's tokens and policy versions, and the order of events."""
+    out = {}
+    for k, policy in enumerate(("pause", "finish")):
+        events = []
+        stream = _post(addresses[k], "/generate", {"prompt_ids": prompt, "stream": True, "sampling": {
+            "max_new_tokens": 300, "ignore_eos": True, "greedy": True}})
+        first = json.loads(stream.readline())
+        events.append("first tokens")
+
+        def update(index):
+            reply = json.loads(_post(addresses[index], "/update", {"policy": policy}).read())
+            events.append(f"update {index}")
+            return reply
+
+        with ThreadPoolExecutor(len(addresses)) as pool:
+            updates = pool.map(update, range(len(addresses)))
+            chunks = [first] + [json.loads(line) for line in stream if line.strip()]
+            events.append("request done")
+            replies = list(updates)
+        out[policy] = {"versions": [v for c in chunks for v in c["versions"]], "events": events, "replies": replies,
+                       "finish_reason": chunks[-1]["finish_reason"]}
+    return out
+
+
 def log_probs_of(actor, samples, pad: int) -> list[torch.Tensor]:
     """The actor's log-probs of each sample's response tokens (every one: the test reads the masked-in ones)."""
     width_p = max(len(s.prompt_ids) for s in samples)
@@ -125,6 +160,7 @@ def main() -> None:
     server.open_session("a", seed=100)
     server.open_session("b", seed=200)
     seen = asyncio.run(drive(server.url))
+    in_flight = updates_in_flight([s["address"] for s in started], seen["a1"]["prompt"][:20])
     placed = {sid: server.router.replica(sid) for sid in ("a", "b")}
     requests = list(server.router.requests)
     sessions = {sid: server.take_session(sid) for sid in ("a", "b")}
@@ -141,7 +177,7 @@ def main() -> None:
     builtin = rollout.generate_sequences(with_sampling(prompts, {"seed": 11, "n": 2}))
     through_server = ServedRollout(rollout, tokenizer, RolloutConfig(**ROLLOUT)).generate(prompts, {"seed": 11, "n": 2},
                                                                                           pad=False)
-    torch.save({"builtin": builtin, "served": through_server,
+    torch.save({"builtin": builtin, "served": through_server, "in_flight": in_flight,
                 "seen": seen, "samples": samples, "actor_log_probs": actor_log_probs, "placed": placed,
                 "requests": requests, "stats": stats, "parents": {k: [t.parent for t in v.turns]
                                                                   for k, v in sessions.items()}},

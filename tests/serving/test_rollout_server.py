@@ -32,7 +32,7 @@ def test_the_openai_client_is_served_and_its_sessions_are_the_ids_served(served)
     tokenizer = AutoTokenizer.from_pretrained(model)
     # Routing: a new session goes to the idler replica, and each stays where it started.
     assert out["placed"] == {"a": 0, "b": 1} and out["requests"] == [4, 2]
-    assert [s["serving/requests"] for s in out["stats"]] == [4, 2]
+    assert [s["serving/requests"] for s in out["stats"]] == [4 + 1, 2 + 1]  # and one long request each, below
     assert seen["models"] == ["policy"]
     assert "max_tokens 10000 is over this rollout's 12 tokens a turn" in seen["bad_request"]
     # The chat with tools: three requests extend each other (the third streamed), the fourth rewrites history.
@@ -79,3 +79,21 @@ def test_the_calculator_environment_through_the_server_is_the_built_in_loop(serv
     real = builtin.batch["attention_mask"][:, -mask.shape[1]:]
     assert ((real == 1) & (mask == 0)).any(dim=1).all()  # every sample holds an observation between its turns
     assert list(builtin.non_tensor_batch["agent_reward"]) == list(through_server.non_tensor_batch["agent_reward"])
+
+
+def test_weights_change_under_requests_in_flight_by_pause_or_finish(served):
+    """``POST /update`` while a 300-token request streams: ``pause`` takes the weights between two steps and the
+    request goes on with them, each token saying which version sampled it; ``finish`` lets it end on the old
+    weights first."""
+    _, out = served
+    paused, finished = out["in_flight"]["pause"], out["in_flight"]["finish"]
+    versions = paused["versions"]
+    assert len(versions) == 300 and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    assert paused["events"][-1] == "request done"  # both replicas took the weights before the request ended
+    assert [reply["version"] for reply in paused["replies"]] == [1, 1]
+    assert finished["versions"] == [1] * 300  # all on the weights it started with (replica 1's)
+    events = finished["events"]
+    assert events.index("update 1") > events.index("request done")  # its replica waited for it
+    assert events.index("update 0") < events.index("request done")  # the idle one did not wait
+    assert [reply["version"] for reply in finished["replies"]] == [2, 2]
+    assert all(reply["weight_sync/bytes"] > 0 for reply in paused["replies"] + finished["replies"])

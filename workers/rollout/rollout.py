@@ -47,7 +47,7 @@ from workers.rollout.batch import (
 from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
 from workers.rollout.generator import GeneratorContext, build_generator
-from workers.rollout.weight_sync import CrossPoolSync, weight_sync_for
+from workers.rollout.weight_sync import CheckpointWeights, CrossPoolSync, weight_sync_for
 
 __all__ = ["Rollout"]
 
@@ -280,7 +280,10 @@ class Rollout(BaseWorker):
         if not self.weight_sync.pushed:
             metrics.update(self.weight_sync.update(self.generator))
         loop = self.generator.serving_loop(self.config.sampling)
-        self._serving = (loop, ReplicaServer(loop, host).start(), metrics)
+        # POST /update: the policy's current weights while serving (every rank at once: the reshard is collective)
+        on_update = None if isinstance(self.weight_sync, CheckpointWeights) else (
+            lambda: self.weight_sync.update(self.generator))
+        self._serving = (loop, ReplicaServer(loop, host, on_update=on_update).start(), metrics)
         return {"address": self._serving[1].address, "max_model_len": loop.max_model_len, **metrics}
 
     @register(Dispatch.ONE_TO_ALL)

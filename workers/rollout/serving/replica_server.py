@@ -3,8 +3,9 @@
 ``POST /generate`` with ``{"prompt_ids": [...], "sampling": {...}, "stream": false}`` answers
 ``{"prompt_ids", "token_ids", "log_probs", "versions", "finish_reason"}``; with ``"stream": true`` it
 answers newline-delimited JSON, one ``ServedTokens`` as it is sampled per line. A client that goes away
-aborts its request. ``GET /health`` gives the loop's state; ``POST /stop`` ends the serving (once the
-requests in flight are done). The server runs on its own thread and event loop; the engine steps on the
+aborts its request. ``POST /update`` (``{"policy": "pause" | "finish"}``) takes the policy's current weights
+while serving: the requests in flight pause and go on with them, or finish first. ``GET /health`` gives the
+loop's state; ``POST /stop`` ends the serving (once the requests in flight are done). The server runs on its own thread and event loop; the engine steps on the
 thread that calls ``EngineLoop.run``. The OpenAI-compatible front end (chat templates, tools, sessions) is
 the controller's (``controller.serving``).
 """
@@ -17,14 +18,19 @@ import json
 import socket
 import threading
 
-from workers.rollout.serving.engine_loop import EngineLoop, ServedTokens
+from typing import Callable
+
+from workers.rollout.serving.engine_loop import UPDATE_POLICIES, EngineLoop, ServedTokens
 
 __all__ = ["ReplicaServer"]
 
 
 class ReplicaServer:
-    def __init__(self, loop: EngineLoop, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.loop, self.host = loop, host
+    def __init__(self, loop: EngineLoop, host: str = "127.0.0.1", port: int = 0,
+                 on_update: Callable[[], dict] | None = None) -> None:
+        """``on_update``: takes the policy's current weights into the engine (``POST /update``), on the
+        stepping thread between steps; None: this replica's weights do not change while it serves."""
+        self.loop, self.host, self.on_update = loop, host, on_update
         self.port = port or _free_port(host)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -69,6 +75,7 @@ class ReplicaServer:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_post("/stop", self._stop)
+        app.router.add_post("/update", self._update)
         try:
             self._runner = web.AppRunner(app, access_log=None)
             self._aio.run_until_complete(self._runner.setup())
@@ -90,6 +97,21 @@ class ReplicaServer:
 
         self.loop.stop()
         return web.json_response({"stopping": True})
+
+    async def _update(self, request):
+        """New weights while serving, ``{"policy": "pause" | "finish"}`` (``EngineLoop.update``); answers once
+        they are in, with the sync's metrics and the new policy version."""
+        from aiohttp import web
+
+        body = await request.json() if request.can_read_body else {}
+        policy = body.get("policy", "pause")
+        if self.on_update is None:
+            return web.json_response({"error": "this replica takes no weights while it serves"}, status=400)
+        if policy not in UPDATE_POLICIES:
+            return web.json_response({"error": f"policy {policy!r} is not one of {UPDATE_POLICIES}"}, status=400)
+        metrics = await asyncio.get_running_loop().run_in_executor(None, self.loop.update, self.on_update, policy)
+        return web.json_response({"version": self.loop.version, **{k: v for k, v in (metrics or {}).items()
+                                                                   if isinstance(v, (int, float, str))}})
 
     async def _generate(self, request):
         from aiohttp import web
