@@ -539,6 +539,9 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
     problems += _router_replay_problems(config, model_spec)
+    if rollout.serves_agent and trainer.mode != "sync":
+        problems.append(f"rollout.agent.entrypoint runs through the rollout server with trainer.mode sync for now, got "
+                        f"{trainer.mode!r}")
     if rollout.agent is not None and rollout.agent.entrypoint is not None:
         from controller.serving.user_agents import load_agent
 

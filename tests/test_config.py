@@ -197,3 +197,29 @@ def test_a_vocabulary_that_only_padding_fits_passes_the_check(tmp_path):
     check_config(load_config(None, layout), spec)
     with pytest.raises(ConfigError, match="tensor_parallel 2 does not divide the vocab size 301"):
         check_config(load_config(None, [*layout, "actor.engine.make_vocab_size_divisible_by=null"]), spec)
+
+
+def test_a_served_agent_is_checked_before_launch():
+    """rollout.agent.entrypoint: an importable async def of (client, row), on the rollout server, with vLLM,
+    generation TP 1 and the sync schedule; each refused by name."""
+    served = "examples/openai_agent.yaml"
+    check_config(load_config(served))  # the example as it is
+    with pytest.raises(ConfigError, match="set server: true"):
+        load_config(served, ["rollout.server=false"])
+    with pytest.raises(ConfigError, match="the 'megatron' engine generates batches"):
+        load_config(served, ["rollout.engine=megatron"])
+    with pytest.raises(ConfigError, match="is not an import path 'package.module:function'"):
+        load_config(served, ["rollout.agent.entrypoint=agent"])
+    with pytest.raises(ConfigError, match="max_concurrent_sessions must be a positive integer"):
+        load_config(served, ["rollout.agent.max_concurrent_sessions=0"])
+    assert "cannot import 'no_such_module'" in _problems_of(served, "rollout.agent.entrypoint=no_such_module:agent")
+    assert "must be an 'async def agent(client, row)'" in _problems_of(
+        served, "rollout.agent.entrypoint=examples.agents.openai_calculator:calculate")
+    assert "with trainer.mode sync for now, got 'one_step_off'" in _problems_of(
+        served, "trainer.mode=one_step_off", "trainer.placement.rollout={nodes: 1, processes_per_node: 1}")
+
+
+def _problems_of(path, *overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(load_config(path, list(overrides)))
+    return str(info.value)
