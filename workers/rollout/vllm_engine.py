@@ -81,6 +81,16 @@ def check_vllm_expert_parallel(spec: ModelSpec, gen: GenerationLayout) -> None:
                          f"ranks instead (rollout.expert_parallel: false), or generate at tensor_parallel 1")
 
 
+def _cpu_scheduling(max_num_seqs: int, max_model_len: int | None) -> dict:
+    """On CPU, a step's token budget that takes every waiting prompt whole. vLLM (0.32) rolls a seeded request's
+    generator back when a step samples a token it then discards (a prompt prefilled in parts), which only a GPU
+    generator can do: on CPU it raises ("CPU Generator does not use offset"). Prompts prefilled whole discard
+    nothing; the budget bounds a step's tokens, not what it allocates."""
+    if accelerator_available() or max_model_len is None:
+        return {}
+    return {"max_num_batched_tokens": max_num_seqs * max_model_len}
+
+
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 VLLM_MAX_LORA_RANK = _VLLM_LORA_RANKS[-1]
 
@@ -185,6 +195,7 @@ class VLLMGenerator(GeneratorBase):
                 # Routes are captured per request as computed (workers.rollout.vllm_routes): no shared prefixes.
                 enable_prefix_caching=not return_routed_experts,
                 **(_lora_options(lora_adapter) if lora_adapter else {}),
+                **_cpu_scheduling(max_num_seqs, max_model_len),
             )
         self.lora_adapter, self.lora_request, self._lora_dir = lora_adapter, None, None
         self.asleep = False
