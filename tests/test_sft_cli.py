@@ -204,3 +204,29 @@ def lora_parameter_count(path, rank: int) -> int:
 
     spec = ModelSpec.from_pretrained(path)
     return spec.num_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in full_shapes(spec).values())
+
+
+def test_calculator_transcripts_warm_start_agentic_grpo(tmp_path):
+    """The tool-use pipeline on the tiny chat model: SFT on calculator transcripts (the tools in its system
+    message, the calls in hermes format), then GRPO of the calculator agent from its export, two steps each."""
+    sft = tmp_path / "sft"
+    proc = hybridflow("sft", "--config", "examples/calculator_sft.yaml", "model_path=builtin:tiny-chat",
+                      f"trainer.run_dir={sft}", "trainer.total_steps=2", "trainer.val_every=2", "data.train_size=16",
+                      "data.val_size=8", "data.batch_size=8", "actor.engine.micro_batch_size=4", "actor.optim.lr=1e-3",
+                      "trainer.plots=false", "trainer.logger=[jsonl]")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    steps = read_metrics(sft)
+    assert [s["step"] for s in steps] == [1, 2] and steps[1]["sft/loss"] < steps[0]["sft/loss"]
+    rl = tmp_path / "rl"
+    proc = hybridflow("train", "--config", "examples/calculator_agent.yaml", f"model_path={sft / 'hf_actor'}",
+                      f"trainer.run_dir={rl}", "trainer.total_steps=2", "trainer.val_every=2",
+                      "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
+                      "trainer.plots=false", "data.batch_size=4", "data.train_size=32", "data.val_size=4",
+                      "rollout.sampling.n=2", "rollout.sampling.max_new_tokens=16", "rollout.agent.max_response_length=64",
+                      "ppo.ppo_mini_batch_size=8", "actor.engine.micro_batch_size=4", "rollout.kv_cache_bytes=67108864",
+                      "rollout.max_prompt_length=640")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]
+    steps = read_metrics(rl)
+    assert [s["step"] for s in steps] == [1, 2] and "val/reward/mean" in steps[1]
+    assert all("agent/tool_calls/mean" in s and 1 <= s["agent/num_turns/mean"] <= 3 for s in steps)

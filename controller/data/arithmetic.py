@@ -18,8 +18,8 @@ from typing import Any
 
 from controller.data.dataset import PromptDataset
 
-__all__ = ["ARITHMETIC_INSTRUCTION", "ARITHMETIC_OPERATORS", "ArithmeticProblem", "arithmetic_problems",
-           "arithmetic_prompts", "arithmetic_rows", "word_problems"]
+__all__ = ["ARITHMETIC_INSTRUCTION", "ARITHMETIC_OPERATORS", "ArithmeticProblem", "WordProblem", "arithmetic_problems",
+           "arithmetic_prompts", "arithmetic_rows", "word_problem_draws", "word_problems"]
 
 ARITHMETIC_OPERATORS = "+-*"
 ARITHMETIC_INSTRUCTION = "What is {a} {op} {b}? Answer with just the number."
@@ -82,6 +82,46 @@ _STEP_WORDS = {"+": "add {b}", "-": "subtract {b}", "*": "multiply by {b}"}
 WORD_PROBLEM_INSTRUCTION = "What is the result? Answer with just the number."
 
 
+@dataclass(frozen=True)
+class WordProblem:
+    """A start and ``steps`` operations applied in turn: (operator, operand) pairs."""
+
+    start: int
+    operations: tuple[tuple[str, int], ...]
+
+    @property
+    def text(self) -> str:
+        said = ", then ".join(_STEP_WORDS[op].format(b=b) for op, b in self.operations)
+        return f"Start with {self.start}. {said[0].upper()}{said[1:]}. {WORD_PROBLEM_INSTRUCTION}"
+
+    @property
+    def values(self) -> list[int]:
+        """The value after each operation (the last is the answer)."""
+        out, value = [], self.start
+        for op, b in self.operations:
+            value = ArithmeticProblem(value, op, b).answer
+            out.append(value)
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values[-1]
+
+
+def word_problem_draws(count: int, seed: int, steps: int = 2, max_operand: int = 99,
+                       operators: str = ARITHMETIC_OPERATORS) -> list[WordProblem]:
+    """The problems ``word_problems`` phrases: each operation is one draw of the arithmetic generator, whose
+    first operand starts the problem (for the first draw) and whose operator and second operand are the step."""
+    if steps < 1:
+        raise ValueError(f"word problems need steps >= 1, got {steps}")
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        draws = [_draw(rng, max_operand, operators) for _ in range(steps)]
+        problems.append(WordProblem(draws[0].a, tuple((d.op, d.b) for d in draws)))
+    return problems
+
+
 def word_problems(count: int, seed: int, steps: int = 2, max_operand: int = 99,
                   operators: str = ARITHMETIC_OPERATORS) -> PromptDataset:
     """``count`` problems of ``steps`` operations each, chat messages, data source "arithmetic".
@@ -89,18 +129,7 @@ def word_problems(count: int, seed: int, steps: int = 2, max_operand: int = 99,
     Each operation is one draw of the arithmetic generator: its first operand starts the problem, and
     every draw's operator and second operand is the next step. The answer is the steps applied in order.
     """
-    if steps < 1:
-        raise ValueError(f"word problems need steps >= 1, got {steps}")
-    rng = random.Random(seed)
-    prompts, answers = [], []
-    for _ in range(count):
-        draws = [_draw(rng, max_operand, operators) for _ in range(steps)]
-        value = draws[0].a
-        for draw in draws:
-            value = ArithmeticProblem(value, draw.op, draw.b).answer
-        said = ", then ".join(_STEP_WORDS[d.op].format(b=d.b) for d in draws)
-        text = f"Start with {draws[0].a}. {said[0].upper()}{said[1:]}. {WORD_PROBLEM_INSTRUCTION}"
-        prompts.append([{"role": "user", "content": text}])
-        answers.append(str(value))
-    return PromptDataset(tuple(prompts), tuple(answers), (DATA_SOURCE,) * count,
+    problems = word_problem_draws(count, seed, steps, max_operand, operators)
+    return PromptDataset(tuple([{"role": "user", "content": p.text}] for p in problems),
+                         tuple(str(p.answer) for p in problems), (DATA_SOURCE,) * count,
                          tuple({"index": i, "steps": steps} for i in range(count)))

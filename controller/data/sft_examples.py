@@ -73,13 +73,16 @@ def encode_text(text: str, tokenizer, where: str = "example") -> SFTExample:
     return SFTExample(ids[:1], rest, [1] * len(rest))
 
 
-def _render(tokenizer, messages: Sequence[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=True)
+def _render(tokenizer, messages: Sequence[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    ids = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=generation_prompt,
+                                        tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def encode_messages(messages: Sequence[dict[str, Any]], tokenizer, where: str = "example") -> SFTExample:
-    """A chat; the assistant turns are learned (through their end-of-turn token), nothing else."""
+def encode_messages(messages: Sequence[dict[str, Any]], tokenizer, where: str = "example",
+                    tools: list[dict] | None = None) -> SFTExample:
+    """A chat; the assistant turns are learned (through their end-of-turn token), nothing else. ``tools``
+    (OpenAI function specs) go to the chat template, as the rollout gives them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where} is a list of chat messages, but the tokenizer "
                          f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
@@ -90,12 +93,12 @@ def encode_messages(messages: Sequence[dict[str, Any]], tokenizer, where: str = 
     if turns[0] == 0:
         raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt before it")
     eos = _eos(tokenizer)
-    full = _render(tokenizer, messages, generation_prompt=False)
+    full = _render(tokenizer, messages, generation_prompt=False, tools=tools)
     mask = [0] * len(full)
     first = None
     for k in turns:
-        before = _render(tokenizer, messages[:k], generation_prompt=True)
-        through = _render(tokenizer, messages[: k + 1], generation_prompt=False)
+        before = _render(tokenizer, messages[:k], generation_prompt=True, tools=tools)
+        through = _render(tokenizer, messages[: k + 1], generation_prompt=False, tools=tools)
         for shorter, longer in ((before, through), (through, full)):
             if longer[: len(shorter)] != shorter:
                 raise ChatTemplateError(

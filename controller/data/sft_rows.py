@@ -49,7 +49,7 @@ def _encoder(data, tokenizer) -> Callable[[dict[str, Any], str], SFTExample]:
         if missing:
             raise ValueError(f"{where}: data.format {kind} needs column(s) {missing}; the row has {sorted(row)}")
         if kind == "messages":
-            return encode_messages(found["messages"][1], tokenizer, where)
+            return encode_messages(found["messages"][1], tokenizer, where, tools=row.get("tools") or None)
         if kind == "pair":
             return encode_pair(found["prompt"][1], found["response"][1], tokenizer, fmt, chat, where)
         return encode_text(found["text"][1], tokenizer, where)
@@ -82,6 +82,17 @@ def load_sft_examples(data, tokenizer, log: Callable[[str], None] | None = None)
         train_rows = arithmetic_pairs(data.train_size, data.seed, data.max_operand, data.operators)
         val_rows = arithmetic_pairs(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else []
         sources = [("arithmetic (train)", train_rows)], [("arithmetic (val)", val_rows)] if val_rows else []
+    elif data.task == "calculator_transcripts":
+        from controller.data.tool_transcripts import calculator_transcripts
+
+        def transcripts(count: int, seed: int) -> list[dict[str, Any]]:
+            return calculator_transcripts(count, seed, tokenizer, data.steps, data.max_operand, data.operators,
+                                          data.tool_format)
+
+        train_rows = transcripts(data.train_size, data.seed)
+        val_rows = transcripts(data.val_size, data.seed + 1) if data.val_size else []
+        sources = ([("calculator transcripts (train)", train_rows)],
+                   [("calculator transcripts (val)", val_rows)] if val_rows else [])
     else:
         sources = ([(str(p), read_rows(p)) for p in data.train_files], [(str(p), read_rows(p)) for p in data.val_files])
     train = [e for source, rows in sources[0] for e in _encode_all(rows, source, encode, data, log)]

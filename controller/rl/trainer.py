@@ -545,14 +545,20 @@ class RLTrainer:
         self.build()
         if self.val_loader is None:
             return {}
-        scores, lengths = [], []
+        scores, lengths, calls = [], [], []
         if self.rollout_link is not None:
             self.rollout_link.sync()
         for prompts in self.val_loader.all_batches():
             out = self._responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
             scores.append(self.score(out).batch["scores"])
             lengths.append(out.batch["response_mask"].sum(-1).float())
-        return {"val/reward/mean": float(torch.cat(scores).mean()), "val/response_length/mean": float(torch.cat(lengths).mean())}
+            if "agent_tool_calls" in out.non_tensor_batch:  # an agent rollout: the tool calls of each sample
+                calls += [float(c) for c in out.non_tensor_batch["agent_tool_calls"]]
+        result = {"val/reward/mean": float(torch.cat(scores).mean()),
+                  "val/response_length/mean": float(torch.cat(lengths).mean())}
+        if calls:
+            result["val/agent/tool_calls/mean"] = sum(calls) / len(calls)
+        return result
 
     def fit(self, total_steps: int) -> list[dict[str, float]]:
         history = []

@@ -138,7 +138,7 @@ class ServedRollout:
             "timing_s/gen": seconds, "agent/sessions": sessions, "agent/samples": len(results) - padding,
             "agent/trajectory_splits": splits, "agent/padding_samples": padding,
             "agent/requests_per_session": sum(len(o.turns) for o in outcomes) / max(sessions, 1),
-            "agent/tool_calls_per_sample": sum(r.tool_calls for r in results) / max(sessions, 1),
+            "agent/tool_calls/mean": sum(r.tool_calls for r in results) / max(sessions, 1),
             "agent/sessions_per_s": sessions / seconds if seconds > 0 else 0.0,
             "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "rollout/response_tokens": tokens,

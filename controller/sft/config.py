@@ -21,7 +21,7 @@ from controller.config import (
 
 __all__ = ["SFT_FORMATS", "SFT_TASKS", "SFTConfig", "SFTDataConfig", "check_sft_config", "load_sft_config"]
 
-SFT_TASKS = ("arithmetic", "files")
+SFT_TASKS = ("arithmetic", "calculator_transcripts", "files")
 SFT_FORMATS = ("auto", "pair", "messages", "text")
 
 
@@ -29,7 +29,9 @@ SFT_FORMATS = ("auto", "pair", "messages", "text")
 class SFTDataConfig:
     """The examples: built-in arithmetic pairs or files, their format and columns, lengths and batch size."""
 
-    task: str | None = None  # built-in prompt/answer pairs ("7+5=" -> "12"), or "files"; None: files if given
+    # built-in prompt/answer pairs ("7+5=" -> "12"), calculator_transcripts (tool-call chats for the word problems
+    # of RL's data.task word_problems: controller.data.tool_transcripts), or "files"; None: files if given
+    task: str | None = None
     train_files: tuple[str, ...] = ()  # .parquet, .jsonl, .json or a datasets save_to_disk directory
     val_files: tuple[str, ...] = ()  # validation examples, in the same forms as train_files
     # pair: prompt_key + response_key; messages: a chat, the loss on assistant turns; text: text_key;
@@ -51,6 +53,8 @@ class SFTDataConfig:
     val_size: int = 64  # arithmetic task: held-out pairs (from seed + 1); 0: none
     max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
     operators: str = "+-*"  # arithmetic task: the operators drawn from
+    steps: int = 2  # calculator_transcripts: operations per word problem
+    tool_format: str = "hermes"  # calculator_transcripts: how the calls are written (hermes or json)
 
     def __post_init__(self) -> None:
         if self.task is None:  # the default follows what the user gave
@@ -140,20 +144,27 @@ def _sft_data_problems(data: SFTDataConfig, trainer: TrainerConfig) -> list[str]
         problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
     if data.max_length < 2:
         problems.append(f"data.max_length must be >= 2 (a prompt token and a learned one), got {data.max_length}")
-    if data.task == "arithmetic":
+    if data.task in ("arithmetic", "calculator_transcripts"):
         if data.train_files or data.val_files:
-            problems.append("data.train_files / val_files are set but data.task is 'arithmetic'; set data.task=files")
+            problems.append(f"data.train_files / val_files are set but data.task is {data.task!r}; set data.task=files")
         if data.train_size < data.batch_size or data.val_size < 0:
             problems.append(f"data.train_size ({data.train_size}) must be at least data.batch_size ({data.batch_size}) "
                             f"and data.val_size >= 0 (got {data.val_size})")
         if not data.operators or set(data.operators) - set(ARITHMETIC_OPERATORS):
             problems.append(f"data.operators {data.operators!r}: each must be one of {ARITHMETIC_OPERATORS!r}")
+        if data.task == "calculator_transcripts":
+            from controller.data.tool_transcripts import TOOL_CALL_TEMPLATES
+
+            if data.tool_format not in TOOL_CALL_TEMPLATES:
+                problems.append(f"data.tool_format {data.tool_format!r} is not one of {sorted(TOOL_CALL_TEMPLATES)}")
+            if data.steps < 1:
+                problems.append(f"data.steps must be >= 1, got {data.steps}")
     elif not data.train_files:
         problems.append("data.task 'files' needs data.train_files (one path or a list)")
     for path in (*data.train_files, *data.val_files):
         if not Path(path).exists():
             problems.append(f"data: example file {path} does not exist")
-    has_val = data.val_files or (data.task == "arithmetic" and data.val_size > 0)
+    has_val = data.val_files or (data.task != "files" and data.val_size > 0)
     if trainer.val_every and not has_val:
         problems.append(f"trainer.val_every {trainer.val_every} needs validation examples (data.val_files, or "
                         "data.val_size > 0 for the arithmetic task)")
