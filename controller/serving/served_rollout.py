@@ -36,6 +36,18 @@ from workers.data_proto import DataProto
 __all__ = ["ServedRollout"]
 
 
+def _run(coroutine):
+    """``asyncio.run``, or on a thread of its own when this thread already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def _plain(value: Any) -> Any:
     """A non-tensor batch value as plain Python (what an agent's row holds)."""
     if isinstance(value, np.ndarray):
@@ -71,7 +83,7 @@ class ServedRollout:
                                started[0]["max_model_len"], agent_cfg.tool_format, fixed_sampling=True)
         try:
             server.start()
-            outcomes = asyncio.run(run_sessions(
+            outcomes = _run(run_sessions(
                 self.agent, rows, server, seeds, agent_cfg.max_concurrent_sessions, agent_cfg.session_timeout_s,
                 {"max_prompt_length": cfg.max_prompt_length, "max_response_length": agent_cfg.max_response_length},
                 prefix=f"step{self.steps}"))
