@@ -173,34 +173,45 @@ class RolloutServer:
                                                                "owned_by": "hybridflow"}]})
 
     # ------------------------------------------------------------------ chat
-    async def _chat(self, request):
+    async def _answering(self, work):
+        """``work``'s response; a request the server cannot take is HTTP 400, a replica's failure 502."""
         self.stats["requests"] += 1
         try:
-            body = await request.json()
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages must be a non-empty list of chat messages")
-            sampling, n = self._fields(body)
-            tools = body.get("tools") if body.get("tool_choice") != "none" else None
-            session = self._session(request, body)
-            chat = self._chat_format(tools)
-            conversation = template_messages(messages)
-            prompt_ids, parent = session.chat_prompt(conversation, chat)
-            self._check_length(prompt_ids, sampling, session, parent)
-            if body.get("stream"):
-                if n != 1:
-                    raise RequestError("stream serves one choice: n must be 1")
-                return await self._chat_stream(request, body, session, conversation, prompt_ids, parent, sampling,
-                                               tools is not None)
-            served = await asyncio.gather(*(self.router.generate(session.session_id, prompt_ids,
-                                                                 self._seeded(session, sampling, k))
-                                            for k in range(n)))
+            return await work
         except (RequestError, ValueError, json.JSONDecodeError) as exc:
             self.stats["errors"] += 1
             return self._error(400, str(exc))
         except ReplicaError as exc:
             self.stats["errors"] += 1
             return self._error(502, str(exc))
+
+    async def _served(self, session: Session, prompt_ids: list[int], sampling: dict, n: int) -> list[dict]:
+        """``n`` completions of ``prompt_ids`` on the session's replica, each with its own seed."""
+        return list(await asyncio.gather(*(self.router.generate(session.session_id, prompt_ids,
+                                                                self._seeded(session, sampling, k))
+                                           for k in range(n))))
+
+    async def _chat(self, request):
+        return await self._answering(self._chat_body(request))
+
+    async def _chat_body(self, request):
+        body = await request.json()
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of chat messages")
+        sampling, n = self._fields(body)
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        session = self._session(request, body)
+        chat = self._chat_format(tools)
+        conversation = template_messages(messages)
+        prompt_ids, parent = session.chat_prompt(conversation, chat)
+        self._check_length(prompt_ids, sampling, session, parent)
+        if body.get("stream"):
+            if n != 1:
+                raise RequestError("stream serves one choice: n must be 1")
+            return await self._chat_stream(request, body, session, conversation, prompt_ids, parent, sampling,
+                                           tools is not None)
+        served = await self._served(session, prompt_ids, sampling, n)
         choices, turns = [], []
         for out in served:
             choice = self._chat_choice(out, tools is not None)
@@ -270,35 +281,28 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ text completions
     async def _completions(self, request):
+        return await self._answering(self._completions_body(request))
+
+    async def _completions_body(self, request):
         from aiohttp import web
 
-        self.stats["requests"] += 1
-        try:
-            body = await request.json()
-            prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                prompt_ids = list(prompt)
-            else:
-                raise RequestError("prompt must be a string or a non-empty list of token ids (one prompt a request)")
-            sampling, n = self._fields(body)
-            session = self._session(request, body)
-            parent = session.completion_prompt(prompt_ids)
-            self._check_length(prompt_ids, sampling, session, parent)
-            if body.get("stream"):
-                if n != 1:
-                    raise RequestError("stream serves one choice: n must be 1")
-                return await self._completion_stream(request, body, session, prompt_ids, parent, sampling)
-            served = await asyncio.gather(*(self.router.generate(session.session_id, prompt_ids,
-                                                                 self._seeded(session, sampling, k))
-                                            for k in range(n)))
-        except (RequestError, ValueError, json.JSONDecodeError) as exc:
-            self.stats["errors"] += 1
-            return self._error(400, str(exc))
-        except ReplicaError as exc:
-            self.stats["errors"] += 1
-            return self._error(502, str(exc))
+        body = await request.json()
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a non-empty list of token ids (one prompt a request)")
+        sampling, n = self._fields(body)
+        session = self._session(request, body)
+        parent = session.completion_prompt(prompt_ids)
+        self._check_length(prompt_ids, sampling, session, parent)
+        if body.get("stream"):
+            if n != 1:
+                raise RequestError("stream serves one choice: n must be 1")
+            return await self._completion_stream(request, body, session, prompt_ids, parent, sampling)
+        served = await self._served(session, prompt_ids, sampling, n)
         choices, turns = [], []
         for out in served:
             turns.append(session.record(ServedTurn(prompt_ids, out["token_ids"], out["log_probs"], out["versions"],
