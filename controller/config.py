@@ -31,12 +31,13 @@ from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
 from workers.megatron.lora import LoRAConfig
 from workers.rollout.config import RolloutConfig
+from workers.sandbox.config import SandboxConfig
 from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
 __all__ = [
     "ALGORITHMS", "AlgorithmConfig", "ConfigError", "DATA_TASKS", "DataConfig", "RLConfig", "RoleConfig", "TrainerConfig",
-    "RewardConfig", "RolloutCorrectionConfig", "apply_overrides", "build_section", "check_config", "config_from_dict", "config_to_dict",
-    "job_pools", "load_config", "model_split_problem",
+    "RewardConfig", "RolloutCorrectionConfig", "SandboxConfig", "apply_overrides", "build_section", "check_config",
+    "config_from_dict", "config_to_dict", "job_pools", "load_config", "model_split_problem", "uses_sandbox",
 ]
 
 # The built-in algorithms (their presets: controller.algorithms.presets); a user's are registered by name
@@ -80,21 +81,26 @@ class RewardConfig:
     device_map: str | None = None  # "auto": the megatron reward model's TP x PP for the job's devices
     max_length: int | None = None  # HFRewardModel: its tokens per text at most (None: the model's limit)
     kwargs: dict[str, Any] = field(default_factory=dict)  # the reward function's keyword arguments
+    # samples a rule reward scores at once (threads); None: 8 for the rewards that run code in the sandbox,
+    # else 1 (one after another)
+    max_concurrency: int | None = None
     # Your own worker ("package.module:Class" or a class) with compute_reward(batch) -> token_level_scores,
     # scores; worker_kwargs are its constructor's. Set instead of fn and model_path.
     worker: str | type | None = None
     worker_kwargs: dict[str, Any] = field(default_factory=dict)  # reward.worker's constructor keyword arguments
 
 
-DATA_TASKS = ("arithmetic", "word_problems", "files", "jsonl")  # "jsonl": the old name of "files"
+DATA_TASKS = ("arithmetic", "word_problems", "code_expression", "files", "jsonl")  # "jsonl": the old name of "files"
+BUILTIN_DATA_TASKS = ("arithmetic", "word_problems", "code_expression")  # generated, from data.seed
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """The prompts: a built-in generator or files, their columns and chat rendering, and the batch size."""
 
-    # a built-in generator (arithmetic, word_problems), or "files" (train_files / val_files); None: "files"
-    # when train files are given, else "arithmetic"
+    # a built-in generator (arithmetic, word_problems, code_expression: "12=" asks for a Python expression
+    # printing 12), or "files" (train_files / val_files); None: "files" when train files are given, else
+    # "arithmetic"
     task: str | None = None
     # One path or a list (concatenated): .parquet, .jsonl, .json, or a datasets save_to_disk directory.
     train_files: tuple[str, ...] = ()
@@ -111,14 +117,14 @@ class DataConfig:
     system_prompt: str | None = None  # prepended as a system message to every chat
     filter_overlong_prompts: bool = False  # drop prompts over rollout.max_prompt_length (else: an error)
     cache_dir: str | None = None  # datasets' Arrow cache; None: a temporary directory
-    train_size: int = 2048  # arithmetic task
+    train_size: int = 2048  # built-in tasks: training prompts generated
     val_size: int = 64  # built-in tasks: validation prompts generated (from seed + 1); 0: none
     batch_size: int = 16  # prompts per step (each gets rollout.sampling.n responses)
     shuffle: bool = True  # reshuffle the prompts every epoch (from trainer.seed); false: their given order
     seed: int = 0  # built-in tasks: the generator's seed (the validation prompts' is seed + 1)
-    max_operand: int = 9  # arithmetic task: operands in [0, max_operand]
+    max_operand: int = 9  # arithmetic and code_expression tasks: operands in [0, max_operand]
     steps: int = 2  # word_problems task: operations per problem
-    operators: str = "+-*"  # arithmetic task
+    operators: str = "+-*"  # arithmetic and code_expression tasks
 
     def __post_init__(self) -> None:
         if self.task is None:  # the default follows what the user gave
@@ -193,6 +199,7 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)  # the prompts
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the run: steps, checkpoints, launch, logging
     cost_model: RoleConfig | None = None  # Safe-RLHF: a reward model scoring cost (instead of safe_rlhf_cost_fn)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
 
 
 # ------------------------------------------------------------------ dict <-> typed tree
@@ -392,9 +399,14 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
         if trainer.max_in_flight is not None and not (isinstance(trainer.max_in_flight, int) and trainer.max_in_flight >= 1):
             problems.append(f"trainer.max_in_flight must be a positive integer (prompt groups in generation at once) "
                             f"or null, got {trainer.max_in_flight!r}")
-        if rollout.agent is not None:
-            problems.append("trainer.mode async continues single-turn responses across weight updates; multi-turn "
-                            "(rollout.agent) conversations run with trainer.mode sync or one_step_off")
+        if rollout.serves_agent:
+            problems += [f"trainer.{key} is a setting of the built-in async stream; a served agent's requests take "
+                         f"new weights in flight (rollout.server_update: pause or finish): drop it"
+                         for key in ("partial_rollout_tokens", "max_in_flight") if getattr(trainer, key) is not None]
+        elif rollout.agent is not None:
+            problems.append("trainer.mode async continues single-turn responses across weight updates; built-in "
+                            "multi-turn (rollout.agent) conversations run with trainer.mode sync or one_step_off, "
+                            "and your own agent (rollout.agent.entrypoint, on rollout.server) with any mode")
     return problems
 
 
@@ -539,9 +551,6 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
     problems += trainer_problems(trainer)
     problems += _schedule_problems(trainer, alg, rollout)
     problems += _router_replay_problems(config, model_spec)
-    if rollout.serves_agent and trainer.mode != "sync":
-        problems.append(f"rollout.agent.entrypoint runs through the rollout server with trainer.mode sync for now, got "
-                        f"{trainer.mode!r}")
     if rollout.agent is not None and rollout.agent.entrypoint is not None:
         from controller.serving.user_agents import load_agent
 
@@ -577,6 +586,8 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
         problems.append(f"data.batch_size must be >= 1, got {data.batch_size}")
     problems += _data_problems(data)
     problems += _reward_problems(config)
+    problems += _sandbox_problems(config)
+    problems += _server_port_problems(rollout)
 
     # Layouts: each megatron role is its own grid over its pool (colocated roles may differ in TP/PP).
     sequences = data.batch_size * n
@@ -709,7 +720,7 @@ def _data_problems(data: DataConfig) -> list[str]:
     for old, new in (("train_file", "train_files"), ("val_file", "val_files")):
         if getattr(data, old) and getattr(data, new):
             problems.append(f"data.{old} and data.{new} are both set; give the paths once, in data.{new}")
-    if data.task in ("arithmetic", "word_problems"):
+    if data.task in BUILTIN_DATA_TASKS:
         if data.train_paths or data.val_paths:
             problems.append(f"data.train_files / val_files are set but data.task is {data.task!r} (the built-in "
                             "generator); set data.task=files to train on them")
@@ -728,6 +739,62 @@ def _data_problems(data: DataConfig) -> list[str]:
     if problem := apply_chat_template_problem(data.apply_chat_template):
         problems.append(problem)
     return problems
+
+
+def uses_sandbox(config: RLConfig) -> bool:
+    """Whether the job runs model-written code by a built-in: a reward (named, or the code_expression task's
+    scorer under reward.fn auto) or an agent tool. A user's function calling the sandbox itself is refused
+    at its first run instead, on a machine that cannot isolate."""
+    from workers.rollout.agent.python_tool import PythonTool
+    from workers.sandbox import SANDBOX_REWARDS, SANDBOX_TOOLS
+
+    reward = config.reward
+    by_fn = reward.model_path is None and reward.worker is None
+    if by_fn and (reward.fn in SANDBOX_REWARDS or (reward.fn == "auto" and config.data.task == "code_expression")):
+        return True
+    if config.algorithm.safe_rlhf_cost_fn in SANDBOX_REWARDS:
+        return True
+    agent = config.rollout.agent
+    if agent is None or agent.entrypoint is not None:
+        return False
+    for name in agent.tools:
+        if name in SANDBOX_TOOLS:
+            return True
+        try:
+            from workers.rollout.agent.config import resolve_tool
+
+            if issubclass(resolve_tool(name), PythonTool):
+                return True
+        except ValueError:  # reported by the rollout's own check
+            continue
+    return False
+
+
+def _server_port_problems(rollout: RolloutConfig) -> list[str]:
+    """A rollout server whose fixed port is taken (the endpoint runs on the controller's node, where this runs)."""
+    import socket
+
+    if not rollout.server or not rollout.server_port:
+        return []
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in rollout.server_host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((rollout.server_host, rollout.server_port))
+    except OSError as exc:
+        reason = exc.strerror or exc
+        return [f"rollout.server_port {rollout.server_port} on {rollout.server_host} cannot be bound ({reason}): "
+                f"another process holds it; choose a free port, or 0 for any free one"]
+    return []
+
+
+def _sandbox_problems(config: RLConfig) -> list[str]:
+    """A job that runs code where the sandbox cannot isolate it is refused, unless limits-only is said."""
+    from workers.sandbox import isolation_problem
+
+    if not uses_sandbox(config):
+        return []
+    problem = isolation_problem(config.sandbox.isolation)
+    return [f"sandbox: {problem}"] if problem else []
 
 
 def _reward_problems(config: RLConfig) -> list[str]:

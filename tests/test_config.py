@@ -215,8 +215,23 @@ def test_a_served_agent_is_checked_before_launch():
     assert "cannot import 'no_such_module'" in _problems_of(served, "rollout.agent.entrypoint=no_such_module:agent")
     assert "must be an 'async def agent(client, row)'" in _problems_of(
         served, "rollout.agent.entrypoint=examples.agents.openai_calculator:calculate")
-    assert "with trainer.mode sync for now, got 'one_step_off'" in _problems_of(
-        served, "trainer.mode=one_step_off", "trainer.placement.rollout={nodes: 1, processes_per_node: 1}")
+    own_pool = ["trainer.launcher=ray", "trainer.placement.rollout={nodes: 1, processes_per_node: 1}"]
+    for mode in ("one_step_off", "async"):  # a served agent runs under every schedule
+        check_config(load_config(served, [f"trainer.mode={mode}", *own_pool]))
+    assert ("trainer.partial_rollout_tokens is a setting of the built-in async stream; a served agent's requests "
+            "take new weights in flight") in _problems_of(served, "trainer.mode=async", *own_pool,
+                                                          "trainer.partial_rollout_tokens=4")
+    import socket
+
+    with socket.socket() as taken:  # a port another process listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert (f"rollout.server_port {port} on 127.0.0.1 cannot be bound (Address already in use): another "
+                f"process holds it") in _problems_of(served, f"rollout.server_port={port}")
+    check_config(load_config(served, [f"rollout.server_port={port}"]))  # free again
+    with pytest.raises(ConfigError, match=r"server_update 'drop' is not one of \('pause', 'finish'\)"):
+        load_config(served, ["rollout.server_update=drop"])
 
 
 def _problems_of(path, *overrides) -> str:

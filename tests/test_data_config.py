@@ -34,7 +34,7 @@ def test_one_path_or_a_list_and_the_old_single_file_spelling(tmp_path):
 def test_data_problems_name_the_key_and_what_is_valid(tmp_path):
     there = tmp_path / "there.parquet"
     there.touch()
-    assert "data.task 'csv' is not one of ('arithmetic', 'word_problems', 'files', 'jsonl')" in problems("data.task=csv")
+    assert "data.task 'csv' is not one of ('arithmetic', 'word_problems', 'code_expression', 'files', 'jsonl')" in problems("data.task=csv")
     assert "data.task 'files' needs data.train_files (one path or a list)" in problems("data.task=files")
     assert f"data: prompt file {tmp_path / 'gone.parquet'} does not exist" in problems(
         "data.task=files", f"data.train_files={tmp_path / 'gone.parquet'}")

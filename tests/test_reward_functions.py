@@ -114,7 +114,8 @@ def test_arithmetic_shaped_needs_ground_truth():
 
 # --------------------------------------------------------- resolve_reward_fn
 def test_resolve_names_and_callables():
-    assert set(REWARD_FUNCTIONS) == {"arithmetic_answer", "format_check", "arithmetic_shaped", "environment"}
+    assert set(REWARD_FUNCTIONS) == {"arithmetic_answer", "format_check", "arithmetic_shaped", "environment",
+                                     "code_exec", "code_expression", "code_expression_shaped"}
     for name, fn in REWARD_FUNCTIONS.items():
         assert resolve_reward_fn(name) is fn
     assert resolve_reward_fn(my_reward) is my_reward
@@ -131,7 +132,8 @@ def test_resolve_import_paths():
 @pytest.mark.parametrize("spec,error,message", [
     ("arithmetic", ValueError,
      (r"unknown reward function 'arithmetic'; built-in functions: \['arithmetic_answer', 'arithmetic_shaped', "
-     r"'environment', 'format_check'\], or give an import path 'package\.module:function'")),
+     r"'code_exec', 'code_expression', 'code_expression_shaped', 'environment', 'format_check'\], or give an "
+     r"import path 'package\.module:function'")),
     ("", ValueError, "unknown reward function ''"),
     (":my_reward", ValueError, r"reward function path ':my_reward' must have the form 'package\.module:function'"),
     ("test_reward_functions:", ValueError, "must have the form"),

@@ -208,3 +208,32 @@ def test_a_multi_turn_sample_is_scored_on_the_models_last_turn(tokenizer_dir):
     batch = make_batch(tokenizer_dir, ground_truth=["5", "5", "4", "5"], agent_messages=conversations)
     out = RuleReward(tokenizer_dir).compute_reward(batch)
     assert out.batch["scores"].tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_samples_are_scored_on_threads_up_to_max_concurrency_in_order(tokenizer_dir):
+    import threading
+    import time
+
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def slow(prompt, response, ground_truth, extra):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return float(len(prompt))
+
+    prompts = [f"{i}+{i}=" + "9" * (i % 3) for i in range(8)]
+    batch = make_batch(tokenizer_dir, prompts=prompts, responses=["1"] * 8)
+    out = RuleReward(tokenizer_dir, reward_fn=slow, max_concurrency=4).compute_reward(batch)
+    assert out.batch["scores"].tolist() == [float(len(p)) for p in prompts]  # each sample's own score, in order
+    assert most[0] == 4
+    most[0] = 0
+    RuleReward(tokenizer_dir, reward_fn=slow).compute_reward(batch)  # a plain function: one at a time
+    assert most[0] == 1
+    with pytest.raises(RewardFunctionError, match="raised on sample 2"):  # the first failure, by sample
+        RuleReward(tokenizer_dir, reward_fn=boom, max_concurrency=4).compute_reward(make_batch(tokenizer_dir))
+    with pytest.raises(ValueError, match="max_concurrency must be a positive integer or None, got 0"):
+        RuleReward(tokenizer_dir, reward_fn=slow, max_concurrency=0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from controller.data.arithmetic import arithmetic_prompts, word_problems
+from controller.data.code_expression import code_expression_prompts
 from controller.data.chat_template import PromptFormat, encode_prompts
 from controller.data.dataset import PromptDataset, RowKeys
 from controller.data.files import load_prompt_files
@@ -36,7 +37,7 @@ def prompt_format(data: DataConfig) -> PromptFormat:
 
 
 def raw_job_prompts(data: DataConfig) -> JobPrompts:
-    """The prompts as read (not yet tokenized): the arithmetic generator, or the files."""
+    """The prompts as read (not yet tokenized): a built-in generator, or the files."""
     if data.task == "arithmetic":
         val = arithmetic_prompts(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else None
         return JobPrompts(arithmetic_prompts(data.train_size, data.seed, data.max_operand, data.operators), val)
@@ -45,6 +46,11 @@ def raw_job_prompts(data: DataConfig) -> JobPrompts:
             return word_problems(count, seed, data.steps, data.max_operand, data.operators)
 
         return JobPrompts(problems(data.train_size, data.seed), problems(data.val_size, data.seed + 1) if data.val_size else None)
+    if data.task == "code_expression":
+        def targets(count: int, seed: int) -> PromptDataset:
+            return code_expression_prompts(count, seed, data.max_operand, data.operators)
+
+        return JobPrompts(targets(data.train_size, data.seed), targets(data.val_size, data.seed + 1) if data.val_size else None)
     keys = RowKeys(data.prompt_key, data.answer_key, data.data_source_key, data.extra_info_key)
     val = load_prompt_files(data.val_paths, keys, data.cache_dir) if data.val_paths else None
     return JobPrompts(load_prompt_files(data.train_paths, keys, data.cache_dir), val)

@@ -33,6 +33,7 @@ def assemble_roles(
     reward_model: RoleSpec | None = None,
     reward_fn: str | Callable | None = None,
     reward_kwargs: dict[str, Any] | None = None,
+    reward_options: dict[str, Any] | None = None,  # RuleReward's max_concurrency, sandbox_isolation
     reward_worker: RoleSpec | None = None,
     cost_fn: str | Callable | None = None,
     cost_model: RoleSpec | None = None,
@@ -64,11 +65,12 @@ def assemble_roles(
         specs["reward_model"] = reward_model
     if reward_fn is not None:
         specs["reward"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": reward_fn,
-                                                "reward_kwargs": reward_kwargs})
+                                                "reward_kwargs": reward_kwargs, **(reward_options or {})})
     if reward_worker is not None:
         specs["reward"] = reward_worker
     if cost_fn is not None:
-        specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": cost_fn})
+        specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": cost_fn,
+                                              **(reward_options or {})})
     if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
         specs["cost"] = cost_model
     return specs

@@ -93,8 +93,10 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
     actor = _engine_role(worker_class(config.actor.worker, Actor, "actor.worker"), actor_path, config.actor,
                          optim=config.actor.optim, ppo=config.ppo)
     rollout_cfg = config.rollout
+    isolation = config.sandbox.isolation
+    sandbox = {"sandbox_isolation": isolation} if isolation != "auto" else {}  # the workers' default otherwise
     rollout = RoleSpec(Rollout, {"model_path": policy_path, "actor_role": "actor",
-                                 "config": config_to_dict(rollout_cfg)},
+                                 "config": config_to_dict(rollout_cfg), **sandbox},
                        device_map=rollout_cfg.device_map,
                        explicit_parallelism=(rollout_cfg.tensor_parallel, rollout_cfg.pipeline_parallel) != (1, 1))
     critic = None
@@ -126,6 +128,7 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
     return assemble_roles(
         algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
         reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None,
+        reward_options={"max_concurrency": reward.max_concurrency, **sandbox},
         reward_worker=reward_worker, cost_fn=alg.safe_rlhf_cost_fn, cost_model=cost_model,
         kl_loss_fn=kl_loss_function(alg.kl_loss_fn))
 

@@ -1,5 +1,6 @@
 """Each step's samples as JSON lines (``trainer.rollout_data_dir``, verl's name): what the model saw and
-said, its score, and per response token the mask, reward, return and advantage the update trained on.
+said, its score, and per response token the mask, reward, return and advantage the update trained on (and in an
+async run the policy version that sampled each token).
 
 One file per step, ``{dir}/{step}.jsonl``, one line per sample; it is written whole and then renamed, so
 a reader never sees half a step. The per-token lists cover the response tokens up to the last non-padding
@@ -63,6 +64,9 @@ class RolloutDump:
             for key in PER_TOKEN_FIELDS:
                 if key in b:
                     line[key] = _rounded(b[key][row, :length])
+            if "token_versions" in b:  # async runs: the policy version that sampled each token (-1: none did)
+                line["token_versions"] = b["token_versions"][row, :length].tolist()
+                line["policy_version"] = int(b["policy_version"][row])
             lines.append(line)
         return lines
 

@@ -11,6 +11,7 @@ is older than the actor's: before the first generation, after every actor update
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from controller.runtime.worker_group import WorkerGroup
@@ -64,8 +65,11 @@ class RolloutWeightLink:
         """The actor's weights changed (an update, a loaded checkpoint): send them before the next generation."""
         self.stale = True
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, receive: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """Send the weights if the rollout's copy is stale; the transfer's metrics (empty when nothing moved).
+
+        ``receive``: how the rollout's ranks take them, each rank's metrics (default: its group's
+        ``receive_weights``; a rollout that is serving takes them through its replicas' ``POST /update``).
 
         ``weight_transfer/bytes`` is what the busiest generation rank received, ``bound_bytes`` its shard:
         equal, since each generation rank receives exactly its shard.
@@ -73,7 +77,7 @@ class RolloutWeightLink:
         if not self.stale:
             return {}
         sending = self.actor.send_weights.submit()
-        received = self.rollout.receive_weights()
+        received = receive() if receive is not None else self.rollout.receive_weights()
         sent = sending.result()
         self.stale = False
         return {

@@ -28,5 +28,7 @@ class RolloutSource:
     generate_and_score: Callable[..., Any]  # (prompts, state) -> a scored batch, generated now
     score: Callable[[Any], Any]  # (batch) -> token_level_scores and scores
     submit: Callable[[str, Any], Future]  # (the rollout group's method, data) -> its result's future
-    sync_weights: Callable[[], dict[str, float]]  # the actor's weights to the rollout's pool; the transfer's metrics
+    # (receive=None) the actor's weights to the rollout's pool, when its copy is stale; the transfer's metrics.
+    # receive: how the rollout's ranks take them (default: a call to its group; a serving rollout's replicas)
+    sync_weights: Callable[..., dict[str, float]]
     record_rollout_metrics: Callable[[Any, dict[str, Any]], None]  # (state, a generation's metrics)

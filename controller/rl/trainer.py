@@ -25,6 +25,7 @@ import math
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,7 @@ class RLTrainer:
         self.verbose = trainer.log_phases
         self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
         self.served_rollout = None  # rollout.agent.entrypoint: generation through the rollout server
+        self._served_calls: ThreadPoolExecutor | None = None  # one_step_off: the served generation ahead
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
         self.mode = trainer.mode
@@ -298,6 +300,11 @@ class RLTrainer:
             minis = [self.ppo.ppo_mini_batch_size] + ([self.config.critic_ppo.ppo_mini_batch_size]
                                                       if "critic" in self.groups else [])
             self.served_rollout = ServedRollout(self.groups["rollout"], tokenizer, rollout_cfg, math.lcm(*minis))
+            if self.mode == "async":  # the replicas serve across steps; the weights change under the sessions
+                from controller.serving.served_stream import ServedStream
+
+                self.schedule = ServedStream(self.served_rollout, self.config.trainer.max_staleness,
+                                             rollout_cfg.server_update)
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
@@ -405,12 +412,21 @@ class RLTrainer:
     # ------------------------------------------------------------- phases
     def rollout_source(self) -> RolloutSource:
         """What the schedule sees of this trainer for the current step."""
-        link, rollout = self.rollout_link, self.groups["rollout"]
+        link = self.rollout_link
         return RolloutSource(
             version=self.global_step, seed=self.seed, batch_size=self.batch_size, sampling=self.rollout_sampling,
             pad_token_id=self.pad_token_id, next_prompts=self.next_prompts, generate_and_score=self.generate_and_score,
-            score=self.score, submit=lambda method, data: getattr(rollout, method).submit(data),
-            sync_weights=link.sync if link is not None else dict, record_rollout_metrics=self.record_rollout_metrics)
+            score=self.score, submit=self._submit, sync_weights=link.sync if link is not None else lambda receive=None: {},
+            record_rollout_metrics=self.record_rollout_metrics)
+
+    def _submit(self, method: str, data: DataProto) -> Future:
+        """A call to the rollout's group, answered later; a served agent's generation runs on a thread of the
+        controller's (one_step_off), serving on the rollout's pool while the actor trains on its own."""
+        if self.served_rollout is not None and method == "generate_sequences":
+            if self._served_calls is None:
+                self._served_calls = ThreadPoolExecutor(1, thread_name_prefix="hybridflow-served-rollout")
+            return self._served_calls.submit(self.served_rollout.generate, data, {})
+        return getattr(self.groups["rollout"], method).submit(data)
 
     def next_prompts(self, state: StepState) -> DataProto:
         """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
@@ -440,6 +456,8 @@ class RLTrainer:
     def _responses(self, prompts: DataProto, sampling: dict[str, Any], training: bool = True) -> DataProto:
         """The rollout's batch for ``prompts``: from its engines, or through its server with the user's agent
         (``rollout.agent.entrypoint``; padded to whole mini-batches when ``training``)."""
+        if getattr(self.schedule, "serving", False):  # the served stream's replicas are serving: through them
+            return self.schedule.generate_now(prompts, sampling)
         if self.served_rollout is not None:
             return self.served_rollout.generate(prompts, sampling, pad=training)
         return self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
@@ -546,7 +564,9 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         scores, lengths, calls = [], [], []
-        if self.rollout_link is not None:
+        if getattr(self.schedule, "serving", False):  # a served stream's replicas take the weights in flight
+            self.schedule.take_weights(self.rollout_link.sync, self.global_step)
+        elif self.rollout_link is not None:
             self.rollout_link.sync()
         for prompts in self.val_loader.all_batches():
             out = self._responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
@@ -603,6 +623,11 @@ class RLTrainer:
         return Path(path)
 
     def shutdown(self) -> None:
+        if hasattr(self.schedule, "close"):  # a served stream: its sessions and replicas stop first
+            self.schedule.close()
+        if self._served_calls is not None:
+            self._served_calls.shutdown(wait=True)
+            self._served_calls = None
         if self.rollout_link is not None:
             self.rollout_link.close()
             self.rollout_link = None

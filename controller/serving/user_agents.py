@@ -56,12 +56,13 @@ class SessionOutcome:
 
 async def run_sessions(agent: Agent, rows: list[dict], server, seeds: list[int | None], max_concurrent: int,
                        timeout_s: float, limits: dict[str, int | None] | None = None,
-                       prefix: str = "sample") -> list[SessionOutcome]:
+                       prefix: str = "sample", gate: asyncio.Semaphore | None = None) -> list[SessionOutcome]:
     """``agent`` once per row, each on a session of its own on ``server`` (a ``RolloutServer``), at most
-    ``max_concurrent`` at a time; the outcomes in the rows' order."""
+    ``max_concurrent`` at a time (or as many as ``gate``, shared with other calls, lets through); the
+    outcomes in the rows' order."""
     import openai
 
-    gate = asyncio.Semaphore(max_concurrent)
+    gate = gate or asyncio.Semaphore(max_concurrent)
 
     async def one(index: int, row: dict) -> SessionOutcome:
         session_id = f"{prefix}-{index}"

@@ -30,6 +30,18 @@ Built-ins (all expect a ground truth and raise ValueError without one):
 
 And one for multi-turn rollouts: ``environment``, the reward the rollout's
 environment gave over the conversation (``extra["agent_reward"]``).
+
+Three run the response's code in the sandbox (``workers.sandbox``; defined
+in ``workers.reward.code_exec``):
+
+- ``code_exec``: the response's program (its last ```python block, else
+  the whole response) against the ground truth: the fraction of a JSON list
+  of test cases (``[{"stdin": ..., "expected": ...}, ...]``) whose stdout
+  matches, or 1.0 / 0.0 for an expected stdout;
+- ``code_expression``: 1.0 if ``print((<the response's expression>))``
+  prints the ground truth, else 0.0;
+- ``code_expression_shaped``: that, with partial credit for a printed
+  number near the target (the tiny model's example, examples/code_expression.yaml).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ import re
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
+
+from workers.reward.code_exec import code_exec, code_expression, code_expression_shaped
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -149,6 +163,9 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "environment": environment,
     "format_check": format_check,
     "arithmetic_shaped": arithmetic_shaped,
+    "code_exec": code_exec,
+    "code_expression": code_expression,
+    "code_expression_shaped": code_expression_shaped,
 }
 
 

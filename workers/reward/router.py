@@ -7,7 +7,9 @@ out of the box:
 - MATH (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
   ``HuggingFaceH4/MATH-500``, ``math``): answer equivalence by ``math-verify``;
 - ``arithmetic`` (the built-in task): ``arithmetic_shaped``, whose partial
-  credit lets a tiny random model start learning.
+  credit lets a tiny random model start learning;
+- ``code_expression`` (the built-in task): ``code_expression_shaped``, which
+  runs the response in the sandbox (``workers.sandbox``).
 
 Everything here is also checked before launch: ``check_reward_fn`` imports
 a named function and binds the reward signature to it, and
@@ -20,6 +22,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
+from workers.reward.code_exec import code_expression_shaped
 from workers.reward.functions import RewardFn, arithmetic_answer, arithmetic_shaped, resolve_reward_fn
 from workers.reward.math_answer import math_equivalence
 
@@ -30,6 +33,7 @@ AUTO = "auto"
 
 DATA_SOURCE_SCORERS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_shaped,
+    "code_expression": code_expression_shaped,  # runs the response in the sandbox
     "gsm8k": arithmetic_answer,
     "openai/gsm8k": arithmetic_answer,
     "math": math_equivalence,

@@ -3,6 +3,8 @@
 Each rank of the group gets an equal share of the batch (DP_COMPUTE_PROTO),
 decodes prompt and response of every sample and calls the reward function
 on them; see ``workers.reward.functions`` for the function's signature.
+Up to ``max_concurrency`` samples are scored at once, on threads: a reward
+that waits (on a sandboxed program, a judge's endpoint) overlaps its waits.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -18,12 +21,14 @@ from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
 from workers.register import register
-from workers.reward.functions import RewardFn
-from workers.reward.router import resolve_scorer
+from workers.reward.functions import REWARD_FUNCTIONS, RewardFn
+from workers.reward.router import DATA_SOURCE_SCORERS, resolve_scorer, score_by_data_source
+from workers.sandbox import SANDBOX_REWARDS, set_default_isolation
 
 __all__ = ["RewardFunctionError", "RuleReward", "last_token_scores"]
 
 REQUIRED_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
+SANDBOX_CONCURRENCY = 8  # samples scored at once by a reward that runs code in the sandbox
 
 
 class RewardFunctionError(RuntimeError):
@@ -62,7 +67,12 @@ class RuleReward(BaseWorker):
     ``reward_fn`` is a callable, a built-in name (``REWARD_FUNCTIONS``), an
     import path ``"package.module:function"`` or ``"auto"`` (a scorer per
     sample's ``data_source``, ``workers.reward.router``); ``reward_kwargs``
-    are passed to every call as keyword arguments.
+    are passed to every call as keyword arguments. ``max_concurrency``:
+    samples scored at once (threads; 1: one after another, in order, on the
+    calling thread); None: ``SANDBOX_CONCURRENCY`` for the built-in rewards
+    that run code in the sandbox, else 1.
+    ``sandbox_isolation``: the job's ``sandbox.isolation``, this process's
+    default for sandboxed code (None: the sandbox's own default).
     """
 
     def __init__(
@@ -70,12 +80,19 @@ class RuleReward(BaseWorker):
         tokenizer_path: str,
         reward_fn: str | RewardFn = "arithmetic_answer",
         reward_kwargs: dict[str, Any] | None = None,
+        max_concurrency: int | None = None,
+        sandbox_isolation: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
+        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                            or max_concurrency < 1):
+            raise ValueError(f"max_concurrency must be a positive integer or None, got {max_concurrency!r}")
+        set_default_isolation(sandbox_isolation)
         self.reward_fn = resolve_scorer(reward_fn)
         self.reward_fn_name = _function_name(self.reward_fn, reward_fn)
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.max_concurrency = max_concurrency
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -96,12 +113,32 @@ class RuleReward(BaseWorker):
         fields = data.non_tensor_batch
         ground_truth = fields.get("ground_truth")
         offset = self.rank * len(data)  # DP_COMPUTE_PROTO hands every rank an equal chunk
-        scores = torch.empty(len(data), dtype=torch.float32)
-        for i in range(len(data)):
+
+        def score(i: int) -> float:
             extra = {key: values[i] for key, values in fields.items() if key != "ground_truth"}
             truth = None if ground_truth is None else ground_truth[i]
-            scores[i] = self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
+            return self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
+
+        concurrency = self._concurrency(fields.get("data_source"))
+        if concurrency == 1 or len(data) < 2:
+            values = [score(i) for i in range(len(data))]
+        else:  # every sample's score is awaited; the first failure (by sample) is the one raised
+            with ThreadPoolExecutor(min(concurrency, len(data)), thread_name_prefix="reward") as pool:
+                futures = [pool.submit(score, i) for i in range(len(data))]
+                values = [future.result() for future in futures]
+        scores = torch.tensor(values, dtype=torch.float32).reshape(len(data))
         return DataProto({"token_level_scores": last_token_scores(scores, response_mask), "scores": scores})
+
+    def _concurrency(self, data_sources) -> int:
+        """``max_concurrency``, else SANDBOX_CONCURRENCY where this batch's scorer runs code, else 1."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        runs_code = {REWARD_FUNCTIONS[name] for name in SANDBOX_REWARDS}
+        if self.reward_fn is score_by_data_source and data_sources is not None:
+            scorers = {DATA_SOURCE_SCORERS.get(source) for source in set(list(data_sources))}
+        else:
+            scorers = {self.reward_fn}
+        return SANDBOX_CONCURRENCY if scorers & runs_code else 1
 
     def _decode(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[str]:
         rows = [row[keep].tolist() for row, keep in zip(tokens, mask)]

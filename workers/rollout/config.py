@@ -10,6 +10,7 @@ from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
 from workers.rollout.generator import registered_generators
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.serving.engine_loop import UPDATE_POLICIES as SERVER_UPDATE_POLICIES
 
 __all__ = ["LORA_SYNC_MODES", "RolloutConfig"]
 
@@ -59,6 +60,11 @@ class RolloutConfig:
     # The rollout behind an OpenAI-compatible endpoint on loopback (controller.serving), served by the replicas'
     # vLLM engines; with agent.entrypoint, the user's agent talks to it as the environment.
     server: bool = False
+    server_host: str = "127.0.0.1"  # where the OpenAI-compatible endpoint listens (loopback: this machine only)
+    server_port: int = 0  # its port; 0: a free one each time it starts (a taken port is refused before launch)
+    # A weight update while requests are in flight (trainer.mode async): "pause" (they go on under the new
+    # weights, each token tagged with its policy version) or "finish" (they end under the old weights first)
+    server_update: str = "pause"
     # "auto": the planner picks the fastest generation TP that fits the devices (controller.planner.device_map),
     # unless tensor_parallel or pipeline_parallel is other than 1
     device_map: str | None = None
@@ -95,6 +101,10 @@ class RolloutConfig:
         if self.server and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             problems.append(f"server: true serves one engine per process: tensor_parallel=1, pipeline_parallel=1, got "
                             f"{self.tensor_parallel} x {self.pipeline_parallel}")
+        if isinstance(self.server_port, bool) or not isinstance(self.server_port, int) or not 0 <= self.server_port < 65536:
+            problems.append(f"server_port must be an integer in [0, 65535] (0: a free port), got {self.server_port!r}")
+        if self.server_update not in SERVER_UPDATE_POLICIES:
+            problems.append(f"server_update {self.server_update!r} is not one of {SERVER_UPDATE_POLICIES}")
         if self.server and self.engine != "vllm":
             problems.append(f"server: true serves requests one by one with vLLM's engine; the {self.engine!r} engine "
                             f"generates batches")

@@ -54,11 +54,16 @@ __all__ = ["Rollout"]
 
 class Rollout(BaseWorker):
     def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor",
-                 training: dict[str, Any] | None = None) -> None:
+                 training: dict[str, Any] | None = None, sandbox_isolation: str | None = None) -> None:
         """``training``: set when the rollout has a pool of its own and the actor sends it weights
         (``receive_weights``): the actor's tensor_parallel, pipeline_parallel, data_parallel,
-        make_vocab_size_divisible_by and precision, which its shards are cut by."""
+        make_vocab_size_divisible_by and precision, which its shards are cut by. ``sandbox_isolation``:
+        the job's ``sandbox.isolation``, this process's default for the agent tools that run code."""
         from transformers import AutoTokenizer
+
+        from workers.sandbox import set_default_isolation
+
+        set_default_isolation(sandbox_isolation)
 
         self.config = cfg = RolloutConfig.from_value(config)
         self.spec = spec = ModelSpec.from_pretrained(model_path)

@@ -2,7 +2,7 @@
 
     rollout:
       agent:
-        tools: [calculator, my_package.tools:Lookup]   # built-in names or "package.module:Class"
+        tools: [calculator, python, my_package.tools:Lookup]   # built-in names or "package.module:Class"
         environment: null        # null: the tools answer; or "package.module:Class" (an Environment)
         tool_format: hermes      # hermes (Hermes / Qwen <tool_call>), json, or vllm:<parser>
         max_turns: 4
@@ -13,7 +13,8 @@ Everything is resolved and checked when the config is built, before any
 worker starts: an unknown built-in, an import path that does not import, a
 class that is no Tool (or Environment) is an error naming it and what is
 valid. A tool runs inside the rollout worker's process, with its rights:
-write and install only tools you trust.
+write and install only tools you trust. The built-in ``python`` tool runs
+the model's code in the sandbox (``sandbox.isolation``), not there.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Callable
 from workers.import_path import import_object
 from workers.rollout.agent.calculator import Calculator
 from workers.rollout.agent.loop import AgentLimits, Environment, ToolEnvironment
+from workers.rollout.agent.python_tool import PythonTool
 from workers.rollout.agent.tool import Tool, ToolBox
 from workers.rollout.agent.tool_calls import TOOL_FORMATS
 
 __all__ = ["AgentConfig", "BUILTIN_TOOLS", "resolve_tool", "resolve_environment"]
 
-BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator}
+BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": PythonTool}
 
 
 def resolve_tool(name: str) -> type[Tool]:

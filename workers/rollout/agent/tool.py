@@ -37,8 +37,10 @@ once as a ``timeout`` error. A tool's ``call`` may run on several threads at
 once (``run_many``, or several agent loops sharing a ToolBox): it must be
 thread-safe. ``ToolBox`` itself may be used from several threads.
 
-No shell, code-execution or network tool ships with the project: the only
-built-in tool is ``Calculator`` (workers.rollout.agent.calculator).
+Two tools ship: ``Calculator`` (workers.rollout.agent.calculator) and
+``PythonTool`` ("python", workers.rollout.agent.python_tool), whose code runs
+in the sandbox (workers.sandbox), never in the rollout's process. No shell or
+network tool ships.
 """
 
 from __future__ import annotations
