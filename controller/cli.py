@@ -7,11 +7,14 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from controller.planner.command import add_plan_parser
 from controller.runtime.torchrun_backend import under_torchrun
 from workers.console import configure_console
+
+STOP_FILE_ENV = "HYBRIDFLOW_STOP_FILE"  # where a torchrun rank says the run stopped itself (_torchrun reads it)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +92,12 @@ def _torchrun(trainer, argv: list[str]) -> int:
     # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
     # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // trainer.nproc))
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads})
+    # A run that stops itself (TrainingStoppedError) says so in this file and its ranks exit cleanly, so that
+    # torchrun does not report a failed child: this command then exits 3, as it does under Ray.
+    with tempfile.TemporaryDirectory(prefix="hybridflow-stop-") as scratch:
+        stop_file = Path(scratch) / "stopped"
+        code = subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads, STOP_FILE_ENV: str(stop_file)})
+        return 3 if code == 0 and stop_file.exists() else code
 
 
 def _ray_cluster(config):
@@ -152,7 +160,16 @@ def _run_job(command: str, load, prepare, run, args, argv: list[str]) -> int:
         return 2
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer, argv)
-    run(config, prepared)
+    from controller.errors import TrainingStoppedError
+
+    try:
+        run(config, prepared)
+    except TrainingStoppedError as exc:  # the run stopped itself, for a reason it names
+        print(f"hybridflow {command}: stopped: {exc}", file=sys.stderr, flush=True)
+        if under_torchrun() and os.environ.get(STOP_FILE_ENV):  # the launcher exits 3 for the whole job
+            Path(os.environ[STOP_FILE_ENV]).write_text(str(exc))
+            return 0
+        return 3
     return 0
 
 

@@ -84,6 +84,9 @@ class RewardConfig:
     # samples a rule reward scores at once (threads); None: 8 for the rewards that run code in the sandbox,
     # else 1 (one after another)
     max_concurrency: int | None = None
+    # a rule reward's call on one sample at most (seconds); one past it scores 0 and is counted
+    # (reward/timeouts), and the step goes on; None: no limit
+    timeout_s: float | None = 120.0
     # Your own worker ("package.module:Class" or a class) with compute_reward(batch) -> token_level_scores,
     # scores; worker_kwargs are its constructor's. Set instead of fn and model_path.
     worker: str | type | None = None
@@ -148,6 +151,8 @@ class TrainerConfig:
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: no validation
     val_before_train: bool = False  # validate once before the first step too (logged as step 0)
+    # steps in a row whose optimizer steps were skipped (a NaN or Inf loss or gradient) before the job stops
+    max_bad_steps: int = 5
     run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
     resume: bool = False  # continue from the newest complete checkpoint under run_dir
     launcher: str = "torchrun"  # what starts the worker processes: "torchrun" or "ray"
@@ -475,7 +480,7 @@ def trainer_problems(trainer: TrainerConfig) -> list[str]:
                         "or null (the actor's engine.precision)")
     if trainer.launcher not in LAUNCHERS:
         problems.append(f"trainer.launcher {trainer.launcher!r} is not one of {LAUNCHERS}")
-    for name in ("total_steps", "nproc", "nnodes"):
+    for name in ("total_steps", "nproc", "nnodes", "max_bad_steps"):
         if getattr(trainer, name) < 1:
             problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
     for name in ("save_every", "val_every"):
@@ -809,6 +814,11 @@ def _reward_problems(config: RLConfig) -> list[str]:
     elif reward.fn is None and reward.model_path is None and reward.worker is None:
         problems.append("reward: set reward.fn (a rule) or reward.model_path (a reward model), or reward.worker "
                         "(your own worker)")
+    if reward.timeout_s is not None and not reward.timeout_s > 0:
+        problems.append(f"reward.timeout_s must be a positive number of seconds or null (no limit), got "
+                        f"{reward.timeout_s!r}")
+    if reward.max_concurrency is not None and reward.max_concurrency < 1:
+        problems.append(f"reward.max_concurrency must be a positive integer or null, got {reward.max_concurrency!r}")
     by_fn = reward.model_path is None and reward.worker is None and reward.fn is not None
     checks = [("reward.fn", reward.fn)] if by_fn else []
     if alg.safe_rlhf_cost_fn is not None:

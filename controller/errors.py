@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "WorkerGroupError", "RemoteWorkerError", "WorkerDiedError", "CallTimeoutError", "HostLostError"]
+__all__ = ["ConfigError", "WorkerGroupError", "RemoteWorkerError", "WorkerDiedError", "CallTimeoutError", "HostLostError",
+           "NonFiniteTrainingError", "TrainingStoppedError"]
 
 
 class ConfigError(ValueError):
     """The configuration cannot run; the message lists every problem found."""
+
+
+class TrainingStoppedError(RuntimeError):
+    """The run stopped itself for a reason it names (the CLI prints it and exits 3); its last complete
+    checkpoint is intact."""
+
+
+class NonFiniteTrainingError(TrainingStoppedError):
+    """``trainer.max_bad_steps`` steps in a row skipped their optimizer steps (a NaN or Inf loss or gradient)."""
 
 
 class WorkerGroupError(RuntimeError):

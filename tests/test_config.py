@@ -215,6 +215,8 @@ def test_a_served_agent_is_checked_before_launch():
     assert "cannot import 'no_such_module'" in _problems_of(served, "rollout.agent.entrypoint=no_such_module:agent")
     assert "must be an 'async def agent(client, row)'" in _problems_of(
         served, "rollout.agent.entrypoint=examples.agents.openai_calculator:calculate")
+    assert "reward.timeout_s must be a positive number of seconds or null (no limit), got 0" in _problems_of(
+        served, "reward.timeout_s=0")
     own_pool = ["trainer.launcher=ray", "trainer.placement.rollout={nodes: 1, processes_per_node: 1}"]
     for mode in ("one_step_off", "async"):  # a served agent runs under every schedule
         check_config(load_config(served, [f"trainer.mode={mode}", *own_pool]))

@@ -237,3 +237,29 @@ def test_samples_are_scored_on_threads_up_to_max_concurrency_in_order(tokenizer_
         RuleReward(tokenizer_dir, reward_fn=boom, max_concurrency=4).compute_reward(make_batch(tokenizer_dir))
     with pytest.raises(ValueError, match="max_concurrency must be a positive integer or None, got 0"):
         RuleReward(tokenizer_dir, reward_fn=slow, max_concurrency=0)
+
+
+def test_a_reward_call_that_never_returns_times_out_scores_zero_and_the_batch_goes_on(tokenizer_dir):
+    import threading
+    import time
+
+    never = threading.Event()
+
+    def sometimes_hangs(prompt, response, ground_truth, extra):
+        if prompt.startswith("2*3"):
+            never.wait()  # sleeps forever
+        return 1.0
+
+    worker = RuleReward(tokenizer_dir, reward_fn=sometimes_hangs, max_concurrency=2, timeout_s=0.5)
+    for _ in range(2):  # the first batch's hung call is abandoned: the second batch runs two at once again
+        start = time.monotonic()
+        out = worker.compute_reward(make_batch(tokenizer_dir))
+        assert time.monotonic() - start < 0.5 + 1.0
+        assert out.batch["scores"].tolist() == [1.0, 0.0, 1.0, 1.0]
+        assert out.batch["reward_timed_out"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert worker._threads[2].hung == 2  # both abandoned, still waiting
+    with pytest.raises(RewardFunctionError, match="raised on sample 2"):  # a failure is still a failure
+        RuleReward(tokenizer_dir, reward_fn=boom, timeout_s=5).compute_reward(make_batch(tokenizer_dir))
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds or None, got 0"):
+        RuleReward(tokenizer_dir, reward_fn=boom, timeout_s=0)
+    never.set()

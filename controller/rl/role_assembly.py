@@ -33,7 +33,7 @@ def assemble_roles(
     reward_model: RoleSpec | None = None,
     reward_fn: str | Callable | None = None,
     reward_kwargs: dict[str, Any] | None = None,
-    reward_options: dict[str, Any] | None = None,  # RuleReward's max_concurrency, sandbox_isolation
+    reward_options: dict[str, Any] | None = None,  # RuleReward's max_concurrency, timeout_s, sandbox_isolation
     reward_worker: RoleSpec | None = None,
     cost_fn: str | Callable | None = None,
     cost_model: RoleSpec | None = None,

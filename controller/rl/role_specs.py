@@ -128,7 +128,7 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
     return assemble_roles(
         algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
         reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None,
-        reward_options={"max_concurrency": reward.max_concurrency, **sandbox},
+        reward_options={"max_concurrency": reward.max_concurrency, "timeout_s": reward.timeout_s, **sandbox},
         reward_worker=reward_worker, cost_fn=alg.safe_rlhf_cost_fn, cost_model=cost_model,
         kl_loss_fn=kl_loss_function(alg.kl_loss_fn))
 

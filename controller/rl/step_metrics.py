@@ -37,6 +37,8 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         if key in b:
             values = b[key][mask]
             metrics.update(_stats(name, values) if values.numel() else {})
+    if "reward_timed_out" in b:  # samples whose reward call passed reward.timeout_s (scored 0)
+        metrics["reward/timeouts"] = float(b["reward_timed_out"].sum())
     if "entropys" in b:
         metrics["actor/entropy_rollout"] = float(masked_mean(b["entropys"], b["response_mask"]))
     return metrics

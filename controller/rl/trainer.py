@@ -35,7 +35,7 @@ import torch
 from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
 from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
 from controller.data import PromptLoader
-from controller.errors import ConfigError
+from controller.errors import ConfigError, NonFiniteTrainingError
 from controller.models.builtin import resolve_model_path
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import ROLE_ORDER, reference_role
@@ -165,6 +165,8 @@ class RLTrainer:
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
+        self.max_bad_steps = trainer.max_bad_steps
+        self.bad_steps: list[int] = []  # the steps in a row that skipped an optimizer step (count_bad_step)
         self.loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
         pools = job_pools(trainer)  # the config's own placement: the pools' owners first, then the roles sharing them
@@ -479,7 +481,8 @@ class RLTrainer:
             key = self.specs["reward_model"].kwargs.get("score_key", "rm_scores")
             scores = DataProto({"token_level_scores": out.batch["token_level_scores"], "scores": out.batch[key]})
         else:
-            scores = self.groups["reward"].compute_reward(batch).select(["token_level_scores", "scores"])
+            out = self.groups["reward"].compute_reward(batch)
+            scores = out.select([k for k in ("token_level_scores", "scores", "reward_timed_out") if k in out.batch])
         if "cost" in self.groups:
             if hasattr(self.groups["cost"], "compute_rm_score"):
                 cost = self.groups["cost"].compute_rm_score(batch)
@@ -535,6 +538,27 @@ class RLTrainer:
         metrics.update(kl_metrics(metrics, user_fn=self.kl_loss_fn is not None, ppo=self.ppo,
                                   reward_beta=self.algorithm.kl_ctrl.value if self.algorithm.config.kl_in_reward else None))
         state.metrics.update(metrics)
+        self.count_bad_step(state)
+
+    def count_bad_step(self, state: StepState) -> None:
+        """A step whose actor or critic skipped an optimizer step (a NaN or Inf loss or gradient: the update
+        left their weights and optimizer state as they were) is said and counted; ``trainer.max_bad_steps``
+        of them in a row stop the run, naming the first."""
+        skipped = [role for role in ("critic", "actor") if state.metrics.get(f"{role}/skipped", 0.0) > 0]
+        if not skipped:
+            self.bad_steps = []
+            return
+        self.bad_steps.append(state.step + 1)  # as the console and the metrics number it
+        state.metrics["training/bad_steps_in_row"] = float(len(self.bad_steps))
+        print(f"[hybridflow] step {state.step + 1}: the {' and the '.join(skipped)} skipped "
+              f"{'their' if len(skipped) > 1 else 'its'} optimizer step (a non-finite loss or gradient, located "
+              f"above); {len(self.bad_steps)} such step(s) in a row (trainer.max_bad_steps={self.max_bad_steps})",
+              flush=True)
+        if len(self.bad_steps) >= self.max_bad_steps:
+            raise NonFiniteTrainingError(
+                f"{len(self.bad_steps)} steps in a row skipped their optimizer steps on a non-finite loss or "
+                f"gradient, the first at step {self.bad_steps[0]} (steps {self.bad_steps}; trainer.max_bad_steps="
+                f"{self.max_bad_steps}); no skipped step changed a weight")
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
         """The step's metrics; then validation, logging and the checkpoint where they are due."""

@@ -32,7 +32,7 @@ def test_every_problem_is_named_before_any_worker_starts():
         AgentConfig(tools=("calculator", "search", "os:path", "calculator"), environment="test_agent_config:nothing",
                     tool_format="xml", max_turns=0)
     text = str(info.value)
-    assert "unknown tool 'search'; built-in tools: ['calculator'], or give an import path" in text
+    assert "unknown tool 'search'; built-in tools: ['calculator', 'python'], or give an import path" in text
     assert "tool 'os:path' is <module 'posixpath'" in text and "not a subclass of workers.rollout.agent.Tool" in text
     assert "tools lists a tool twice" in text
     assert "environment 'test_agent_config:nothing': module 'test_agent_config' has no 'nothing'" in text

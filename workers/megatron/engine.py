@@ -264,18 +264,34 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
     def optimizer_step(self) -> dict[str, float]:
-        """Advance the LR schedule, clip and step; returns grad_norm and the LR used.
+        """Advance the LR schedule, clip and step; returns grad_norm, the LR used and ``skipped`` (0.0).
 
         The schedule moves first, so optimizer step k (from 1) uses the LR of
         step k: the first warmup step already has lr / warmup_steps, not 0.
+
+        Gradients with a NaN or an Inf anywhere in the grid (a non-finite loss on one micro-batch of one
+        rank spreads to every rank's reduced gradients) skip the step on every rank, agreed by one
+        all-reduce: the weights, the optimizer's state and the LR schedule stay as they were, the gradients
+        are zeroed, and ``skipped`` is 1.0 with a NaN ``grad_norm``.
         """
+        if self.gradients_non_finite():
+            self.zero_grad()
+            return {"grad_norm": float("nan"), "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": 1.0}
         self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         fuse_cpu_adam(self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
+        if not ok:  # only a loss scaler skips (fp16, which PRECISIONS does not offer): checked above
             raise FloatingPointError("the optimizer skipped its step (non-finite gradients)")
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"grad_norm": float(grad_norm), "lr": float(lr), "skipped": 0.0}
+
+    def gradients_non_finite(self) -> bool:
+        """Whether any rank of the grid holds a NaN or an Inf in its gradient buffers (collective)."""
+        local = any(not bool(torch.isfinite(buffer.grad_data).all())
+                    for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers])
+        flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pool_group)
+        return bool(flag.item() > 0)
 
     def state_bytes(self) -> dict[str, int]:
         """What this rank holds for the model's state, counted from its tensors' storages (each once).

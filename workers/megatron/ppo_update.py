@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -12,7 +13,7 @@ from workers.megatron.micro_batches import PaddingStats
 from workers.megatron.preflight import mini_batch_plan
 from workers.policy_losses import LossNormalizer, valid_sequences
 
-__all__ = ["normalizer_counts", "run_ppo_epochs", "token_share"]
+__all__ = ["normalizer_counts", "report_non_finite", "run_ppo_epochs", "token_share"]
 
 
 def run_ppo_epochs(
@@ -37,12 +38,13 @@ def run_ppo_epochs(
     metrics: dict[str, list[float]] = {}
     engine.routing_metrics()  # from here on: the update's own passes
     engine.replay_metrics()
-    for mini in data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed):
+    for index, mini in enumerate(data.make_iterator(per_rank, epochs=epochs, shuffle=shuffle, seed=seed)):
         tokens, sequences = engine.dp_sum(normalizer_counts(mini.batch["response_mask"]))
         engine.zero_grad()
         # DDP averages gradients over DP ranks; the shares already add up to the mini-batch mean, so undo it
         # (the engine undoes the schedule's division by the number of micro-batches).
         stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
+        report_non_finite(engine, stats, prefix, index)
         step_metrics = engine.optimizer_step()
         step_metrics.update(engine.routing_metrics())
         step_metrics.update(engine.replay_metrics())  # the routers against a batch's routes, where it has them
@@ -57,6 +59,22 @@ def run_ppo_epochs(
         for key, value in step_metrics.items():
             metrics.setdefault(f"{prefix}/{key}", []).append(value)
     return metrics
+
+
+def report_non_finite(engine: MegatronEngine, stats, prefix: str, mini_batch: int) -> None:
+    """Print where a mini-batch's loss went non-finite: this rank's first micro-batch with a NaN or Inf
+    statistic (the last pipeline stage's first TP rank of each DP rank reports its own). The optimizer step
+    that follows is skipped on every rank (``MegatronEngine.optimizer_step``)."""
+    if not stats or engine.groups.tp_rank != 0:
+        return
+    for micro, values in enumerate(stats):
+        bad = {k: float(v) for k, v in values.items() if not math.isfinite(float(v))}
+        if bad:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
+            print(f"[hybridflow] {prefix} update: mini-batch {mini_batch}: non-finite {shown} on DP rank "
+                  f"{engine.groups.dp_rank}, micro-batch {micro}; the optimizer step is skipped on every rank",
+                  flush=True)
+            return
 
 
 def normalizer_counts(response_mask: torch.Tensor) -> list[float]:

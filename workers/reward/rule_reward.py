@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
+from workers.deadline_threads import DeadlineThreads
 from workers.dispatch import Dispatch
 from workers.register import register
 from workers.reward.functions import REWARD_FUNCTIONS, RewardFn
@@ -29,6 +32,8 @@ __all__ = ["RewardFunctionError", "RuleReward", "last_token_scores"]
 
 REQUIRED_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
 SANDBOX_CONCURRENCY = 8  # samples scored at once by a reward that runs code in the sandbox
+TIMEOUT_SCORE = 0.0  # the score of a sample whose reward call passed its timeout
+MAX_ABANDONED_CALLS = 256  # reward calls past their timeout still running: more is an error (the function hangs)
 
 
 class RewardFunctionError(RuntimeError):
@@ -73,6 +78,9 @@ class RuleReward(BaseWorker):
     that run code in the sandbox, else 1.
     ``sandbox_isolation``: the job's ``sandbox.isolation``, this process's
     default for sandboxed code (None: the sandbox's own default).
+    ``timeout_s``: each sample's call at most (None: no limit); one past it
+    scores ``TIMEOUT_SCORE`` and is marked in ``reward_timed_out``, and the
+    batch goes on.
     """
 
     def __init__(
@@ -82,22 +90,29 @@ class RuleReward(BaseWorker):
         reward_kwargs: dict[str, Any] | None = None,
         max_concurrency: int | None = None,
         sandbox_isolation: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
                                             or max_concurrency < 1):
             raise ValueError(f"max_concurrency must be a positive integer or None, got {max_concurrency!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
         set_default_isolation(sandbox_isolation)
         self.reward_fn = resolve_scorer(reward_fn)
         self.reward_fn_name = _function_name(self.reward_fn, reward_fn)
         self.reward_kwargs = dict(reward_kwargs or {})
         self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self._threads: dict[int, DeadlineThreads] = {}  # by concurrency, kept across calls (hung threads count)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
-        """``scores`` [B] and ``token_level_scores`` [B, R] (the score on the last valid response token)."""
+        """``scores`` [B], ``token_level_scores`` [B, R] (the score on the last valid response token) and
+        with ``timeout_s``, ``reward_timed_out`` [B] (1.0 where the call passed it)."""
         missing = [key for key in REQUIRED_KEYS if key not in data.batch]
         if missing:
             raise KeyError(f"compute_reward needs batch tensors {list(REQUIRED_KEYS)}; missing {missing}")
@@ -120,14 +135,43 @@ class RuleReward(BaseWorker):
             return self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
 
         concurrency = self._concurrency(fields.get("data_source"))
-        if concurrency == 1 or len(data) < 2:
+        timed_out = [False] * len(data)
+        if self.timeout_s is not None:
+            values, timed_out = self._score_by_deadline(score, len(data), concurrency)
+        elif concurrency == 1 or len(data) < 2:
             values = [score(i) for i in range(len(data))]
         else:  # every sample's score is awaited; the first failure (by sample) is the one raised
             with ThreadPoolExecutor(min(concurrency, len(data)), thread_name_prefix="reward") as pool:
                 futures = [pool.submit(score, i) for i in range(len(data))]
                 values = [future.result() for future in futures]
         scores = torch.tensor(values, dtype=torch.float32).reshape(len(data))
-        return DataProto({"token_level_scores": last_token_scores(scores, response_mask), "scores": scores})
+        out = {"token_level_scores": last_token_scores(scores, response_mask), "scores": scores}
+        if self.timeout_s is not None:
+            out["reward_timed_out"] = torch.tensor(timed_out, dtype=torch.float32).reshape(len(data))
+        return DataProto(out)
+
+    def _score_by_deadline(self, score: Callable[[int], float], count: int,
+                           concurrency: int) -> tuple[list[float], list[bool]]:
+        """Each sample's score on a daemon thread of its own, ``concurrency`` at once, each given ``timeout_s``:
+        a call past it scores ``TIMEOUT_SCORE`` and is marked, and its thread is abandoned (it ends when the
+        call returns; more than ``MAX_ABANDONED_CALLS`` still running is an error). The first failure (by
+        sample) is raised."""
+        if concurrency not in self._threads:
+            self._threads[concurrency] = DeadlineThreads(concurrency, "hybridflow-reward", MAX_ABANDONED_CALLS)
+        threads = self._threads[concurrency]
+        calls = [(threads.submit(score, i, timeout_s=self.timeout_s), time.monotonic() + self.timeout_s)
+                 for i in range(count)]
+        values, timed_out = [], []
+        for future, deadline in calls:
+            try:
+                if future is None:  # every thread is held by a call past its deadline: not started
+                    raise FutureTimeout
+                values.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+                timed_out.append(False)
+            except FutureTimeout:
+                values.append(TIMEOUT_SCORE)
+                timed_out.append(True)
+        return values, timed_out
 
     def _concurrency(self, data_sources) -> int:
         """``max_concurrency``, else SANDBOX_CONCURRENCY where this batch's scorer runs code, else 1."""

@@ -27,7 +27,7 @@ the model reads next (e.g. ``error: tool 'calculator' timed out after 2 s``).
 The agent loop counts them per kind (``error_counts``, metric
 ``agent/tool_errors``).
 
-Threads and timeouts: each call runs on a daemon thread of its own, at most
+Threads and timeouts (``workers.deadline_threads``): each call runs on a daemon thread of its own, at most
 ``max_threads`` at once, and is waited for with ``future.result(timeout)``
 (daemon threads: a tool that never returns does not hold its process at exit). A Python
 call cannot be killed: one that overruns keeps its thread until it returns
@@ -48,13 +48,13 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from workers.deadline_threads import DeadlineThreads
 from workers.rollout.agent.tool_outcome import (  # noqa: F401 (re-exported: the tool's public names)
     BAD_ARGUMENTS,
     MALFORMED,
@@ -205,9 +205,7 @@ class ToolBox:
             self._entries[tool.name] = _Entry(tool, validator, signature)
         self.max_threads = max_threads
         self.max_observation_chars = max_observation_chars
-        self._lock = threading.Condition()
-        self._running: dict[Future, float] = {}  # call in a thread -> its deadline (monotonic)
-        self._closed = False
+        self._threads = DeadlineThreads(max_threads, "hybridflow-tool")
 
     # -- lookup ----------------------------------------------------------------------------------------------------
 
@@ -231,9 +229,7 @@ class ToolBox:
     @property
     def hung_threads(self) -> int:
         """Threads still held by calls that overran their timeout (they return when the call does)."""
-        now = time.monotonic()
-        with self._lock:
-            return sum(1 for future, deadline in self._running.items() if deadline <= now and not future.done())
+        return self._threads.hung
 
     # -- running ---------------------------------------------------------------------------------------------------
 
@@ -254,8 +250,7 @@ class ToolBox:
 
     def close(self) -> None:
         """Refuse new calls; threads held by running calls end when those return (they never hold the process)."""
-        with self._lock:
-            self._closed = True
+        self._threads.close()
 
     def __enter__(self) -> "ToolBox":
         return self
@@ -293,26 +288,6 @@ class ToolBox:
                 return None, self._error(call, BAD_ARGUMENTS, f"bad arguments for tool {call.name!r}: {exc}")
         return entry, None
 
-    def _reserve(self) -> bool:
-        """Wait for a free thread; False (at once) when every thread is held by a call past its deadline."""
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise RuntimeError("this ToolBox is closed")
-                if len(self._running) < self.max_threads:
-                    return True
-                now = time.monotonic()
-                live = [deadline for deadline in self._running.values() if deadline > now]
-                if not live:
-                    return False
-                # A thread frees when its call returns (notify) or its deadline passes and it may count as hung.
-                self._lock.wait(timeout=min(live) - now + 1e-3)
-
-    def _release(self, future: Future) -> None:
-        with self._lock:
-            self._running.pop(future, None)
-            self._lock.notify_all()
-
     @staticmethod
     def _invoke(tool: Tool, arguments: dict[str, Any], timing: list[float]) -> Any:
         timing.append(time.monotonic())
@@ -327,16 +302,13 @@ class ToolBox:
         if item.outcome is not None:
             return item
         tool = item.entry.tool
-        if not self._reserve():
+        item.deadline = time.monotonic() + tool.timeout_s
+        item.future = self._threads.submit(self._invoke, tool, dict(call.arguments), item.timing,
+                                           timeout_s=tool.timeout_s)
+        if item.future is None:
             item.outcome = self._error(call, TIMEOUT, f"tool {tool.name!r} timed out: it was not started because "
                                                       f"all {self.max_threads} tool threads are still held by "
                                                       f"earlier calls that timed out")
-            return item
-        with self._lock:
-            item.deadline = time.monotonic() + tool.timeout_s
-            item.future = _in_daemon_thread(self._invoke, tool, dict(call.arguments), item.timing)
-            self._running[item.future] = item.deadline
-        item.future.add_done_callback(self._release)
         return item
 
     def _collect(self, item: _Pending) -> ToolOutcome:
@@ -364,20 +336,3 @@ class ToolBox:
     @staticmethod
     def _seconds(item: _Pending) -> float:
         return item.timing[1] - item.timing[0] if len(item.timing) == 2 else 0.0
-
-
-def _in_daemon_thread(fn, *args: Any) -> Future:
-    """``fn(*args)`` on a new daemon thread (the ToolBox bounds how many run): a tool that never returns
-    must not hold its worker process at exit, as a thread pool's threads would."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="hybridflow-tool", daemon=True).start()
-    return future
