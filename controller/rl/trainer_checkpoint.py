@@ -9,23 +9,33 @@
 
 A step's checkpoint exists once ``trainer/latest`` names it; each file is written to a temporary
 name and renamed into place, so a crash mid-save leaves the previous checkpoint as the newest.
+
+The commit record (``trainer/step_N.json``) carries the size and sha256 of every file of the checkpoint
+(``checkpoint_integrity``). A resume verifies them first: a checkpoint with a file missing, torn or changed
+is reported by file and passed over for the newest older one that verifies. A save that fails (a full disk,
+a quota) stops the run (``CheckpointWriteError``) with the newest complete checkpoint untouched.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from controller.errors import ConfigError
+from controller.errors import ConfigError, TrainingStoppedError
+from controller.rl.checkpoint_integrity import checksums, verify
 
 if TYPE_CHECKING:
     from controller.rl.trainer import RLTrainer
 
-__all__ = ["TrainerCheckpoint", "commit_trainer_state", "latest_trainer_state"]
+__all__ = ["CheckpointWriteError", "TrainerCheckpoint", "commit_trainer_state", "latest_trainer_state", "saving"]
 
 TRAINED_ROLES = ("actor", "critic")
+FULL_DISK_BYTES = 1 << 20  # free space below this after a failed save: the filesystem is full
 
 
 class TrainerCheckpoint:
@@ -41,19 +51,23 @@ class TrainerCheckpoint:
     def save(self, trainer: RLTrainer) -> Path:
         """The trained roles at ``trainer.global_step``, then the trainer's state; returns the latter's path."""
         step = trainer.global_step
-        for role in TRAINED_ROLES:
-            if role in trainer.groups:
-                trainer.groups[role].save_checkpoint(str(self.root / role), step)
+        roles = [role for role in TRAINED_ROLES if role in trainer.groups]
         trainer_dir = self.root / "trainer"
-        trainer_dir.mkdir(parents=True, exist_ok=True)
-        # One-step-off's batch generated ahead, async's stream (before the commit point: part of this step).
-        schedule = trainer.schedule.state_dict(trainer_dir / f"step_{step:08d}.schedule.pt")
-        state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
-                 **trainer.algorithm.state_dict()}
-        return commit_trainer_state(self.root, state)
+        schedule_path = trainer_dir / f"step_{step:08d}.schedule.pt"
+        with saving(self.root, step):
+            for role in roles:
+                trainer.groups[role].save_checkpoint(str(self.root / role), step)
+            trainer_dir.mkdir(parents=True, exist_ok=True)
+            # One-step-off's batch generated ahead, async's stream (before the commit point: part of this step).
+            schedule = trainer.schedule.state_dict(schedule_path)
+            state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
+                     **trainer.algorithm.state_dict()}
+            return commit_trainer_state(self.root, state, [self.root / role / f"step_{step:08d}" for role in roles]
+                                        + [schedule_path])
 
     def resume(self, trainer: RLTrainer) -> int:
-        """Restore the newest complete checkpoint into ``trainer`` (built); returns its step (0: none)."""
+        """Restore the newest complete checkpoint that verifies into ``trainer`` (built); returns its step
+        (0: none)."""
         state = latest_trainer_state(self.root)
         if state is None:
             return 0
@@ -68,23 +82,92 @@ class TrainerCheckpoint:
         return step
 
 
-def commit_trainer_state(root: Path, state: dict) -> Path:
-    """``root/trainer/step_N.json`` (N: ``state["step"]``), then ``root/trainer/latest`` naming it: the
-    commit point of a checkpoint whose other parts are already written. Returns the state's path."""
+class CheckpointWriteError(TrainingStoppedError):
+    """A checkpoint could not be written (a full disk, a quota); the newest complete one is untouched."""
+
+
+@contextmanager
+def saving(root: Path, step: int):
+    """Turns a failed save of ``step`` into ``CheckpointWriteError`` naming the newest complete checkpoint (which
+    nothing touched); the failed save's partial directories are removed."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 (whatever a role's writer raised: the run stops with the reason)
+        reason = _write_failure(root, exc)  # before the partial write is removed (it is what filled the disk)
+        for partial in root.glob(f"*/.step_{step:08d}.tmp"):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(f"the checkpoint of step {step} could not be written under {root} ({reason}); "
+                                   f"{_kept(root)}. Free space, then resume (trainer.resume=true)") from exc
+
+
+def _write_failure(root: Path, exc: BaseException) -> str:
+    """Why a save failed, in a line: a full filesystem is said as such (writers report it in their own words)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = lines[-1] if lines else type(exc).__name__
+    if free is not None and free < FULL_DISK_BYTES or "No space left" in str(exc):
+        return f"the filesystem is full: {free} bytes free; the writer said: {said[:200]}"
+    return said[:300]
+
+
+def _kept(root: Path) -> str:
+    newest = _newest_step(root)
+    return (f"the newest complete checkpoint, step {newest}, is untouched" if newest is not None
+            else "no earlier checkpoint exists")
+
+
+def commit_trainer_state(root: Path, state: dict, parts: list[Path] = ()) -> Path:
+    """``root/trainer/step_N.json`` (N: ``state["step"]``) with the checksums of ``parts`` (the checkpoint's
+    files and directories, already written), then ``root/trainer/latest`` naming it: the commit point of a
+    checkpoint. Returns the state's path."""
     trainer_dir = root / "trainer"
     trainer_dir.mkdir(parents=True, exist_ok=True)
     name = f"step_{int(state['step']):08d}.json"
+    state = {**state, "files": checksums(root, parts)}
     _atomic_write(trainer_dir / name, json.dumps(state))
     _atomic_write(trainer_dir / "latest", name)
     return trainer_dir / name
 
 
-def latest_trainer_state(root: Path) -> dict | None:
-    """The trainer state ``root/trainer/latest`` names: the newest complete checkpoint's; None if none."""
+def latest_trainer_state(root: Path, log=None) -> dict | None:
+    """The state of the newest complete checkpoint whose files verify (``checkpoint_integrity``), from the one
+    ``root/trainer/latest`` names down; None if none. A checkpoint that fails is reported through ``log`` (to
+    stderr by default), by file, and passed over."""
     pointer = root / "trainer" / "latest"
     if not pointer.is_file():
         return None
-    return json.loads((pointer.parent / pointer.read_text().strip()).read_text())
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    newest = _step_of(pointer.read_text().strip())
+    for step in sorted((s for s in _committed_steps(root) if s <= newest), reverse=True):
+        path = root / "trainer" / f"step_{step:08d}.json"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            log(f"[hybridflow] checkpoint step {step} is damaged: {path.name}: unreadable ({exc}); "
+                f"using the previous one")
+            continue
+        problems = verify(root, state.get("files", {}))  # a record from before checksums: nothing to verify
+        if not problems:
+            return state
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        log(f"[hybridflow] checkpoint step {step} is damaged: {shown}; using the previous one")
+    return None
+
+
+def _step_of(name: str) -> int:
+    return int(name.removeprefix("step_").split(".")[0])
+
+
+def _committed_steps(root: Path) -> list[int]:
+    return [_step_of(p.name) for p in (root / "trainer").glob("step_*.json")]
+
+
+def _newest_step(root: Path) -> int | None:
+    pointer = root / "trainer" / "latest"
+    return _step_of(pointer.read_text().strip()) if pointer.is_file() else None
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -20,7 +20,7 @@ from typing import Sequence
 from controller.data.sft_batches import SFTLoader
 from controller.data.sft_examples import SFTExample
 from controller.runtime.resource_pool import ResourcePool
-from controller.rl.trainer_checkpoint import commit_trainer_state, latest_trainer_state
+from controller.rl.trainer_checkpoint import commit_trainer_state, latest_trainer_state, saving
 from controller.runtime.worker_group import WorkerGroup
 from workers.role_spec import RoleSpec
 
@@ -91,11 +91,13 @@ class SFTTrainer:
         """The actor, then the loader's position: the commit point (``checkpoints/trainer/latest``)."""
         self.build()
         step = self.global_step
-        self.actor.save_checkpoint(str(self._root / "actor"), step)
-        return commit_trainer_state(self._root, {"step": step, "loader": self.loader.state_dict()})
+        with saving(self._root, step):
+            self.actor.save_checkpoint(str(self._root / "actor"), step)
+            return commit_trainer_state(self._root, {"step": step, "loader": self.loader.state_dict()},
+                                        [self._root / "actor" / f"step_{step:08d}"])
 
     def resume(self) -> int:
-        """Continue from the newest complete checkpoint under run_dir; returns its step (0: none)."""
+        """Continue from the newest complete checkpoint under run_dir that verifies; returns its step (0: none)."""
         self.build()
         state = latest_trainer_state(self._root)
         if state is None:

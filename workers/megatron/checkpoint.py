@@ -22,6 +22,7 @@ previous checkpoint and ``latest`` untouched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -178,6 +179,20 @@ def _lora_settings(engine) -> dict[str, Any] | None:
     return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
 
 
+@contextlib.contextmanager
+def _as_error(action: str, path: Path):
+    """torch's CheckpointException derives from BaseException, past every ``except Exception`` (a worker's
+    reply among them): an OSError instead, with each failing rank's own exception in a line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = "; ".join(f"rank {rank}: {type(error).__name__}: {str(error).strip()[:200]}"
+                             for rank, (error, _) in sorted(exc.failures.items()))
+        raise OSError(f"the checkpoint {action} of {path} failed ({failures or 'on another rank'})") from None
+
+
 def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] | None = None) -> Path:
     """Collective: save the engine's state as ``root/step_<step>``; returns that path."""
     from megatron.core import dist_checkpointing
@@ -192,7 +207,8 @@ def save_checkpoint(engine, root: str | Path, step: int, extra: dict[str, Any] |
         tmp.mkdir(parents=True)  # empty: megatron takes a non-empty directory for an interrupted save
     dist.barrier(group=pool)
     fork_checkpoint_results_queue()
-    dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(tmp))
+    with _as_error("write", tmp):
+        dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     if first:
@@ -249,7 +265,8 @@ def load_checkpoint(engine, path: str | Path) -> dict[str, Any]:
     if engine.optimizer is not None:
         _check_optimizer_format(path, meta, engine)
     _check_lora(path, meta, engine)
-    state = dist_checkpointing.load(_sharded_state(engine, is_loading=True), str(path))
+    with _as_error("read", path):
+        state = dist_checkpointing.load(_sharded_state(engine, is_loading=True), str(path))
     if engine.adapters:  # the adapters (and a value head) over the base the engine loaded from HF
         missing = _trained_names(engine) - set(state["model"])
         if missing:

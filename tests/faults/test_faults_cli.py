@@ -1,0 +1,140 @@
+"""Faults through the CLI (torchrun, 2 processes, the actor at DP2, fp32, the megatron rollout), each checked
+against the run's own checkpoints (one per step, read back whole).
+
+- A non-finite loss: GRPO whose advantages turn NaN on one token of the last sample (DP rank 1's last
+  micro-batch) at steps 2, 4 and 5, with trainer.max_bad_steps 2. A skipped step leaves the weights, Adam's
+  moments and the LR schedule exactly as the step before left them, on both DP ranks' shards; the step
+  between trains; the console names the rank and the micro-batch; two bad steps in a row stop the run
+  (exit 3), naming the first, and its last checkpoint is the one before.
+- Damaged checkpoints: that run's step-4 checkpoint with a shard cut short and its step-3 one with a byte
+  flipped. A resume names both files, passes over both, and resumes from step 2: its step 3 is the first
+  run's step 3 exactly.
+- A full disk: a run on a 12 MiB tmpfs saves step 1 and fails writing step 2; it stops (exit 3) saying the
+  filesystem is full, removes the partial write, and step 1 verifies.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from test_train_cli import hybridflow, model  # noqa: F401  (model: a fixture)
+
+JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=tests.faults.nan_advantages:NaNAdvantages",
+       "rollout.sampling.n=2", "trainer.nproc=2", "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1",
+       "actor.engine.precision=fp32", "actor.engine.micro_batch_size=4", "data.batch_size=8",
+       "ppo.ppo_mini_batch_size=16", "ppo.ppo_epochs=1", "rollout.engine=megatron", "trainer.total_steps=6",
+       "trainer.save_every=1", "trainer.val_every=0", "trainer.max_bad_steps=2", "trainer.logger=[jsonl]",
+       "trainer.export_hf=false", "trainer.plots=false", "data.train_size=64", "data.val_size=8"]
+
+
+def checkpoint(run_dir, step: int) -> dict:
+    """The actor's checkpoint at ``step`` read back whole (every rank's shards: weights and Adam's moments),
+    and its LR schedule."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = run_dir / "checkpoints" / "actor" / f"step_{step:08d}"
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(str(directory), os.path.join(scratch, "whole.pt"))
+        whole = torch.load(os.path.join(scratch, "whole.pt"), weights_only=False)
+    flat: dict = {}
+
+    def walk(value, prefix):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(inner, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            flat[prefix[:-1]] = value
+
+    walk(whole, "")
+    flat["scheduler.num_steps"] = torch.load(directory / "extra.pt", weights_only=False)["scheduler"]["num_steps"]
+    return flat
+
+
+def same(a: dict, b: dict) -> bool:
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg") for k in a)
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory, model):  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("nan_run")
+    env = os.environ.get("HYBRIDFLOW_TEST_NAN_STEPS")
+    os.environ["HYBRIDFLOW_TEST_NAN_STEPS"] = "2,4,5"
+    try:
+        proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={run_dir}")
+    finally:
+        os.environ.pop("HYBRIDFLOW_TEST_NAN_STEPS") if env is None else os.environ.update(
+            HYBRIDFLOW_TEST_NAN_STEPS=env)
+    return proc, run_dir
+
+
+def test_a_non_finite_loss_skips_the_step_on_every_rank_and_bad_steps_in_a_row_stop_the_run(nan_run):
+    proc, tmp_path = nan_run
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-5000:]
+    assert ("hybridflow train: stopped: 2 steps in a row skipped their optimizer steps on a non-finite loss or "
+            "gradient, the first at step 4 (steps [4, 5]") in out
+    assert "actor update: mini-batch 0: non-finite pg_loss=nan on DP rank 1, micro-batch 1" in out
+    assert "[hybridflow] step 2: the actor skipped its optimizer step" in out
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["actor/skipped"]) for s in steps] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
+    assert steps[1]["actor/grad_norm"] is None and steps[2]["actor/grad_norm"] is not None  # NaN: logged as null
+    saved = {step: checkpoint(tmp_path, step) for step in (1, 2, 3, 4)}
+    assert not (tmp_path / "checkpoints" / "actor" / "step_00000005").exists()  # the stop saved nothing more
+    assert same(saved[1], saved[2]) and same(saved[3], saved[4])  # skipped: exactly the state before
+    assert not same(saved[2], saved[3]) and saved[3]["scheduler.num_steps"] == 2  # the step between trained
+
+
+def test_damaged_checkpoints_are_named_and_passed_over_for_the_newest_that_verifies(nan_run, tmp_path, model):  # noqa: F811
+    first, run_dir = nan_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    actor = run / "checkpoints" / "actor"
+    torn = actor / "step_00000004" / "__0_1.distcp"
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])  # a copy cut short
+    flipped = actor / "step_00000003" / "__0_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    flipped.write_bytes(bytes(data))
+    proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={run}", "trainer.resume=true",
+                      "trainer.total_steps=3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    size = torn.stat().st_size
+    assert (f"checkpoint step 4 is damaged: actor/step_00000004/__0_1.distcp: {size} bytes, {2 * size} written "
+            f"(torn)" in out or "checkpoint step 4 is damaged: actor/step_00000004/__0_1.distcp" in out), out[-3000:]
+    assert "checkpoint step 3 is damaged: actor/step_00000003/__0_0.distcp: sha256 " in out and "(changed)" in out
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    original = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
+    assert resumed["step"] == original["step"] == 3
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+        assert resumed[key] == original[key], key  # resumed from step 2: step 3 exactly as the first run's
+
+
+def test_a_full_disk_during_a_save_stops_the_run_and_loses_nothing(tmp_path, model):  # noqa: F811
+    from controller.rl.trainer_checkpoint import latest_trainer_state
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here to fill: {mounted.stderr.strip()}")
+    try:
+        proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={disk / 'run'}",
+                          "trainer.total_steps=3", "algorithm.name=grpo")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 3, out[-5000:]
+        assert ("hybridflow train: stopped: the checkpoint of step 2 could not be written under "
+                f"{disk / 'run' / 'checkpoints'} (the filesystem is full: ") in out
+        assert "the newest complete checkpoint, step 1, is untouched. Free space, then resume" in out
+        root = disk / "run" / "checkpoints"
+        assert not list(root.glob("*/.step_*.tmp"))  # the partial write is gone
+        assert latest_trainer_state(root, log=pytest.fail)["step"] == 1  # step 1 verifies
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
