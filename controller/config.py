@@ -153,6 +153,10 @@ class TrainerConfig:
     val_before_train: bool = False  # validate once before the first step too (logged as step 0)
     # steps in a row whose optimizer steps were skipped (a NaN or Inf loss or gradient) before the job stops
     max_bad_steps: int = 5
+    # a worker call that takes longer is a hang: every rank's stack into run_dir/hangs, the rank that never
+    # reached the collective named, the run stopped (exit 3); None: 10x the call's slowest recent duration, at
+    # least 60 s (900 s for a call's first time)
+    hang_timeout_s: float | None = None
     run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
     resume: bool = False  # continue from the newest complete checkpoint under run_dir
     launcher: str = "torchrun"  # what starts the worker processes: "torchrun" or "ray"
@@ -483,6 +487,9 @@ def trainer_problems(trainer: TrainerConfig) -> list[str]:
     for name in ("total_steps", "nproc", "nnodes", "max_bad_steps"):
         if getattr(trainer, name) < 1:
             problems.append(f"trainer.{name} must be >= 1, got {getattr(trainer, name)}")
+    if trainer.hang_timeout_s is not None and not trainer.hang_timeout_s > 0:
+        problems.append(f"trainer.hang_timeout_s must be a positive number of seconds or null (from each call's "
+                        f"own durations), got {trainer.hang_timeout_s!r}")
     for name in ("save_every", "val_every"):
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")

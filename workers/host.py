@@ -54,8 +54,10 @@ class WorkerHost:
 
     def __init__(self, rank: int, world_size: int, local_rank: int = 0) -> None:
         from workers.console import configure_console
+        from workers.stack_dump import register_stack_dump
 
         configure_console()  # this process's share of the run's console choice (HYBRIDFLOW_VERBOSE)
+        register_stack_dump()  # SIGUSR1: every thread's stack to a file, for a hang's report
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank

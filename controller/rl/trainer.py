@@ -50,6 +50,7 @@ from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, r
 from controller.rl.trainer_builder import config_from_keywords
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
 from controller.rl.trainer_inputs import TrainerInputs
+from controller.runtime.hang_watch import HangWatch
 from controller.runtime.placement import PlacementError, PoolShape, pool_shape
 from controller.runtime.resource_pool import ResourcePool
 from controller.runtime.worker_group import WorkerGroup
@@ -166,6 +167,8 @@ class RLTrainer:
         self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
         self.max_bad_steps = trainer.max_bad_steps
+        # every worker call's deadline, from its own durations (trainer.hang_timeout_s: a fixed one)
+        self.watch = HangWatch(self.run_dir / "hangs" if self.run_dir is not None else None, trainer.hang_timeout_s)
         self.bad_steps: list[int] = []  # the steps in a row that skipped an optimizer step (count_bad_step)
         self.loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
@@ -295,7 +298,7 @@ class RLTrainer:
                 if role == "rollout" and self.rollout_on_its_own_pool:
                     kwargs = separate_rollout_kwargs(kwargs, self.specs["actor"].kwargs.get("engine"),
                                                      self.groups["actor"].world_size)
-                self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs)
+                self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs, watch=self.watch)
         if rollout_cfg.serves_agent:
             from controller.serving.served_rollout import ServedRollout
 

@@ -13,6 +13,7 @@ anything is sent.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,12 +33,15 @@ __all__ = ["WorkerGroup", "GroupFuture", "GroupMethod"]
 class GroupFuture:
     """A pending group call: the ranks' replies, collected on ``result()``."""
 
-    def __init__(self, group: "WorkerGroup", method: str, calls: RankCalls | dict[int, Future], collect, timeout_s):
+    def __init__(self, group: "WorkerGroup", method: str, calls: RankCalls | dict[int, Future], collect, timeout_s,
+                 watch=None):
         self._group = group
         self._method = method
         self._calls = calls if isinstance(calls, RankCalls) else FutureCalls(calls)
         self._collect = collect
         self._timeout_s = timeout_s
+        self._watch = watch  # a HangWatch: the deadline counts from the submit, a pass is a hang
+        self._submitted = time.monotonic()
         self._outcome: tuple[bool, Any] | None = None
 
     def done(self) -> bool:
@@ -52,11 +56,17 @@ class GroupFuture:
         return value
 
     def _resolve(self, timeout: float | None) -> tuple[bool, Any]:
-        outcome = self._calls.wait(timeout)
+        watched = self._watch is not None and timeout == self._timeout_s and timeout is not None
+        wait = max(0.0, self._submitted + timeout - time.monotonic()) if watched else timeout
+        outcome = self._calls.wait(wait)
         if outcome.failure is not None:
             return False, self._group._rank_error(outcome.failure[0], self._method, outcome.failure[1])
         if outcome.late:
+            if watched:
+                return False, self._watch.hung(self._group, self._method, list(outcome.late), timeout)
             return False, CallTimeoutError(list(outcome.late), self._method, timeout, self._group._where(outcome.late))
+        if self._watch is not None:
+            self._watch.record(self._group.role, self._method, time.monotonic() - self._submitted)
         replies = outcome.replies
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
@@ -97,7 +107,11 @@ class WorkerGroup:
         kwargs: dict | None = None,
         role: str | None = None,
         call_timeout_s: float | None = None,
+        watch=None,
     ) -> None:
+        """``call_timeout_s``: each call's limit (CallTimeoutError past it); ``watch``: a HangWatch instead,
+        whose deadline follows each method's own durations and whose pass is a HangError with every rank's
+        stack (``controller.runtime.hang_watch``)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
             raise TypeError(f"worker class must subclass workers.BaseWorker, got {worker_cls!r}")
         # A keyword the worker does not take, or a bad config section, fails here, not in every worker process.
@@ -107,6 +121,7 @@ class WorkerGroup:
         self.role = role or worker_cls.__name__
         self.world_size = pool.world_size
         self.call_timeout_s = call_timeout_s
+        self.watch = watch
         self.layout: ParallelLayout | None = None
         self._methods = registered_methods(worker_cls)
         pool.claim_role(self.role)
@@ -116,6 +131,8 @@ class WorkerGroup:
             rank: (*shared, rank, tuple(hosts.global_ranks), pool.process_group_key) for rank in range(self.world_size)
         })
         GroupFuture(self, f"{worker_cls.__name__}.__init__", calls, lambda outputs: None, None).result()
+        if watch is not None:
+            watch.note_pool(pool)  # the ranks' pids, while they answer
 
     # ------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> GroupMethod:
@@ -144,8 +161,9 @@ class WorkerGroup:
                     if call is not None}
         with self.pool.submit_lock:
             pending = self.pool.hosts.submit_calls("execute", per_rank, private_inputs=spec.writes_inputs)
-        return GroupFuture(self, spec.name, pending, lambda outputs: rule.collect(view, outputs, context),
-                           self.call_timeout_s)
+        timeout = self.watch.deadline_s(self.role, spec.name) if self.watch is not None else self.call_timeout_s
+        return GroupFuture(self, spec.name, pending, lambda outputs: rule.collect(view, outputs, context), timeout,
+                           self.watch)
 
     def _rank_error(self, rank: int, method: str, error: BaseException) -> BaseException:
         if isinstance(error, HostLostError):

@@ -138,3 +138,60 @@ def test_a_full_disk_during_a_save_stops_the_run_and_loses_nothing(tmp_path, mod
         assert latest_trainer_state(root, log=pytest.fail)["step"] == 1  # step 1 verifies
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _rank_process(root_pid: int, rank: int) -> int:
+    """The pid of torchrun's rank ``rank`` among ``root_pid``'s descendants (its environment says RANK)."""
+    import psutil
+
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "controller.cli" in " ".join(child.cmdline()):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no rank {rank} process under {root_pid}")
+
+
+def test_a_stopped_rank_is_found_named_and_the_run_stopped_within_the_bound(tmp_path, model):  # noqa: F811
+    """SIGSTOP on rank 1 after step 1: the next call that needs it passes trainer.hang_timeout_s (8 s); the
+    report names rank 1 as stopped, with every rank's stack in the run directory, and the run stops (exit 3)
+    within the bound plus a step's time, far from gloo's own 30 minutes."""
+    import signal
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "train", *JOB, f"model_path={model}",
+                             f"trainer.run_dir={tmp_path}", "algorithm.name=grpo", "trainer.total_steps=200",
+                             "trainer.save_every=0", "trainer.hang_timeout_s=8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    stopped = None
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not finish a step"
+            time.sleep(0.2)
+        stopped = _rank_process(proc.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped is not None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, sig)
+                except OSError:
+                    pass
+    assert proc.returncode == 3, out[-5000:]
+    assert seconds < 8 + 30, seconds  # the deadline, and the stacks and the stop
+    assert "passed its deadline of 8 s" in out and "never reached the collective the others wait in" in out
+    assert f"rank 1 (pid {stopped}" in out and "stopped (its process is in state T: SIGSTOP)" in out
+    reports = list((tmp_path / "hangs").glob("*/report.txt"))
+    assert len(reports) == 1
+    stacks = {p.name: p.read_text() for p in reports[0].parent.glob("rank_*.txt")}
+    assert sorted(stacks) == ["rank_0.txt", "rank_1.txt"] and all(stacks.values())
