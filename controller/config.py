@@ -155,7 +155,7 @@ class TrainerConfig:
     max_bad_steps: int = 5
     # a worker call that takes longer is a hang: every rank's stack into run_dir/hangs, the rank that never
     # reached the collective named, the run stopped (exit 3); None: 10x the call's slowest recent duration, at
-    # least 60 s (900 s for a call's first time)
+    # least 60 s (1500 s for a call's first time)
     hang_timeout_s: float | None = None
     run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
     resume: bool = False  # continue from the newest complete checkpoint under run_dir

@@ -9,7 +9,8 @@ named, the run stopped well before the backend's own timeout.
 
 The deadline of a call to ``role.method``: ``fixed_s`` when set (``trainer.hang_timeout_s``), else ``factor``
 (10) times the slowest of the phase's last ``history`` (8) durations, and at least ``min_s`` (60 s); a phase's
-first call, which compiles and warms up, gets ``first_s`` (900 s). When a call passes it:
+first call, which compiles and warms up (or saves a large checkpoint), gets ``first_s`` (1500 s, under the
+backends' 1800). When a call passes it:
 
 1. Every rank of the pool is asked for its Python stack: ``py-spy dump --nonblocking`` where py-spy is
    installed (it reads a stopped or hung process without its help), else ``faulthandler`` through SIGUSR1
@@ -77,7 +78,7 @@ def _this_node() -> set[str | None]:
 
 class HangWatch:
     def __init__(self, directory: str | Path | None, fixed_s: float | None = None, min_s: float = 60.0,
-                 factor: float = 10.0, first_s: float = 900.0, history: int = 8) -> None:
+                 factor: float = 10.0, first_s: float = 1500.0, history: int = 8) -> None:
         self.directory = Path(directory) if directory is not None else None  # None: a temp dir, at a hang
         self.fixed_s, self.min_s, self.factor, self.first_s = fixed_s, min_s, factor, first_s
         self._durations: dict[str, deque] = defaultdict(lambda: deque(maxlen=history))

@@ -82,6 +82,9 @@ def joined_prompts(rows: list[DataProto], pad_token_id: int) -> DataProto:
     return DataProto.concat(padded)
 
 
+SERVE_STOP_TIMEOUT_S = 600.0  # from POST /stop to the end of the replicas' serve calls
+
+
 class ServedReplicas:
     """The rollout's replicas serving: each rank's engine behind its token-in, token-out endpoint."""
 
@@ -114,7 +117,9 @@ class ServedReplicas:
         """End the serving (requests in flight finish first); each replica's counts and metrics."""
         for address in self.addresses:
             _post(address, "/stop", {}, timeout=60)
-        replicas, self.serving = self.serving.result(), None
+        # Its own limit: a serving lasts as long as the sessions do, which no deadline of the call's
+        # durations bounds (the sessions have their own timeouts); once stopped it ends at once.
+        replicas, self.serving = self.serving.result(timeout=SERVE_STOP_TIMEOUT_S), None
         return replicas
 
 
