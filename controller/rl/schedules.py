@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from controller.algorithms import StepState
 
 __all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale",
-           "generation_seed", "staleness_metrics", "with_sampling"]
+           "generation_seed", "scored_stream_batch", "staleness_metrics", "with_sampling"]
 
 TRAINER_MODES = ("sync", "one_step_off", "async")
 VERSION_KEY = "policy_version"
@@ -84,6 +84,19 @@ def drop_stale(batch: DataProto, now: int, max_staleness: int) -> tuple[DataProt
                            f"stale (the trainer is at version {now}); raise max_staleness")
     return batch[keep], metrics
 
+
+
+def scored_stream_batch(source: RolloutSource, state: StepState, batch: DataProto, version: int, max_staleness: int,
+                        dropped_samples: int, stream_metrics: dict[str, float]) -> DataProto:
+    """A batch taken from a stream (``policy_version``, ``token_versions``) scored, with the step's staleness
+    and stream metrics: ``dropped_samples`` since the last step, and the stream's own ``stream_metrics``."""
+    with state.timed("reward"):
+        batch = batch.union(source.score(batch))
+    state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, max_staleness))
+    state.metrics["staleness/dropped"] = float(dropped_samples)
+    state.metrics["stream/mixed_version_samples"] = float(mixed_version_samples(batch.batch["token_versions"]))
+    state.metrics.update(stream_metrics)
+    return batch
 
 
 class SyncSchedule:
@@ -205,13 +218,8 @@ class AsyncStream:
             stream.drop_stale(version)
         out, state.prompts = stream.take_batch()
         self._launch(source, state)  # generation goes on while this batch is scored and trained on
-        with state.timed("reward"):
-            batch = out.union(source.score(out))
-        state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, self.max_staleness))
-        state.metrics["staleness/dropped"] = float(stream.dropped_samples - dropped_before)
-        state.metrics["stream/mixed_version_samples"] = float(mixed_version_samples(batch.batch["token_versions"]))
-        state.metrics.update(stream.metrics())
-        return batch
+        return scored_stream_batch(source, state, out, version, self.max_staleness,
+                                   stream.dropped_samples - dropped_before, stream.metrics())
 
     def _launch(self, source: RolloutSource, state: StepState) -> bool:
         """Draw the prompts that may start, and send the next chunk; False when nothing is left to generate."""

@@ -114,8 +114,8 @@ def _write_failure(root: Path, exc: BaseException) -> str:
 
 
 def _kept(root: Path) -> str:
-    newest = _newest_step(root)
-    return (f"the newest complete checkpoint, step {newest}, is untouched" if newest is not None
+    state = latest_trainer_state(root, log=lambda line: None)  # verified: the one a resume would take
+    return (f"the newest complete checkpoint, step {state['step']}, is untouched and verifies" if state is not None
             else "no earlier checkpoint exists")
 
 
@@ -163,11 +163,6 @@ def _step_of(name: str) -> int:
 
 def _committed_steps(root: Path) -> list[int]:
     return [_step_of(p.name) for p in (root / "trainer").glob("step_*.json")]
-
-
-def _newest_step(root: Path) -> int | None:
-    pointer = root / "trainer" / "latest"
-    return _step_of(pointer.read_text().strip()) if pointer.is_file() else None
 
 
 def _atomic_write(path: Path, text: str) -> None:

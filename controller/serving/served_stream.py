@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from controller.rl.sample_stream import mixed_version_samples
-from controller.rl.schedules import VERSION_KEY, _atomic_save, generation_seed, staleness_metrics
+from controller.rl.schedules import _atomic_save, generation_seed, scored_stream_batch
 from controller.serving.served_rollout import ServedPart, ServedReplicas, ServedRollout, joined_prompts
 from workers.data_proto import DataProto
 
@@ -115,13 +114,8 @@ class ServedStream:
         seconds = time.perf_counter() - self.serving_since
         metrics["agent/sessions_per_s"] = self.trained * self.sampling.n / seconds if seconds > 0 else 0.0
         source.record_rollout_metrics(state, metrics)
-        with state.timed("reward"):
-            batch = batch.union(source.score(batch))
-        state.metrics.update(staleness_metrics(batch.batch[VERSION_KEY], version, self.max_staleness))
-        state.metrics["staleness/dropped"] = float(self.dropped_samples - dropped_before)
-        state.metrics["stream/mixed_version_samples"] = float(mixed_version_samples(batch.batch["token_versions"]))
-        state.metrics.update(self.metrics())
-        return batch
+        return scored_stream_batch(source, state, batch, version, self.max_staleness,
+                                   self.dropped_samples - dropped_before, self.metrics())
 
     def metrics(self) -> dict[str, float]:
         return {"stream/groups_drawn": float(self.started + len(self.queued)),

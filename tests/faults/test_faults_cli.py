@@ -6,11 +6,12 @@ against the run's own checkpoints (one per step, read back whole).
   moments and the LR schedule exactly as the step before left them, on both DP ranks' shards; the step
   between trains; the console names the rank and the micro-batch; two bad steps in a row stop the run
   (exit 3), naming the first, and its last checkpoint is the one before.
-- Damaged checkpoints: that run's step-4 checkpoint with a shard cut short and its step-3 one with a byte
-  flipped. A resume names both files, passes over both, and resumes from step 2: its step 3 is the first
-  run's step 3 exactly.
-- A full disk: a run on a 12 MiB tmpfs saves step 1 and fails writing step 2; it stops (exit 3) saying the
-  filesystem is full, removes the partial write, and step 1 verifies.
+- Damaged checkpoints and a full disk: that run, copied onto a tmpfs with room for all of it and 3 MiB more,
+  its step-4 checkpoint with a shard cut short and its step-3 one with a bit flipped. A resume names both
+  files, passes over both, and resumes from step 2: its step 3 is the first run's step 3 exactly. Saving
+  step 3 then fills the disk: the run stops (exit 3) saying the filesystem is full, removes the partial
+  write, and step 2 still verifies.
+- A stopped rank: SIGSTOP on rank 1 after step 1, with trainer.hang_timeout_s 8.
 """
 
 import json
@@ -90,52 +91,52 @@ def test_a_non_finite_loss_skips_the_step_on_every_rank_and_bad_steps_in_a_row_s
     assert not same(saved[2], saved[3]) and saved[3]["scheduler.num_steps"] == 2  # the step between trained
 
 
-def test_damaged_checkpoints_are_named_and_passed_over_for_the_newest_that_verifies(nan_run, tmp_path, model):  # noqa: F811
-    first, run_dir = nan_run
-    run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    actor = run / "checkpoints" / "actor"
-    torn = actor / "step_00000004" / "__0_1.distcp"
-    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])  # a copy cut short
-    flipped = actor / "step_00000003" / "__0_0.distcp"
-    data = bytearray(flipped.read_bytes())
-    data[len(data) // 2] ^= 0x01  # one bit
-    flipped.write_bytes(bytes(data))
-    proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={run}", "trainer.resume=true",
-                      "trainer.total_steps=3")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    size = torn.stat().st_size
-    assert (f"checkpoint step 4 is damaged: actor/step_00000004/__0_1.distcp: {size} bytes, {2 * size} written "
-            f"(torn)" in out or "checkpoint step 4 is damaged: actor/step_00000004/__0_1.distcp" in out), out[-3000:]
-    assert "checkpoint step 3 is damaged: actor/step_00000003/__0_0.distcp: sha256 " in out and "(changed)" in out
-    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    original = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
-    assert resumed["step"] == original["step"] == 3
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
-        assert resumed[key] == original[key], key  # resumed from step 2: step 3 exactly as the first run's
-
-
-def test_a_full_disk_during_a_save_stops_the_run_and_loses_nothing(tmp_path, model):  # noqa: F811
+def test_damaged_checkpoints_are_passed_over_and_a_full_disk_during_a_save_loses_nothing(nan_run, tmp_path,
+                                                                                       model):  # noqa: F811
+    """The first run, copied onto a tmpfs with room for everything but one more checkpoint, its step-4
+    checkpoint cut short and its step-3 one with a flipped bit; resumed to step 3 (the NaN off)."""
     from controller.rl.trainer_checkpoint import latest_trainer_state
 
+    first, run_dir = nan_run
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
+    used = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + (3 << 20)}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here to fill: {mounted.stderr.strip()}")
     try:
-        proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={disk / 'run'}",
-                          "trainer.total_steps=3", "algorithm.name=grpo")
+        run = disk / "run"
+        shutil.copytree(run_dir, run)
+        actor = run / "checkpoints" / "actor"
+        torn = actor / "step_00000004" / "__0_1.distcp"
+        whole = torn.stat().st_size
+        torn.write_bytes(torn.read_bytes()[: whole // 2])  # a copy cut short
+        flipped = actor / "step_00000003" / "__0_0.distcp"
+        data = bytearray(flipped.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one bit
+        flipped.write_bytes(bytes(data))
+        proc = hybridflow("train", *JOB, f"model_path={model}", f"trainer.run_dir={run}", "trainer.resume=true",
+                          "trainer.total_steps=3")
         out = proc.stdout + proc.stderr
+        assert (f"checkpoint step 4 is damaged: actor/step_00000004/__0_1.distcp: {whole // 2} bytes, {whole} "
+                f"written (torn); using the previous one") in out, out[-5000:]
+        assert "checkpoint step 3 is damaged: actor/step_00000003/__0_0.distcp: sha256 " in out
+        assert "... written (changed); using the previous one" in out
+        # Resumed from step 2, its step 3 is the first run's step 3 exactly (logged before its save) ...
+        resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+        original = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2]
+        assert resumed["step"] == original["step"] == 3
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+            assert resumed[key] == original[key], key
+        # ... and its save does not fit: the run stops, the partial write is gone, step 2 still verifies.
         assert proc.returncode == 3, out[-5000:]
-        assert ("hybridflow train: stopped: the checkpoint of step 2 could not be written under "
-                f"{disk / 'run' / 'checkpoints'} (the filesystem is full: ") in out
-        assert "the newest complete checkpoint, step 1, is untouched. Free space, then resume" in out
-        root = disk / "run" / "checkpoints"
-        assert not list(root.glob("*/.step_*.tmp"))  # the partial write is gone
-        assert latest_trainer_state(root, log=pytest.fail)["step"] == 1  # step 1 verifies
+        root = run / "checkpoints"
+        assert (f"hybridflow train: stopped: the checkpoint of step 3 could not be written under {root} (the "
+                f"filesystem is full: ") in out
+        assert "the newest complete checkpoint, step 2, is untouched and verifies" in out  # not 3 or 4
+        assert not list(root.glob("*/.step_*.tmp"))
+        assert latest_trainer_state(root, log=lambda line: None)["step"] == 2
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
