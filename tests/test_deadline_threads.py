@@ -15,7 +15,7 @@ def test_overrun_calls_keep_their_slots_or_are_abandoned_up_to_a_limit():
         assert [held.submit(never.wait, timeout_s=0.1) is not None for _ in range(2)] == [True, True]
         start = time.monotonic()
         assert held.submit(lambda: 1, timeout_s=1.0) is None  # waited for the deadlines, then refused
-        assert 0.1 <= time.monotonic() - start < 5.0 and held.hung == 2
+        assert 0.09 <= time.monotonic() - start < 5.0 and held.hung == 2
 
         abandoned = DeadlineThreads(2, "test", max_abandoned=4)  # rewards: it gives its slot up
         for _ in range(4):  # 4 calls that never return, 2 at a time: each pair waits out the other's deadline
