@@ -40,7 +40,7 @@ from workers.data_proto import DataProto
 if TYPE_CHECKING:
     from controller.algorithms import StepState
 
-__all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "build_schedule", "drop_stale",
+__all__ = ["TRAINER_MODES", "AsyncStream", "OneStepOff", "SyncSchedule", "atomic_save", "build_schedule", "drop_stale",
            "generation_seed", "scored_stream_batch", "staleness_metrics", "with_sampling"]
 
 TRAINER_MODES = ("sync", "one_step_off", "async")
@@ -165,7 +165,7 @@ class OneStepOff:
             self.ready = (prompts, out, version)
         if self.ready is None:
             return {}
-        _atomic_save(self.ready, path)
+        atomic_save(self.ready, path)
         return {"generated_ahead": path.name}
 
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
@@ -254,7 +254,7 @@ class AsyncStream:
         if self.stream is None:
             return {}
         self._finish_chunk(None, None)
-        _atomic_save({"stream": self.stream.state_dict(), "weights_version": self.weights_version,
+        atomic_save({"stream": self.stream.state_dict(), "weights_version": self.weights_version,
                       "chunks": self.chunks}, path)
         return {"stream": path.name}
 
@@ -281,7 +281,8 @@ def build_schedule(mode: str, max_staleness: int, partial_rollout_tokens: int | 
     raise ValueError(f"trainer.mode {mode!r} is not one of {TRAINER_MODES}")
 
 
-def _atomic_save(value: Any, path: Path) -> None:
+def atomic_save(value: Any, path: Path) -> None:
+    """``torch.save`` to a temporary name, then renamed into place: a crash leaves the old file or none."""
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(value, tmp)
     tmp.replace(path)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from controller.rl.schedules import _atomic_save, generation_seed, scored_stream_batch
+from controller.rl.schedules import atomic_save, generation_seed, scored_stream_batch
 from controller.serving.served_rollout import ServedPart, ServedReplicas, ServedRollout, joined_prompts
 from workers.data_proto import DataProto
 
@@ -232,7 +232,7 @@ class ServedStream:
         if not (self.ready or self.queued or self.started):
             return {}
         groups = [(g.index, g.version, g.prompts, g.part) for g in self.ready]
-        _atomic_save({"ready": groups, "queued": self.queued, "counts": (self.started, self.trained, self.dropped,
+        atomic_save({"ready": groups, "queued": self.queued, "counts": (self.started, self.trained, self.dropped,
                                                                          self.dropped_samples)}, path)
         return {"served_stream": path.name}
 

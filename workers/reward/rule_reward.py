@@ -33,6 +33,7 @@ __all__ = ["RewardFunctionError", "RuleReward", "last_token_scores"]
 REQUIRED_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
 SANDBOX_CONCURRENCY = 8  # samples scored at once by a reward that runs code in the sandbox
 TIMEOUT_SCORE = 0.0  # the score of a sample whose reward call passed its timeout
+RUNS_CODE = frozenset(REWARD_FUNCTIONS[name] for name in SANDBOX_REWARDS)  # the built-ins that run code
 MAX_ABANDONED_CALLS = 256  # reward calls past their timeout still running: more is an error (the function hangs)
 
 
@@ -177,12 +178,11 @@ class RuleReward(BaseWorker):
         """``max_concurrency``, else SANDBOX_CONCURRENCY where this batch's scorer runs code, else 1."""
         if self.max_concurrency is not None:
             return self.max_concurrency
-        runs_code = {REWARD_FUNCTIONS[name] for name in SANDBOX_REWARDS}
         if self.reward_fn is score_by_data_source and data_sources is not None:
             scorers = {DATA_SOURCE_SCORERS.get(source) for source in set(list(data_sources))}
         else:
             scorers = {self.reward_fn}
-        return SANDBOX_CONCURRENCY if scorers & runs_code else 1
+        return SANDBOX_CONCURRENCY if scorers & RUNS_CODE else 1
 
     def _decode(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[str]:
         rows = [row[keep].tolist() for row, keep in zip(tokens, mask)]
