@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +18,7 @@ from controller.runtime.torchrun_backend import under_torchrun
 from workers.console import configure_console
 
 STOP_FILE_ENV = "HYBRIDFLOW_STOP_FILE"  # where a torchrun rank says the run stopped itself (_torchrun reads it)
+FAILURE_FILE_ENV = "HYBRIDFLOW_FAILURE_FILE"  # where rank 0 says why the run failed, and whether to restart
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,7 +82,13 @@ def _data(args) -> int:
 
 
 def _torchrun(trainer, argv: list[str]) -> int:
-    """Run ``hybridflow <argv>`` under torchrun: one launcher here, or this node's share of a multi-node job."""
+    """Run ``hybridflow <argv>`` under torchrun: one launcher here, or this node's share of a multi-node job.
+
+    With ``trainer.max_restarts``, a launch that fails for a reason a restart can get past (rank 0 says so in
+    a file; a rank 0 that died says nothing) is started again, its ranks resuming from the newest complete
+    checkpoint (``HYBRIDFLOW_RESTART`` in their environment), within the crash-loop bound."""
+    from controller.jobs.restarts import RESTART_ENV, CrashLoopError, RestartBudget
+
     if trainer.nnodes == 1:
         launch = ["--standalone", f"--nproc-per-node={trainer.nproc}"]
     else:
@@ -92,12 +102,67 @@ def _torchrun(trainer, argv: list[str]) -> int:
     # The machine's cores shared among the ranks (torchrun's own default is 1 thread, which leaves a
     # one-process run on a fraction of the CPU); a user's OMP_NUM_THREADS wins.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // trainer.nproc))
-    # A run that stops itself (TrainingStoppedError) says so in this file and its ranks exit cleanly, so that
-    # torchrun does not report a failed child: this command then exits 3, as it does under Ray.
+    budget = RestartBudget(trainer.max_restarts, trainer.restart_window_s,
+                           log_path=Path(trainer.run_dir) / "restarts.jsonl" if trainer.run_dir else None)
+    # A run that stops itself (TrainingStoppedError) says so in the stop file and its ranks exit cleanly, so that
+    # torchrun does not report a failed child: this command then exits 3, as it does under Ray. A run that
+    # fails says in the failure file whether a restart can get past it.
     with tempfile.TemporaryDirectory(prefix="hybridflow-stop-") as scratch:
-        stop_file = Path(scratch) / "stopped"
-        code = subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": threads, STOP_FILE_ENV: str(stop_file)})
-        return 3 if stop_file.exists() else code  # (a hung rank the stop killed makes torchrun report it)
+        stop_file, failure_file = Path(scratch) / "stopped", Path(scratch) / "failed"
+        env = {**os.environ, "OMP_NUM_THREADS": threads, STOP_FILE_ENV: str(stop_file),
+               FAILURE_FILE_ENV: str(failure_file)}
+        while True:
+            code, died = _call_torchrun(command, env)
+            if stop_file.exists():
+                return 3  # (a hung rank the stop killed makes torchrun report it)
+            if code == 0 or not trainer.max_restarts:
+                return code
+            said = json.loads(failure_file.read_text()) if failure_file.exists() else None
+            failure_file.unlink(missing_ok=True)
+            if said is not None and not said["restartable"]:
+                return code
+            cause = said["cause"] if said else died or f"torchrun exited with code {code} (see above)"
+            try:
+                number = budget.admit(cause)
+            except CrashLoopError as exc:
+                print(f"hybridflow {argv[0]}: stopped: {exc}", file=sys.stderr, flush=True)
+                return 3
+            budget.record(nnodes=[trainer.nnodes, trainer.nnodes])
+            print(f"[hybridflow] restart {number} (at most {trainer.max_restarts} within "
+                  f"{trainer.restart_window_s:g} s) after {cause}: torchrun again, resuming from the newest complete "
+                  f"checkpoint", file=sys.stderr, flush=True)
+            env[RESTART_ENV] = str(number)
+
+
+# torchrun's agent, when a rank ends badly: "failed (exitcode: -9) local_rank: 1 (pid: 25893) of binary: ..."
+_CHILD_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def _call_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, str | None]:
+    """Run torchrun, its stderr passed through as it comes; returns its exit code and, when its agent reported
+    a rank that ended badly, which (the agent stops the others at once, often before rank 0 can say why)."""
+    import threading
+
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    died: list[str] = []
+
+    def pass_through() -> None:
+        tail = b""
+        while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            tail = (tail + chunk)[-4096:]
+            if not died and (match := _CHILD_FAILED.search(tail)):
+                code, rank, pid = (int(g) for g in match.groups())
+                how = (f"ended by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                       else f"exited with code {code}")
+                died.append(f"local rank {rank} (pid {pid}) {how}")
+
+    reader = threading.Thread(target=pass_through, name="torchrun-stderr", daemon=True)
+    reader.start()
+    code = proc.wait()
+    reader.join(timeout=5)  # (a process the ranks left behind may hold the pipe open: not waited for)
+    return code, died[0] if died else None
 
 
 def _ray_cluster(config):
@@ -143,10 +208,12 @@ def _run_job(command: str, load, prepare, run, args, argv: list[str]) -> int:
     under a torchrun this command starts. Every check that needs no worker process runs before any
     starts; a problem exits 2 naming it."""
     from controller.config import ConfigError
+    from controller.jobs.restarts import RESTART_ENV
 
     prepared = None
     try:
-        config = load(args.config, args.overrides)
+        resumed = ["trainer.resume=true"] if under_torchrun() and os.environ.get(RESTART_ENV) else []
+        config = load(args.config, [*args.overrides, *resumed])  # (a restarted launch resumes)
         configure_console(config.trainer.verbose)  # before the libraries that log at import
         if not under_torchrun():
             trainer = config.trainer
@@ -161,11 +228,22 @@ def _run_job(command: str, load, prepare, run, args, argv: list[str]) -> int:
     if config.trainer.launcher == "torchrun" and not under_torchrun():
         return _torchrun(config.trainer, argv)
     from controller.errors import TrainingStoppedError
+    from controller.jobs.restarts import describe, restartable
 
     try:
         run(config, prepared)
-    except TrainingStoppedError as exc:  # the run stopped itself, for a reason it names
-        print(f"hybridflow {command}: stopped: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:
+        failure_file = os.environ.get(FAILURE_FILE_ENV) if under_torchrun() else None
+        restart = bool(config.trainer.max_restarts) and restartable(exc)
+        if failure_file and (restart or not isinstance(exc, TrainingStoppedError)):
+            # Rank 0 of a torchrun launch: the launching command restarts it, or not, from what this says.
+            Path(failure_file).write_text(json.dumps({"restartable": restart, "cause": describe(exc)}))
+            if restart:
+                print(f"hybridflow {command}: failed: {exc}", file=sys.stderr, flush=True)
+                return 1
+        if not isinstance(exc, TrainingStoppedError):
+            raise
+        print(f"hybridflow {command}: stopped: {exc}", file=sys.stderr, flush=True)  # for a reason it names
         if under_torchrun() and os.environ.get(STOP_FILE_ENV):  # the launcher exits 3 for the whole job
             Path(os.environ[STOP_FILE_ENV]).write_text(str(exc))
             return 0

@@ -157,6 +157,11 @@ class TrainerConfig:
     # reached the collective named, the run stopped (exit 3); None: 10x the call's slowest recent duration, at
     # least 60 s (1500 s for a call's first time)
     hang_timeout_s: float | None = None
+    # after a worker or node dies or a call hangs: tear down, start again on the healthy nodes (Ray: fewer nodes
+    # give a smaller data-parallel size, the global batch kept), resume from the newest complete checkpoint; at
+    # most this many restarts within restart_window_s, the failure after them stops the job listing them (exit 3)
+    max_restarts: int = 0
+    restart_window_s: float = 3600.0  # the crash-loop window: max_restarts restarts at most within any such span
     run_dir: str | None = "runs/hybridflow"  # None (Python API): no checkpoints unless asked; a temporary work dir
     resume: bool = False  # continue from the newest complete checkpoint under run_dir
     launcher: str = "torchrun"  # what starts the worker processes: "torchrun" or "ray"
@@ -490,9 +495,13 @@ def trainer_problems(trainer: TrainerConfig) -> list[str]:
     if trainer.hang_timeout_s is not None and not trainer.hang_timeout_s > 0:
         problems.append(f"trainer.hang_timeout_s must be a positive number of seconds or null (from each call's "
                         f"own durations), got {trainer.hang_timeout_s!r}")
-    for name in ("save_every", "val_every"):
+    for name in ("save_every", "val_every", "max_restarts"):
         if getattr(trainer, name) < 0:
             problems.append(f"trainer.{name} must be >= 0 (0 turns it off), got {getattr(trainer, name)}")
+    if not trainer.restart_window_s > 0:
+        problems.append(f"trainer.restart_window_s must be a positive number of seconds, got {trainer.restart_window_s!r}")
+    if trainer.max_restarts and trainer.run_dir is None:
+        problems.append(f"trainer.max_restarts={trainer.max_restarts} needs a trainer.run_dir to resume from")
     return problems + _launch_problems(trainer)
 
 

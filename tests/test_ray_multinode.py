@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -208,3 +209,70 @@ def test_a_lost_node_fails_the_pending_call_naming_the_node_and_its_ranks(cluste
     assert error["seconds"] < 15, error
     assert f"on node {victim} (which runs ranks {ranks})" in error["text"], error
     assert "during 'sleep'" in error["text"] and "its Ray actor died" in error["text"]
+
+
+# GRPO with the actor at DP2 over 2 nodes x 1 process (fp32, the megatron rollout), a checkpoint every step.
+RESTART_JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=grpo", "rollout.sampling.n=2", "trainer.nproc=1",
+               "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1", "actor.engine.precision=fp32",
+               "actor.engine.micro_batch_size=4", "data.batch_size=8", "ppo.ppo_mini_batch_size=16",
+               "ppo.ppo_epochs=1", "rollout.engine=megatron", "rollout.sampling.max_new_tokens=4",
+               "trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=0", "trainer.logger=[jsonl]",
+               "trainer.export_hf=false", "trainer.plots=false", "data.train_size=64", "data.val_size=8",
+               "trainer.launcher=ray"]
+TIMED = ("timing_s/", "perf/", "rollout/tokens_per_s", "job/")  # measured, not computed: not compared
+
+
+def test_a_node_killed_mid_step_restarts_the_job_on_the_other_at_half_the_data_parallel_size(cluster, tmp_path):
+    """trainer.max_restarts 1 on a cluster of two nodes: the node holding rank 1 is killed once step 2 is
+    logged. The job restarts on the head node at DP 1 with the global batch kept (twice the micro-batches a
+    rank), finishes its 4 steps, and from the checkpoint it resumed from gives exactly what an uninterrupted
+    run at DP 1 from that checkpoint gives."""
+    from controller.models.builtin import resolve_model_path
+    from tools.fault_drill import Drill
+
+    for spare in [ip for ip in cluster.nodes if ip != cluster.head_ip][1:]:  # two nodes: the head and one other
+        cluster.kill_node(spare)
+    victim = next(ip for ip in cluster.nodes if ip != cluster.head_ip)
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path / "model")
+    command = [sys.executable, "-m", "controller.cli", "train", *RESTART_JOB, f"trainer.ray_address={cluster.address}",
+               f"model_path={model}"]
+    run = tmp_path / "run"
+    drill = Drill([*command, f"trainer.run_dir={run}", "trainer.nnodes=2", "trainer.max_restarts=1"], run)
+    try:
+        drill.wait(lambda: 2 in drill.steps(), "step 2")
+        drill.fault("node", lambda: cluster.kill_node(victim), found="[hybridflow] the job failed", recovered=3)
+        code = drill.finish()
+    finally:
+        drill.kill()
+    out = drill.text()
+    assert code == 0, out[-6000:]
+    assert re.search(r"Ray pool of the actor and colocated roles: 2 processes on 2 node\(s\)", out)
+    assert f"on node {victim}" in out  # the failure names the lost node
+    assert drill.times["node"]["found_s"] < 15, drill.times
+    assert ("[hybridflow] restart 1 (at most 1 within 3600 s): 1 healthy node(s) of 2; resuming from the newest "
+            "complete checkpoint at data-parallel size 1 instead of 2: the global batch of 16 sequences is kept, 16 "
+            "sequences a rank in 4 micro-batches of 4 instead of 8 sequences a rank in 2 micro-batches of 4") in out
+    assert re.search(r"Ray pool of the actor and colocated roles: 1 processes on 1 node\(s\): "
+                     + re.escape(cluster.head_ip), out), out[-4000:]
+    resumed = int(re.findall(r"resumed at step (\d+)", out)[-1])
+    assert resumed >= 1
+    steps = drill.records()
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]  # one metrics file, continued
+    assert [s.get("job/data_parallel") for s in steps] == [None] * resumed + [1.0] * (4 - resumed)
+    (record,) = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert record["details"]["data_parallel"] == [2, 1] and record["details"]["nodes"] == [cluster.head_ip]
+
+    # The reference: the checkpoint the restart resumed from, resumed at one node without interruption.
+    reference = tmp_path / "reference"
+    shutil.copytree(run, reference)
+    for path in (reference / "checkpoints").glob("*/step_*"):
+        if int(path.name.removeprefix("step_").split(".")[0]) > resumed:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (reference / "checkpoints" / "trainer" / "latest").write_text(f"step_{resumed:08d}.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([*command, f"trainer.run_dir={reference}", "trainer.nnodes=1", "trainer.resume=true"],
+                           capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT))
+    assert again.returncode == 0, again.stderr[-5000:]
+    for restarted, uninterrupted in zip(steps[resumed:], read_steps(reference)[resumed:], strict=True):
+        compared = [k for k in uninterrupted if not k.startswith(TIMED)]
+        assert len(compared) > 20 and all(restarted[k] == uninterrupted[k] for k in compared), (restarted, uninterrupted)

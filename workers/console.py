@@ -84,6 +84,9 @@ HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
         r"Passing raw prompts to InputProcessor is deprecated",
         # A LoRA served with rollout.lora_sync: adapter names no tokenizer of its own: the base's serves it.
         r"deprecated support for supporting different tokenizers for different LoRAs",
+        # A CPU without the instructions oneDNN's kernel for this matmul needs (no AVX-512): vLLM computes the
+        # layer with torch's linear instead, the same product, more slowly.
+        r"Failed to create oneDNN linear, fallback to torch linear",
     ),
     # torch's op library looks for Triton kernels; CPU runs have none.
     "torch._library.triton": (r"Triton not available",),

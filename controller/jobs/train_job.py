@@ -22,7 +22,7 @@ from controller.models.builtin import resolve_model_path
 from controller.runtime.placement import ClusterNode
 from controller.runtime.torchrun_backend import under_torchrun
 
-__all__ = ["prepare_job", "run_training"]
+__all__ = ["check_job", "prepare_job", "run_training"]
 
 
 def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
@@ -34,13 +34,19 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
     ``data_source`` must have a scorer. ``cluster`` (the Ray cluster's nodes)
     adds the check that the job's pools fit it.
     """
+    run_dir = Path(config.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model_path(config.model_path, run_dir)
+    check_job(config, model, cluster)
+    return model, rl_job_prompts(config, config.actor.model_path or model, log)
+
+
+def check_job(config: RLConfig, model: str, cluster: list[ClusterNode] | None = None) -> None:
+    """``check_config`` with the policy's and the reward model's shapes (and the Ray cluster's nodes)."""
     from hybridengine.model.spec import ModelSpec
     from workers.reward.hf_reward_model import check_reward_checkpoint
     from workers.reward.reward_model import megatron_spec_or_none
 
-    run_dir = Path(config.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model = resolve_model_path(config.model_path, run_dir)
     reward_spec = None
     if config.reward.model_path:  # any one-label HF classifier; one megatron holds runs there (its split checked)
         try:
@@ -49,31 +55,49 @@ def prepare_job(config: RLConfig, log: Callable[[str], None] | None = None,
             raise ConfigError(f"reward.model_path: {exc}") from None
         reward_spec = megatron_spec_or_none(config.reward.model_path)
     check_config(config, ModelSpec.from_pretrained(model), cluster, reward_spec)
-    return model, rl_job_prompts(config, config.actor.model_path or model, log)
 
 
 def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = None) -> Path:
-    """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process)."""
-    from controller.metrics.log import MetricsLogger, read_metrics
-    from controller.runtime.resource_pool import ResourcePool
-    from controller.rl.trainer import RLTrainer
+    """Train; ``prepared`` is ``prepare_job``'s result when the caller already checked (Ray: the same process).
 
-    trainer_cfg = config.trainer
+    With Ray this process restarts the job after a lost worker or node or a hang, within
+    ``trainer.max_restarts`` (``controller.jobs.relaunch``); under torchrun the launching command does.
+    """
+    from controller.jobs.relaunch import data_parallel, run_restarting
+    from controller.jobs.restarts import RESTART_ENV, restart_fields
+    from controller.runtime.resource_pool import ResourcePool
+
     if under_torchrun():
         check_config(config)  # every rank, before any group forms
-        pool = torchrun_pool(trainer_cfg)
-    else:
-        pool = None
-    # Under torchrun the launching process has already checked and reported the data: rank 0 stays quiet.
-    _, prompts = prepared or prepare_job(config, log=(lambda line: None) if under_torchrun() else None)
-    if pool is None:
+        pool = torchrun_pool(config.trainer)
+        # The launching process has already checked and reported the data: rank 0 stays quiet.
+        _, prompts = prepared or prepare_job(config, log=lambda line: None)
+        return _train(config, prompts, pool, restart_fields(int(os.environ.get(RESTART_ENV, 0)), data_parallel(config)))
+    model, prompts = prepared or prepare_job(config)
+
+    def attempt(config: RLConfig, fields: dict[str, float]) -> Path:
+        trainer_cfg = config.trainer
         pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray",
                             ray_address=trainer_cfg.ray_address)
         print(f"[hybridflow] Ray pool of the actor and colocated roles: {pool.describe()}", file=sys.stderr)
+        return _train(config, prompts, pool, fields)
+
+    def check(config: RLConfig, nodes: list[dict]) -> None:
+        check_job(config, model, [ClusterNode(n["address"], n["CPU"], n["GPU"]) for n in nodes])
+
+    return run_restarting(config, attempt, check, mini_batch=lambda c: c.ppo.ppo_mini_batch_size)
+
+
+def _train(config: RLConfig, prompts: JobPrompts, pool, fields: dict[str, float] | None = None) -> Path:
+    """One run of the job on ``pool``: resumed when ``trainer.resume``, torn down however it ends."""
+    from controller.metrics.log import MetricsLogger, read_metrics
+    from controller.rl.trainer import RLTrainer
+
+    trainer_cfg = config.trainer
     run_dir = Path(trainer_cfg.run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
-                           config=config_to_dict(config), resume=trainer_cfg.resume)
+                           config=config_to_dict(config), resume=trainer_cfg.resume, fields=fields)
     trainer = RLTrainer(config, train_data=prompts.train, val_data=prompts.val, pool=pool, logger=logger)
     try:
         if trainer_cfg.resume:
@@ -104,6 +128,7 @@ def run_training(config: RLConfig, prepared: tuple[str, JobPrompts] | None = Non
             _print_validation(config, read_metrics(run_dir))
     finally:
         trainer.shutdown()
+        logger.close()  # (closed already when the run finished)
     return run_dir
 
 

@@ -181,6 +181,8 @@ class MetricsLogger:
     the ``step k/N`` label. ``project``, ``run_name`` and ``config`` go to
     ``wandb.init``. ``resume`` keeps an existing ``metrics.jsonl`` (see
     :meth:`truncate_after`) and asks wandb to resume the run of that name.
+    ``fields`` are added to every record (a restarted job: ``job/restarts`` and
+    ``job/data_parallel``).
     """
 
     def __init__(
@@ -192,6 +194,7 @@ class MetricsLogger:
         run_name: str | None = None,
         config: dict | None = None,
         resume: bool = False,
+        fields: Mapping[str, float] | None = None,
     ) -> None:
         if isinstance(backends, str):
             backends = (backends,)
@@ -205,6 +208,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.resume = resume
+        self.fields = dict(fields or {})
         self._closed = False
         self._jsonl = None
         self._tb = None
@@ -257,6 +261,8 @@ class MetricsLogger:
             raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})")
         if "step" in metrics:
             raise ValueError("metrics must not contain the key 'step': it is written from the step argument")
+        if self.fields:
+            metrics = {**metrics, **self.fields}
         numeric = {}
         for key, value in metrics.items():
             number = _as_number(value)

@@ -35,8 +35,9 @@ import torch
 from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
 from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
 from controller.data import PromptLoader
-from controller.errors import ConfigError, NonFiniteTrainingError
+from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
+from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import ROLE_ORDER, reference_role
 from controller.rl.role_defaults import critic_from_causal_lm
@@ -166,10 +167,9 @@ class RLTrainer:
         self.groups: dict[str, WorkerGroup] = {}
         self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
-        self.max_bad_steps = trainer.max_bad_steps
         # every worker call's deadline, from its own durations (trainer.hang_timeout_s: a fixed one)
         self.watch = HangWatch(self.run_dir / "hangs" if self.run_dir is not None else None, trainer.hang_timeout_s)
-        self.bad_steps: list[int] = []  # the steps in a row that skipped an optimizer step (count_bad_step)
+        self.bad_steps = BadSteps(trainer.max_bad_steps)  # steps in a row that skipped an optimizer step
         self.loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
         pools = job_pools(trainer)  # the config's own placement: the pools' owners first, then the roles sharing them
@@ -548,20 +548,9 @@ class RLTrainer:
         left their weights and optimizer state as they were) is said and counted; ``trainer.max_bad_steps``
         of them in a row stop the run, naming the first."""
         skipped = [role for role in ("critic", "actor") if state.metrics.get(f"{role}/skipped", 0.0) > 0]
-        if not skipped:
-            self.bad_steps = []
-            return
-        self.bad_steps.append(state.step + 1)  # as the console and the metrics number it
-        state.metrics["training/bad_steps_in_row"] = float(len(self.bad_steps))
-        print(f"[hybridflow] step {state.step + 1}: the {' and the '.join(skipped)} skipped "
-              f"{'their' if len(skipped) > 1 else 'its'} optimizer step (a non-finite loss or gradient, located "
-              f"above); {len(self.bad_steps)} such step(s) in a row (trainer.max_bad_steps={self.max_bad_steps})",
-              flush=True)
-        if len(self.bad_steps) >= self.max_bad_steps:
-            raise NonFiniteTrainingError(
-                f"{len(self.bad_steps)} steps in a row skipped their optimizer steps on a non-finite loss or "
-                f"gradient, the first at step {self.bad_steps[0]} (steps {self.bad_steps}; trainer.max_bad_steps="
-                f"{self.max_bad_steps}); no skipped step changed a weight")
+        in_row = self.bad_steps.count(state.step + 1, skipped)  # as the console and the metrics number it
+        if in_row is not None:
+            state.metrics["training/bad_steps_in_row"] = in_row
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
         """The step's metrics; then validation, logging and the checkpoint where they are due."""

@@ -26,8 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from controller.errors import ConfigError, TrainingStoppedError
+from controller.errors import CallTimeoutError, ConfigError, TrainingStoppedError, WorkerDiedError
 from controller.rl.checkpoint_integrity import checksums, verify
+from controller.runtime.hang_watch import HangError
 
 if TYPE_CHECKING:
     from controller.rl.trainer import RLTrainer
@@ -61,7 +62,7 @@ class TrainerCheckpoint:
             # One-step-off's batch generated ahead, async's stream (before the commit point: part of this step).
             schedule = trainer.schedule.state_dict(schedule_path)
             state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
-                     **trainer.algorithm.state_dict()}
+                     "bad_steps": trainer.bad_steps.steps, **trainer.algorithm.state_dict()}
             return commit_trainer_state(self.root, state, [self.root / role / f"step_{step:08d}" for role in roles]
                                         + [schedule_path])
 
@@ -78,6 +79,7 @@ class TrainerCheckpoint:
         trainer.loader.load_state_dict(state["loader"])
         trainer.schedule.load_state_dict(state.get("schedule", {}), self.root / "trainer")
         trainer.algorithm.load_state_dict(state)
+        trainer.bad_steps.steps = list(state.get("bad_steps", []))  # a resumed run counts on in a row
         trainer.global_step = step
         return step
 
@@ -89,13 +91,17 @@ class CheckpointWriteError(TrainingStoppedError):
 @contextmanager
 def saving(root: Path, step: int):
     """Turns a failed save of ``step`` into ``CheckpointWriteError`` naming the newest complete checkpoint (which
-    nothing touched); the failed save's partial directories are removed."""
+    nothing touched); the failed save's partial directories are removed. A worker lost or hung during the save
+    is not the write's fault: its error goes on as it is (a restart can get past it)."""
     try:
         yield
     except Exception as exc:  # noqa: BLE001 (whatever a role's writer raised: the run stops with the reason)
-        reason = _write_failure(root, exc)  # before the partial write is removed (it is what filled the disk)
+        lost = isinstance(exc, (HangError, WorkerDiedError, CallTimeoutError))
+        reason = None if lost else _write_failure(root, exc)  # before the partial write goes (it filled the disk)
         for partial in root.glob(f"*/.step_{step:08d}.tmp"):
             shutil.rmtree(partial, ignore_errors=True)
+        if lost:
+            raise
         raise CheckpointWriteError(f"the checkpoint of step {step} could not be written under {root} ({reason}); "
                                    f"{_kept(root)}. Free space, then resume (trainer.resume=true)") from exc
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from concurrent.futures import Future
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from controller.errors import HostLostError
 from controller.runtime.hosts import CallOutcome, HostSet, RankCalls, map_failure
@@ -45,7 +46,7 @@ from workers.console import console_env, verbose_console
 from workers.data_proto import DataProto
 from workers.host import Reply, WorkerHost
 
-__all__ = ["RayHostSet", "ensure_ray", "PRIVATE_CLUSTER_IP", "cluster_for", "cluster_nodes"]
+__all__ = ["RayHostSet", "ensure_ray", "PRIVATE_CLUSTER_IP", "cluster_for", "cluster_nodes", "healthy_nodes"]
 
 # Ray turns 127.0.0.1 into the machine's interface address ("remotely
 # reachable"); any other loopback address it keeps, so the private cluster's
@@ -160,6 +161,43 @@ def cluster_nodes() -> list[dict]:
          "CPU": n["Resources"].get("CPU", 0.0), "GPU": n["Resources"].get("GPU", 0.0)}
         for n in sorted(ray.nodes(), key=lambda n: n["NodeManagerAddress"]) if n.get("Alive")
     ]
+
+
+def healthy_nodes(grace_s: float = 60.0, probe_s: float = 10.0) -> list[dict]:
+    """The live nodes that run a task now (``cluster_nodes`` entries): after a failure, a node that died is
+    left out whether or not the GCS has marked it dead yet.
+
+    Each node gets a task pinned to it; one that does not answer within
+    ``probe_s`` is asked again (while the GCS's health checks catch up) until
+    every listed node answers or ``grace_s`` is spent, when the silent ones are
+    left out.
+    """
+    @ray.remote(num_cpus=0)
+    def answer() -> bool:  # (nested: pickled by value, so a worker imports nothing of ours to run it)
+        return True
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        nodes = cluster_nodes()
+        probes = [answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False))
+                  .remote() for n in nodes]
+        ready, late = ray.wait(probes, num_returns=len(probes), timeout=probe_s)
+        answered = []
+        for node, probe in zip(nodes, probes):
+            if probe in ready:
+                try:
+                    ray.get(probe)
+                except Exception:  # noqa: BLE001 - its node went away under the probe
+                    continue
+                answered.append(node)
+        for probe in late:
+            try:
+                ray.cancel(probe)
+            except Exception:  # noqa: BLE001 - already failed with its node
+                pass
+        if len(answered) == len(nodes) or time.monotonic() >= deadline:
+            return answered
+        time.sleep(0.5)
 
 
 class RayHostSet(HostSet):

@@ -41,23 +41,44 @@ def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> 
 
 
 def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> Path:
+    """Fine-tune; with Ray, restarted after a lost worker or node or a hang within ``trainer.max_restarts``
+    (``controller.jobs.relaunch``; under torchrun the launching command restarts)."""
+    import os
+
+    from controller.jobs.job_pool import torchrun_pool
+    from controller.jobs.relaunch import data_parallel, run_restarting
+    from controller.jobs.restarts import RESTART_ENV, restart_fields
+    from controller.runtime.resource_pool import ResourcePool
+    from hybridengine.model.spec import ModelSpec
+
+    if under_torchrun():
+        check_sft_config(config)  # every rank, before any group forms
+        pool = torchrun_pool(config.trainer)
+        model, data = prepared or prepare_sft(config, log=lambda line: None)
+        return _fine_tune(config, model, data, pool,
+                          restart_fields(int(os.environ.get(RESTART_ENV, 0)), data_parallel(config)))
+    model, data = prepared or prepare_sft(config)
+
+    def attempt(config: SFTConfig, fields: dict[str, float]) -> Path:
+        pool = ResourcePool([config.trainer.nproc] * config.trainer.nnodes, backend="ray",
+                            ray_address=config.trainer.ray_address)
+        return _fine_tune(config, model, data, pool, fields)
+
+    def check(config: SFTConfig, nodes: list[dict]) -> None:
+        check_sft_config(config, ModelSpec.from_pretrained(config.actor.model_path or model))
+
+    return run_restarting(config, attempt, check, mini_batch=lambda c: c.data.batch_size)
+
+
+def _fine_tune(config: SFTConfig, model: str, data: SFTData, pool, fields: dict[str, float]) -> Path:
+    """One run of the job on ``pool``: resumed when ``trainer.resume``, torn down however it ends."""
     from transformers import AutoTokenizer
 
     from controller.metrics.log import MetricsLogger, read_metrics, validation_summary
-    from controller.runtime.resource_pool import ResourcePool
     from controller.sft.trainer import SFTTrainer
-    from controller.jobs.job_pool import torchrun_pool
     from workers.actor import Actor
 
     trainer_cfg = config.trainer
-    if under_torchrun():
-        check_sft_config(config)  # every rank, before any group forms
-        pool = torchrun_pool(trainer_cfg)
-    else:
-        pool = None
-    model, data = prepared or prepare_sft(config, log=(lambda line: None) if under_torchrun() else None)
-    if pool is None:
-        pool = ResourcePool([trainer_cfg.nproc] * trainer_cfg.nnodes, backend="ray", ray_address=trainer_cfg.ray_address)
     run_dir = Path(trainer_cfg.run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(sft_config_to_dict(config), sort_keys=False))
     engine = config.actor.engine
@@ -69,11 +90,12 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
                                   optim=config.actor.optim,
                                   **({"lora": config.actor.lora} if config.actor.lora.enabled else {}))
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
-                           config=sft_config_to_dict(config), resume=trainer_cfg.resume)
+                           config=sft_config_to_dict(config), resume=trainer_cfg.resume, fields=fields)
     trainer = SFTTrainer(actor=actor, train=data.train, val=data.val, batch_size=config.data.batch_size,
                          pad_token_id=pad, pool=pool, run_dir=run_dir, logger=logger,
                          save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
-                         seed=trainer_cfg.seed, shuffle=config.data.shuffle)
+                         seed=trainer_cfg.seed, shuffle=config.data.shuffle, max_bad_steps=trainer_cfg.max_bad_steps,
+                         hang_timeout_s=trainer_cfg.hang_timeout_s)
     try:
         if trainer_cfg.resume:
             step = trainer.resume()
@@ -99,4 +121,5 @@ def run_sft(config: SFTConfig, prepared: tuple[str, SFTData] | None = None) -> P
         print("\n".join(lines))
     finally:
         trainer.shutdown()
+        logger.close()  # (closed already when the run finished)
     return run_dir

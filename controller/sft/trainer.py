@@ -19,7 +19,9 @@ from typing import Sequence
 
 from controller.data.sft_batches import SFTLoader
 from controller.data.sft_examples import SFTExample
+from controller.runtime.hang_watch import HangWatch
 from controller.runtime.resource_pool import ResourcePool
+from controller.rl.bad_steps import BadSteps
 from controller.rl.trainer_checkpoint import commit_trainer_state, latest_trainer_state, saving
 from controller.runtime.worker_group import WorkerGroup
 from workers.role_spec import RoleSpec
@@ -30,7 +32,8 @@ __all__ = ["SFTTrainer"]
 class SFTTrainer:
     def __init__(self, *, actor: RoleSpec, train: Sequence[SFTExample], batch_size: int, pad_token_id: int,
                  val: Sequence[SFTExample] = (), pool: ResourcePool | None = None, run_dir: str | Path | None = None,
-                 logger=None, save_every: int = 0, val_every: int = 0, seed: int = 0, shuffle: bool = True) -> None:
+                 logger=None, save_every: int = 0, val_every: int = 0, seed: int = 0, shuffle: bool = True,
+                 max_bad_steps: int = 5, hang_timeout_s: float | None = None) -> None:
         self.spec, self.pool, self.logger = actor, pool, logger
         self.loader = SFTLoader(train, batch_size, pad_token_id, shuffle, seed)
         self.val_loader = SFTLoader(val, min(batch_size, len(val)), pad_token_id, shuffle=False) if val else None
@@ -38,11 +41,15 @@ class SFTTrainer:
         self.save_every, self.val_every = save_every, val_every
         self.global_step = 0
         self.actor: WorkerGroup | None = None
+        # as in RL: each call's deadline from its own durations (run_dir/hangs), steps skipped on a NaN counted
+        self.watch = HangWatch(self.run_dir / "hangs" if self.run_dir is not None else None, hang_timeout_s)
+        self.bad_steps = BadSteps(max_bad_steps)
 
     def build(self) -> None:
         if self.actor is None:
             self.pool = self.pool or ResourcePool([1])
-            self.actor = WorkerGroup(self.pool, self.spec.worker_cls, role="actor", kwargs=self.spec.kwargs)
+            self.actor = WorkerGroup(self.pool, self.spec.worker_cls, role="actor", kwargs=self.spec.kwargs,
+                                     watch=self.watch)
 
     def step(self) -> dict[str, float]:
         self.build()
@@ -52,6 +59,8 @@ class SFTTrainer:
         elapsed = time.perf_counter() - start
         self.global_step += 1
         metrics = {key: float(values[0]) for key, values in replicas[0].items()}
+        if (in_row := self.bad_steps.count(self.global_step, ["actor"] if metrics.get("sft/skipped") else [])):
+            metrics["training/bad_steps_in_row"] = in_row
         tokens = float(batch.batch["attention_mask"].sum())
         metrics.update({"sft/learned_tokens": float(batch.batch["response_mask"].sum()), "timing_s/step": elapsed,
                         "perf/throughput": tokens / elapsed, "sft/epoch": float(self.loader.epoch)})
@@ -93,7 +102,8 @@ class SFTTrainer:
         step = self.global_step
         with saving(self._root, step):
             self.actor.save_checkpoint(str(self._root / "actor"), step)
-            return commit_trainer_state(self._root, {"step": step, "loader": self.loader.state_dict()},
+            return commit_trainer_state(self._root, {"step": step, "loader": self.loader.state_dict(),
+                                                     "bad_steps": self.bad_steps.steps},
                                         [self._root / "actor" / f"step_{step:08d}"])
 
     def resume(self) -> int:
@@ -105,6 +115,7 @@ class SFTTrainer:
         self.global_step = int(state["step"])
         self.actor.load_checkpoint(str(self._root / "actor" / f"step_{self.global_step:08d}"))
         self.loader.load_state_dict(state["loader"])
+        self.bad_steps.steps = list(state.get("bad_steps", []))
         return self.global_step
 
     def export_hf(self, path: str | Path, precision: str | None = None) -> Path:
