@@ -223,8 +223,8 @@ TIMED = ("timing_s/", "perf/", "rollout/tokens_per_s", "job/")  # measured, not 
 
 
 def test_a_node_killed_mid_step_restarts_the_job_on_the_other_at_half_the_data_parallel_size(cluster, tmp_path):
-    """trainer.max_restarts 1 on a cluster of two nodes: the node holding rank 1 is killed once step 2 is
-    logged. The job restarts on the head node at DP 1 with the global batch kept (twice the micro-batches a
+    """trainer.max_restarts 1 on a cluster of two nodes: the node other than the head (the driver's) is killed
+    once step 2 is logged, with one of the job's two ranks. The job restarts on the head node at DP 1 with the global batch kept (twice the micro-batches a
     rank), finishes its 4 steps, and from the checkpoint it resumed from gives exactly what an uninterrupted
     run at DP 1 from that checkpoint gives."""
     from controller.models.builtin import resolve_model_path

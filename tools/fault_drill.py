@@ -53,6 +53,7 @@ class Drill:
         self.console = self.run_dir.parent / f"{self.run_dir.name}.console.txt"
         self.deadline_s = deadline_s
         self.times: dict[str, dict[str, float]] = {}
+        self.stopped: list[int] = []  # processes stopped (SIGSTOP) by ``stop``: killed at the end whatever happens
         with open(self.console, "w") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -71,6 +72,11 @@ class Drill:
 
     def rank_pid(self, rank: int) -> int:
         return rank_pid(self.proc.pid, rank)
+
+    def stop(self, pid: int) -> None:
+        """SIGSTOP ``pid`` (a hang); ``kill`` ends it later if the run has not."""
+        self.stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
 
     def wait(self, condition: Callable[[], bool], what: str = "the condition") -> float:
         """Poll until ``condition()``; returns the time it held (time.monotonic)."""
@@ -105,20 +111,24 @@ class Drill:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pid in self.stopped:  # (a stopped process never exits by itself)
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
 
 
 # ------------------------------------------------------------------ the drills run as a script
 def _torchrun_drill(work: Path, model: str) -> dict:
-    from tests.faults.test_faults_cli import JOB
+    from faults.test_faults_cli import JOB
 
     drill = Drill([sys.executable, "-m", "controller.cli", "train", *JOB, "algorithm.name=grpo", f"model_path={model}",
                    f"trainer.run_dir={work / 'torchrun'}", "trainer.max_restarts=2", "trainer.hang_timeout_s=8",
                    "trainer.total_steps=5"], work / "torchrun")
-    stopped = None
     try:
         drill.wait(lambda: 1 in drill.steps(), "step 1")
-        stopped = drill.rank_pid(1)
-        drill.fault("torchrun: a rank stopped (SIGSTOP)", lambda: os.kill(stopped, signal.SIGSTOP),
+        drill.fault("torchrun: a rank stopped (SIGSTOP)", lambda: drill.stop(drill.rank_pid(1)),
                     found="passed its deadline", recovered=2)
         drill.wait(lambda: 3 in drill.steps(), "step 3")
         drill.fault("torchrun: a rank killed (SIGKILL)", lambda: os.kill(drill.rank_pid(1), signal.SIGKILL),
@@ -126,18 +136,11 @@ def _torchrun_drill(work: Path, model: str) -> dict:
         code = drill.finish()
     finally:
         drill.kill()
-        if stopped is not None:
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(stopped, sig)
-                except OSError:
-                    pass
     assert code == 0, drill.text()[-3000:]
     return drill.times
 
 
 def _ray_drill(work: Path, model: str) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
     from loopback_cluster import LoopbackCluster
     from test_ray_multinode import RESTART_JOB
 
@@ -164,6 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' jobs and their loopback cluster
     from controller.models.builtin import resolve_model_path
 
     with tempfile.TemporaryDirectory(prefix="fault-drill-") as scratch:

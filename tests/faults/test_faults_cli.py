@@ -164,12 +164,10 @@ def test_a_stopped_rank_then_a_killed_one_are_restarted_past_and_the_run_ends_as
     drill = Drill([sys.executable, "-m", "controller.cli", "train", *JOB, f"model_path={model}",
                    f"trainer.run_dir={run}", "trainer.max_restarts=2", "trainer.hang_timeout_s=8"], run,
                   env={"HYBRIDFLOW_TEST_NAN_STEPS": "2,4,5"})
-    stopped = None
     try:
         drill.wait(lambda: 1 in drill.steps(), "step 1")
         stopped = drill.rank_pid(1)
-        drill.fault("hang", lambda: os.kill(stopped, signal.SIGSTOP), found="passed its deadline of 8 s",
-                    recovered=2)
+        drill.fault("hang", lambda: drill.stop(stopped), found="passed its deadline of 8 s", recovered=2)
         hang = drill.text()
         killed = drill.rank_pid(1)
         assert killed != stopped
@@ -177,12 +175,6 @@ def test_a_stopped_rank_then_a_killed_one_are_restarted_past_and_the_run_ends_as
         code = drill.finish()
     finally:
         drill.kill()
-        if stopped is not None:
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(stopped, sig)
-                except OSError:
-                    pass
     out = drill.text()
     # The hang: found within the deadline and a little (the stacks taken, then the report), rank 1 named.
     assert drill.times["hang"]["found_s"] < 8 + 15, drill.times
