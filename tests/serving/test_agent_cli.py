@@ -13,7 +13,7 @@ from test_train_cli import hybridflow, read_metrics, third_party_lines
 def test_a_user_agent_trains_two_steps_and_its_failures_are_its_own(tmp_path):
     proc = hybridflow("train", "--config", "examples/openai_agent.yaml", f"trainer.run_dir={tmp_path}",
                       "model_path=builtin:tiny-chat", "rollout.agent.entrypoint=tests.serving.flaky_agent:agent",
-                      "reward.fn=environment", "rollout.agent.session_timeout_s=5", "trainer.total_steps=2",
+                      "reward.fn=environment", "rollout.agent.session_timeout_s=15", "trainer.total_steps=2",
                       "trainer.val_every=0", "trainer.export_hf=false", "trainer.plots=false", "data.val_size=4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]
