@@ -698,6 +698,7 @@ def _algorithm_problems(config: RLConfig) -> list[str]:
     from controller.algorithms.algorithm import ALGORITHMS as REGISTERED
     from controller.algorithms.algorithm import resolve_algorithm, resolve_rollout_correction
     from controller.algorithms.dapo import DAPO
+    from workers.policy_losses import KL_ESTIMATOR_NAMES
 
     alg, n, max_new = config.algorithm, config.rollout.sampling.n, config.rollout.sampling.max_new_tokens
     try:
@@ -724,6 +725,8 @@ def _algorithm_problems(config: RLConfig) -> list[str]:
     if alg.overlong_buffer_len is not None and not 0 <= alg.overlong_buffer_len <= max_new:
         problems.append(f"algorithm.overlong_buffer_len must be in [0, rollout.sampling.max_new_tokens = {max_new}], "
                         f"got {alg.overlong_buffer_len}")
+    if isinstance(alg.kl_penalty, str) and alg.kl_penalty not in KL_ESTIMATOR_NAMES:
+        problems.append(f"algorithm.kl_penalty {alg.kl_penalty!r} is not one of {KL_ESTIMATOR_NAMES}")
     try:
         resolve_rollout_correction(alg.rollout_correction, same_precision=False)
     except ValueError as exc:

@@ -54,6 +54,10 @@ def test_bad_keys_values_and_overrides_name_the_key():
         load_config(None, ["rollout.sampling.max_new_tokens=0"])
     with pytest.raises(ConfigError, match=r"rollout: invalid rollout config: engine 'hf' is not one of"):
         load_config(None, ["rollout.engine=hf"])
+    with pytest.raises(ConfigError, match=r"ppo: kl_loss_type 'k4\+' is not one of \('k1', 'k2', 'k3', 'kl', 'mse', "
+                                          r"'low_var_kl', 'k1\+', 'k2\+', 'k3\+', 'kl\+', 'mse\+', 'low_var_kl\+'\)"):
+        load_config(None, ["ppo.kl_loss_type=k4+"])
+    assert load_config(None, ["ppo.kl_loss_type=k3+"]).ppo.kl_loss_type == "k3+"
     with pytest.raises(ConfigError, match="is not of the form key.sub=value"):
         apply_overrides({}, ["algorithm.name"])
     with pytest.raises(ConfigError, match="does not exist"):
@@ -80,6 +84,8 @@ def test_each_cross_field_problem_is_reported():
     assert "generation tensor_parallel=4" in problems("rollout.tensor_parallel=4")
     assert "data.task 'jsonl' needs data.train_file" in problems("data.task=jsonl")
     assert "set reward.fn (a rule) or reward.model_path" in problems("reward.fn=null")
+    assert "algorithm.kl_penalty 'k3++' is not one of ('k1', 'k2', 'k3', 'kl', 'mse', 'low_var_kl', 'k1+'" in problems(
+        "algorithm.kl_penalty=k3++")
     # All problems at once, one line each.
     several = problems("algorithm.name=grpo", "trainer.nproc=6")
     assert several.count("\n  - ") == 2  # n >= 2 and the actor's layout (GRPO has no critic)

@@ -50,8 +50,25 @@ def test_kl_estimators():
     assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
     assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
     assert kl_penalty(logp, ref, lambda a, b: (a - b) * 2).item() == pytest.approx(2 * math.log(2))
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: k1, k2, k3, kl, mse, low_var_kl, k1\+"):
         kl_penalty(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("name,value", [("k1+", lambda d: d), ("k3+", lambda d: math.exp(-d) + d - 1),
+                                        ("low_var_kl+", lambda d: math.exp(-d) + d - 1), ("k2+", lambda d: d * d / 2)])
+def test_a_plus_estimator_is_its_value_with_k2s_gradient(name, value):
+    """verl's straight-through forms: the estimator's value; the gradient of k2 = (log pi - log ref)^2 / 2, which is
+    log pi - log ref per token (Schulman's note: on samples of pi, k2's gradient is the KL's in expectation)."""
+    logp = torch.tensor([-0.3, -1.2, -2.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-0.9, -1.0, -0.5], dtype=torch.float64)
+    kl = kl_penalty(logp, ref, name)
+    delta = (logp - ref).detach()
+    assert kl.tolist() == pytest.approx([value(d) for d in delta.tolist()], rel=1e-12)
+    kl.sum().backward()
+    assert logp.grad.tolist() == pytest.approx(delta.tolist(), rel=1e-12)
+    plain = torch.tensor(logp.detach().tolist(), dtype=torch.float64, requires_grad=True)
+    kl_penalty(plain, ref, name.rstrip("+")).sum().backward()  # without the "+", its own gradient
+    assert name == "k2+" or plain.grad.tolist() != pytest.approx(delta.tolist(), rel=1e-6)
 
 
 def test_ppo_clip_and_dual_clip():

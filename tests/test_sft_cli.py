@@ -23,6 +23,7 @@ def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  
     proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}", f"trainer.run_dir={full}", *SFT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert "done: 4 SFT steps" in proc.stdout and "HF checkpoint" in proc.stdout
+    assert proc.ending_s < 30, f"the job ended {proc.ending_s:.1f} s after its last line"  # every rank ends with its work
     steps = read_metrics(full)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert steps[-1]["sft/loss"] < steps[0]["sft/loss"] - 0.5, [s["sft/loss"] for s in steps]
@@ -146,7 +147,7 @@ def test_moe_examples_sft_then_grpo_with_expert_parallelism(tmp_path):
 def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, model):  # noqa: F811
     """LoRA through both CLIs: an SFT job whose checkpoints hold the adapters only and resume exactly, whose
     PEFT export starts a LoRA GRPO job (``actor.lora.adapter_path``) with a KL loss against the base (the
-    adapters off), its vLLM rollout serving the adapters on the base (``rollout.lora_sync: adapter``): after
+    adapters off; verl's k3+: k3's value, k2's gradient), its vLLM rollout serving the adapters on the base (``rollout.lora_sync: adapter``): after
     the first step only the adapters' bytes move, and vLLM's log-probs are the actor's."""
     lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.engine.precision=fp32"]
     sft = [*SFT, "trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0", *lora]
@@ -174,7 +175,7 @@ def test_lora_sft_resumes_exactly_and_its_adapter_starts_lora_grpo(tmp_path, mod
                       "trainer.nproc=2", "actor.engine.tensor_parallel=2", "rollout.engine=vllm",
                       "rollout.lora_sync=adapter",
                       "algorithm.name=grpo", "rollout.sampling.n=2", "ppo.ppo_mini_batch_size=8", "ppo.ppo_epochs=1",
-                      "ppo.use_kl_loss=true", "reward.fn=arithmetic_answer", "trainer.total_steps=2",
+                      "ppo.use_kl_loss=true", "ppo.kl_loss_type=k3+", "reward.fn=arithmetic_answer", "trainer.total_steps=2",
                       "trainer.export_hf=true")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]  # vLLM's LoRA serving is quiet too

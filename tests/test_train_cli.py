@@ -41,10 +41,43 @@ ALGORITHMS = {
 }
 
 
-def hybridflow(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+class TimedProcess(subprocess.CompletedProcess):
+    """A finished run, and ``ending_s``: seconds from its last line of output (stdout or stderr) to its exit."""
+
+    ending_s: float
+
+
+def hybridflow(*args: str, timeout: float = 400) -> TimedProcess:
+    """``hybridflow ARGS`` run to its end, its output read line by line as it comes, to time its ending."""
+    import threading
+    import time
+
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    last_line = [time.monotonic()]
+
+    def read(name: str) -> None:
+        for line in getattr(proc, name):
+            lines[name].append(line)
+            last_line[0] = time.monotonic()
+
+    readers = [threading.Thread(target=read, args=(name,), daemon=True) for name in lines]
+    for reader in readers:
+        reader.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for reader in readers:
+            reader.join(30)
+    done = TimedProcess(proc.args, code, "".join(lines["stdout"]), "".join(lines["stderr"]))
+    done.ending_s = max(0.0, time.monotonic() - last_line[0])
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +187,8 @@ def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, laun
         assert second["safe_rlhf/lambda"] == pytest.approx(1.0 + 0.5 * (first["safe_rlhf/cost/mean"] + 1.0))
     assert "[hybridflow]   metrics:" in proc.stdout
     assert (tmp_path / "plots" / "reward.png").is_file() == ((algorithm, launcher) == ("ppo", "torchrun"))
+    if (algorithm, launcher) == ("ppo", "torchrun"):  # the demo's layout: every rank ends with its work
+        assert proc.ending_s < 30, f"the job ended {proc.ending_s:.1f} s after its last line"
     assert (tmp_path / "checkpoints" / "trainer" / "latest").is_file()  # saved at the end
 
 

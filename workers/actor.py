@@ -25,6 +25,7 @@ from workers.megatron.hybrid_bridge import HybridBridge
 from workers.megatron.ppo_update import run_ppo_epochs, token_share
 from workers.megatron.token_outputs import response_log_probs
 from workers.policy_losses import (
+    KL_ESTIMATOR_NAMES,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     LossNormalizer,
@@ -60,12 +61,16 @@ class PPOActorConfig:
     # the KL in the reward instead
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001  # the weight of that KL term
-    kl_loss_type: str = "k3"  # its per-token estimator: k1, k2 or k3 (workers.policy_losses)
+    # its per-token estimator: k1, k2 or k3 (or kl, mse, low_var_kl); a "+" (k3+) keeps the value and takes
+    # k2's gradient, whose expectation is the KL's (workers.policy_losses.kl_estimator)
+    kl_loss_type: str = "k3"
     loss_agg_mode: str | None = None  # one of LOSS_AGG_MODES
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+        if self.kl_loss_type not in KL_ESTIMATOR_NAMES:
+            raise ValueError(f"kl_loss_type {self.kl_loss_type!r} is not one of {KL_ESTIMATOR_NAMES}")
         if self.policy_loss is not None and self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss {self.policy_loss!r} is not one of {POLICY_LOSSES}")
         if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:

@@ -28,7 +28,9 @@ import torch
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "KL_ALIASES",
     "KL_ESTIMATORS",
+    "KL_ESTIMATOR_NAMES",
     "POLICY_LOSSES",
     "LossNormalizer",
     "PolicyLossSpec",
@@ -37,6 +39,7 @@ __all__ = [
     "compute_policy_loss",
     "gspo_loss",
     "kl_loss",
+    "kl_estimator",
     "kl_penalty",
     "masked_mean",
     "policy_loss",
@@ -128,16 +131,38 @@ def _k3(log_prob, ref_log_prob):
 
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+#: verl's (and TRL's) other names for the estimators.
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+#: Every estimator name: k1, k2, k3, the aliases, and each with verl's "+" (the value, with k2's gradient).
+KL_ESTIMATOR_NAMES = tuple(f"{name}{plus}" for plus in ("", "+") for name in (*KL_ESTIMATORS, *KL_ALIASES))
+
+
+def _straight_through(estimator):
+    """``estimator``'s value with k2's gradient. k1 and k3 estimate KL(pi || ref) without bias, but their
+    gradients do not estimate its gradient; on samples from pi, k2's gradient, (log pi - log ref) grad log pi,
+    does (Schulman, "Approximating KL divergence"; verl's "k3+")."""
+
+    def kl(log_prob, ref_log_prob):
+        gradient = _k2(log_prob, ref_log_prob)
+        return gradient - gradient.detach() + estimator(log_prob, ref_log_prob).detach()
+
+    return kl
+
+
+def kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The per-token estimator called ``name`` (one of KL_ESTIMATOR_NAMES); a ValueError naming the valid ones."""
+    base, plus = (name[:-1], True) if isinstance(name, str) and name.endswith("+") else (name, False)
+    base = KL_ALIASES.get(base, base)
+    if base not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {', '.join(KL_ESTIMATOR_NAMES)} or a callable")
+    return _straight_through(KL_ESTIMATORS[base]) if plus else KL_ESTIMATORS[base]
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str | Callable = "k3") -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate; ``estimator`` is k1, k2, k3 or a function of the two."""
+    """Per-token KL(pi || ref) estimate; ``estimator`` is one of KL_ESTIMATOR_NAMES or a function of the two."""
     if callable(estimator):
         return estimator(log_prob, ref_log_prob)
-    try:
-        return KL_ESTIMATORS[estimator](log_prob, ref_log_prob)
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)} or a callable") from None
+    return kl_estimator(estimator)(log_prob, ref_log_prob)
 
 
 def kl_loss(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.policy_losses import kl_penalty, masked_mean, zero_padding
+from workers.policy_losses import KL_ALIASES, kl_penalty, masked_mean, zero_padding
 
 __all__ = [
     "KL_CONTROLLER_KINDS",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: Other names for the estimators of workers.policy_losses.kl_penalty.
-KL_KIND_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_KIND_ALIASES = KL_ALIASES
 
 Schedule = Callable[[int], float]
 
@@ -67,7 +67,7 @@ def apply_kl_penalty(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards with the KL to the reference policy subtracted per token.
 
-        KL_t = kl_penalty(log_probs, ref_log_probs, kind) * mask_t   (k1, k2, k3 or an alias)
+        KL_t = kl_penalty(log_probs, ref_log_probs, kind) * mask_t   (workers.policy_losses.KL_ESTIMATOR_NAMES)
         r_t  = (score_t - beta * KL_t) * mask_t
     Metrics: ``actor/reward_kl_penalty`` is each sequence's token-mean KL averaged
     over the batch (the value to feed an adaptive controller);
@@ -78,8 +78,6 @@ def apply_kl_penalty(
     for name, tensor in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("response_mask", response_mask)):
         if tensor.shape != shape:
             raise ValueError(f"apply_kl_penalty: {name} shape {tuple(tensor.shape)} must equal token_level_scores shape {tuple(shape)}")
-    if isinstance(kind, str):
-        kind = KL_KIND_ALIASES.get(kind, kind)
     mask = response_mask.to(token_level_scores.dtype)
     log_probs, ref_log_probs = zero_padding(log_probs, mask), zero_padding(ref_log_probs, mask)
     kl = kl_penalty(log_probs, ref_log_probs, kind).to(token_level_scores.dtype) * mask
