@@ -109,7 +109,7 @@ coverage: setup $(COV_STAMP)
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage report --skip-covered
 	HYBRIDFLOW_COVERAGE_DIR=$(COVERAGE_DIR) COVERAGE_RCFILE=$(CURDIR)/.coveragerc $(PY) -m coverage json -q -o $(COVERAGE_DIR)/coverage.json
 
-# The main job, about 4 minutes (4m20s on 2 cores once .venv is made): a short SFT warm start of the
+# The main job, about 5 minutes (4m47s on 2 cores once .venv is made): a short SFT warm start of the
 # built-in tiny model on arithmetic, then PPO from its export rewarded for exact answers only (actor and
 # critic at TP2 x PP2 on 4 processes, generation in vLLM). The last lines give the greedy accuracy on 64
 # held-out prompts after SFT and after RL.

@@ -417,6 +417,10 @@ def _schedule_problems(trainer: TrainerConfig, alg: AlgorithmConfig, rollout: Ro
             problems += [f"trainer.{key} is a setting of the built-in async stream; a served agent's requests take "
                          f"new weights in flight (rollout.server_update: pause or finish): drop it"
                          for key in ("partial_rollout_tokens", "max_in_flight") if getattr(trainer, key) is not None]
+            if rollout.lora_sync == "adapter" and rollout.server_update == "pause":
+                problems.append("rollout.lora_sync adapter with rollout.server_update pause: vLLM cannot move a request "
+                                "in flight onto a new LoRA adapter; use server_update: finish (the requests in flight "
+                                "end on the adapter they started with) or lora_sync: merge")
         elif rollout.agent is not None:
             problems.append("trainer.mode async continues single-turn responses across weight updates; built-in "
                             "multi-turn (rollout.agent) conversations run with trainer.mode sync or one_step_off, "
@@ -448,6 +452,13 @@ def lora_problems(roles: dict[str, tuple[Any, Any]]) -> list[str]:
         if lora.adapter_path is not None and not (Path(lora.adapter_path) / "adapter_config.json").is_file():
             problems.append(f"{key}.lora.adapter_path {lora.adapter_path!r} is not a PEFT adapter directory (no "
                             f"adapter_config.json)")
+        elif lora.adapter_path is not None:
+            import json
+
+            from workers.megatron.lora_peft import peft_adapter_problems
+
+            saved = json.loads((Path(lora.adapter_path) / "adapter_config.json").read_text())
+            problems += [f"{key}.{problem}" for problem in peft_adapter_problems(saved, lora.adapter_path)]
         if spec is not None:
             try:
                 check_lora(spec, lora)

@@ -141,7 +141,7 @@ def test_hybridflow_yaml_and_trl_spec_agree_on_every_shared_setting(tmp_path):
     for name, (hybridflow_value, trl_value) in pairs.items():
         assert hybridflow_value == trl_value, f"{name}: hybridflow {hybridflow_value!r} vs TRL {trl_value!r}"
     assert cfg["reward"]["fn"] == spec["reward_fn"] == "arithmetic_answer"
-    assert Path(spec["reward_file"]) == ROOT / "workers" / "reward" / "functions.py"
+    assert Path(spec["reward_file"]) == ROOT / "workers" / "reward" / "text_rules.py"
     assert spec["settings"]["steps"] == s.steps and cfg["algorithm"]["name"] == "grpo"
 
 
@@ -188,7 +188,7 @@ def test_precisions(tmp_path):
 
 
 def test_reward_adapter_calls_the_projects_function():
-    fn = trl_side.load_reward_fn(ROOT / "workers" / "reward" / "functions.py", "arithmetic_answer")
+    fn = trl_side.load_reward_fn(e2e.REWARD_FILE, "arithmetic_answer")
     scores: list[float] = []
     reward = trl_side.reward_adapter(fn, scores)
     prompts = [[{"role": "user", "content": "What is 3 + 4? Answer with just the number."}]] * 2
@@ -197,7 +197,26 @@ def test_reward_adapter_calls_the_projects_function():
     assert reward(prompts, completions, reward_model=truths, data_source=["arithmetic"] * 2) == [1.0, 0.0]
     assert scores == [0.5] and reward.__name__ == "arithmetic_answer"
     with pytest.raises(AttributeError, match="no reward function 'nope'"):
-        trl_side.load_reward_fn(ROOT / "workers" / "reward" / "functions.py", "nope")
+        trl_side.load_reward_fn(e2e.REWARD_FILE, "nope")
+
+
+def test_the_reward_file_loads_by_path_in_a_bare_interpreter_as_the_trl_job_loads_it(tmp_path):
+    """TRL's venv has neither the project nor its dependencies: the file the TRL job loads by path must need only
+    the standard library. ``-I -S``: no site-packages, no PYTHONPATH, no project on the path; run from elsewhere.
+    (It broke once, silently, when functions.py, the file it loaded then, began importing the project.)"""
+    import subprocess
+    import sys
+
+    program = ("import importlib.util, sys\n"
+               "spec = importlib.util.spec_from_file_location('hybridflow_reward_functions', sys.argv[1])\n"
+               "module = importlib.util.module_from_spec(spec)\n"
+               "spec.loader.exec_module(module)\n"
+               "print(sorted(set(sys.modules) & {'workers', 'controller', 'hybridengine', 'torch', 'numpy'}))\n"
+               "print(getattr(module, sys.argv[2])('', 'The answer is #### 1,000', '1000', {}))")
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", program, str(e2e.REWARD_FILE), e2e.REWARD_FN],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "1.0"]
 
 
 def test_flags():

@@ -112,6 +112,19 @@ def test_lora_settings_are_checked_before_launch(tmp_path):
     assert "critic.lora: LoRA target_modules must take ['q_proj', 'k_proj', 'v_proj'] together" in text
     assert "ref_policy.lora: LoRA trains adapters, and the ref_policy does not train" in text
     assert f"actor.lora.adapter_path '{tmp_path}' is not a PEFT adapter directory" in text
+    # A PEFT adapter trained with settings these adapters do not compute is refused, each field named, never
+    # loaded at the wrong scale.
+    import json
+
+    rslora = tmp_path / "rslora"
+    rslora.mkdir()
+    (rslora / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "use_rslora": True,
+                                                            "use_dora": True, "alpha_pattern": {"q_proj": 32},
+                                                            "rank_pattern": {}}))
+    text = problems("actor.lora.rank=8", f"actor.lora.adapter_path={rslora}", spec=spec)
+    for field, value in (("use_rslora", "True"), ("use_dora", "True"), ("alpha_pattern", "{'q_proj': 32}")):
+        assert f"actor.lora.adapter_path {rslora}: {field} is {value} in its adapter_config.json" in text, field
+    assert "rank_pattern" not in text and "rsLoRA's scaling alpha / sqrt(r)" in text
     assert "rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0" in problems(
         "rollout.lora_sync=adapter")
     with pytest.raises(ConfigError, match="lora_sync 'adapter' serves LoRA adapters with vLLM's LoRA kernels; the "
@@ -240,6 +253,19 @@ def test_a_served_agent_is_checked_before_launch():
     check_config(load_config(served, [f"rollout.server_port={port}"]))  # free again
     with pytest.raises(ConfigError, match=r"server_update 'drop' is not one of \('pause', 'finish'\)"):
         load_config(served, ["rollout.server_update=drop"])
+    # The server's own caps and key.
+    with pytest.raises(ConfigError, match="agent.max_concurrent_sessions 32 is over server_max_sessions 8"):
+        load_config(served, ["rollout.server_max_sessions=8"])
+    with pytest.raises(ConfigError, match=r"server_max_n must be a positive integer, got 0"):
+        load_config(served, ["rollout.server_max_n=0"])
+    with pytest.raises(ConfigError, match=r"server_api_key must be a string of at least 16 characters") as short:
+        load_config(served, ["rollout.server_api_key=short"])
+    assert "'short'" not in str(short.value)  # a key is never printed
+    # A LoRA actor's adapters served unmerged cannot move a request in flight onto the next adapter.
+    lora = ["actor.lora.rank=8", "rollout.lora_sync=adapter", "trainer.mode=async", *own_pool]
+    assert "rollout.lora_sync adapter with rollout.server_update pause: vLLM cannot move a request in flight" in (
+        _problems_of(served, *lora))
+    check_config(load_config(served, [*lora, "rollout.server_update=finish"]))
 
 
 def _problems_of(path, *overrides) -> str:

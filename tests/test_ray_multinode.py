@@ -224,7 +224,7 @@ TIMED = ("timing_s/", "perf/", "rollout/tokens_per_s", "job/")  # measured, not 
 
 def test_a_node_killed_mid_step_restarts_the_job_on_the_other_at_half_the_data_parallel_size(cluster, tmp_path):
     """trainer.max_restarts 1 on a cluster of two nodes: the node other than the head (the driver's) is killed
-    once step 2 is logged, with one of the job's two ranks. The job restarts on the head node at DP 1 with the global batch kept (twice the micro-batches a
+    once step 2 is logged, with one of the job's two ranks (whatever step it lands in). The job restarts on the head node at DP 1 with the global batch kept (twice the micro-batches a
     rank), finishes its 4 steps, and from the checkpoint it resumed from gives exactly what an uninterrupted
     run at DP 1 from that checkpoint gives."""
     from controller.models.builtin import resolve_model_path
@@ -240,7 +240,9 @@ def test_a_node_killed_mid_step_restarts_the_job_on_the_other_at_half_the_data_p
     drill = Drill([*command, f"trainer.run_dir={run}", "trainer.nnodes=2", "trainer.max_restarts=1"], run)
     try:
         drill.wait(lambda: 2 in drill.steps(), "step 2")
-        drill.fault("node", lambda: cluster.kill_node(victim), found="[hybridflow] the job failed", recovered=3)
+        # The kill lands when it lands: on a loaded machine step 3 may be done and checkpointed first, and the
+        # restart resumes there. The drill waits for the first step after the one resumed at, whichever it is.
+        drill.fault("node", lambda: cluster.kill_node(victim), found="[hybridflow] the job failed")
         code = drill.finish()
     finally:
         drill.kill()

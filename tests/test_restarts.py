@@ -112,3 +112,41 @@ def test_a_save_that_a_lost_or_hung_worker_interrupts_goes_on_as_that_failure_no
     with pytest.raises(CheckpointWriteError, match="the checkpoint of step 3 could not be written"):
         with saving(tmp_path, 3):
             raise OSError("disk quota exceeded")
+
+
+def test_the_drill_waits_for_the_step_after_the_one_resumed_at_wherever_the_fault_landed(tmp_path):
+    """A fault that lands after step 3 was done and checkpointed: the restarted run resumes at 3 and logs 4 next.
+    The drill must wait for step 4, not for a step 3 that is never logged again (it waited 300 s and failed)."""
+    import json
+    import sys
+    import textwrap
+
+    from tools.fault_drill import Drill
+
+    run = tmp_path / "run"
+    run.mkdir()
+    program = textwrap.dedent(f"""
+        import json, os, time
+        from pathlib import Path
+        run = Path({str(run)!r})
+        def log(step):
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({{"step": step, "x": step}}) + "\\n")
+        for step in (1, 2, 3):
+            log(step)
+        while not (run / "fault").exists():
+            time.sleep(0.05)
+        print("[hybridflow] the job failed: a node was lost", flush=True)
+        print("[hybridflow] resumed at step 3", flush=True)
+        time.sleep(1)  # the restarted run trains its next step
+        log(4)
+    """)
+    drill = Drill([sys.executable, "-c", program], run, deadline_s=20)
+    try:
+        drill.wait(lambda: 2 in drill.steps(), "step 2")
+        drill.fault("node", lambda: (run / "fault").write_text("now"), found="[hybridflow] the job failed")
+        assert drill.finish(timeout=20) == 0
+    finally:
+        drill.kill()
+    assert drill.steps() == [1, 2, 3, 4] and set(drill.times["node"]) == {"found_s", "recovered_s"}
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) == {"step": 4, "x": 4}

@@ -95,7 +95,7 @@ DEFAULT_LENGTHS = (16, 256)
 DEFAULT_STEPS = "16:30,256:4"  # one 256-token SmolLM2 step takes about a minute here
 TRL_PACKAGES = ("torch==2.13.0", "trl==1.16.0", "transformers", "datasets", "accelerate")
 TRL_VERSION = "1.16.0"  # tools/bench_e2e_trl.py wraps GRPOTrainer's private phase methods of this version
-REWARD_FILE = ROOT / "workers" / "reward" / "functions.py"
+REWARD_FILE = ROOT / "workers" / "reward" / "text_rules.py"  # loaded by path in TRL's venv: no project imports
 REWARD_FN = "arithmetic_answer"
 TRL_SCRIPT = ROOT / "tools" / "bench_e2e_trl.py"
 # The tiny model's character tokenizer has no chat template; it gets this one (written into its tokenizer files).
@@ -145,7 +145,7 @@ class GRPOSettings:
     shuffle: bool = False
     seed: int = 0
     # The algorithm on both sides (tools/algorithm_curves.py varies it): hybridflow's algorithm.name, its
-    # loss aggregation, and the reward function (workers/reward/functions.py). TRL's loss_type and
+    # loss aggregation, and the reward function (workers/reward/text_rules.py). TRL's loss_type and
     # importance-sampling level follow from them (tools/bench_e2e_trl.py: TRL_LOSSES).
     algorithm: str = "grpo"
     loss_agg_mode: str = "token-mean"

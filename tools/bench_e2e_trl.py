@@ -5,7 +5,7 @@
 It runs in the virtual environment that tools/bench_e2e.py creates (trl
 1.16.0 and its own transformers, never the project's pins), so it imports
 nothing from the project but the reward function's file, loaded by path
-(workers/reward/functions.py imports only the standard library): the reward
+(workers/reward/text_rules.py imports only the standard library): the reward
 TRL optimises is the project's function itself, behind a thin adapter from
 TRL's reward signature to the project's.
 

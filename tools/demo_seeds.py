@@ -4,6 +4,14 @@
     python tools/demo_seeds.py --seeds 3 --json seed3.json --plot seed3.png
     python tools/demo_seeds.py --sft-config examples/moe_arithmetic_sft.yaml \
         --rl-config examples/moe_arithmetic.yaml --min-gain 0.1   # the mixture of experts' pipeline
+    python tools/demo_seeds.py --check                          # seed 0 against docs/demo/seeds.json
+
+``--check [FILE]`` runs the documented seeds (``--seeds`` to choose some) and compares each one's figures with
+FILE's (default docs/demo/seeds.json, whose seed 0 is what `make demo` prints): the greedy accuracy after SFT
+and after RL must be equal (each a count out of 64). Whatever the verdict, it says where the two runs first part:
+the first SFT loss that differs (beyond 1e-6, relative) and the first RL step whose sampled reward differs. A
+run that parts at SFT step 1 computed differently from its first forward (another CPU's kernels, another
+library); one that parts later points at what that step does.
 
 Each seed runs the two commands of `make demo` in new processes, with ``trainer.seed`` set in both
 (the SFT data order; the RL data order and the rollout's sampling streams):
@@ -80,6 +88,48 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def first_difference(ours: list, theirs: list, rel: float = 0.0) -> int | None:
+    """The first step whose value differs between two curves of (step, value) (beyond ``rel``, relative); None
+    when they agree as far as both go."""
+    for (step, a), (_, b) in zip(ours, theirs):
+        if abs(a - b) > rel * max(abs(a), abs(b)):
+            return step
+    return None
+
+
+def compare(documented: dict[str, Any], measured: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(mismatches, notes) of one seed's measured run against its documented one: a mismatch is a figure the
+    docs state that the run did not give; the notes say where the two runs first part."""
+    seed, mismatches = measured["seed"], []
+    for key, what in (("accuracy_after_sft", "greedy accuracy after SFT"), ("accuracy_after_rl", "after RL")):
+        if measured[key] != documented[key]:
+            mismatches.append(f"seed {seed}: {what} {measured[key]:.3f}, documented {documented[key]:.3f}")
+    notes = []
+    sft = first_difference(measured["sft_loss"], documented["sft_loss"], rel=1e-6)
+    rl = first_difference(measured["sampled_reward"], documented["sampled_reward"])
+    if sft is not None:
+        notes.append(f"seed {seed}: the SFT loss first differs at step {sft}" +
+                     (" (the first forward: another CPU's kernels or another library computed it)" if sft == 1 else ""))
+    if rl is not None:
+        notes.append(f"seed {seed}: the RL sampled reward first differs at step {rl}")
+    if sft is None and rl is None:
+        notes.append(f"seed {seed}: the SFT losses and the RL sampled rewards equal the documented run's, step for step")
+    return mismatches, notes
+
+
+def check(path: Path, runs: list[dict[str, Any]]) -> int:
+    """Print how ``runs`` compare with ``path``'s documented runs; 0 when every documented figure was given."""
+    documented = {r["seed"]: r for r in json.loads(path.read_text())["runs"]}
+    mismatches: list[str] = []
+    for run in runs:
+        found, notes = compare(documented[run["seed"]], run)
+        mismatches += found
+        for line in found + notes:
+            print(line)
+    print(f"{path}: {'the documented figures hold' if not mismatches else 'the documented figures do not hold'}")
+    return 0 if not mismatches else 1
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -111,14 +161,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-config", default="examples/ppo_from_sft.yaml", help="the RL job's config (from the SFT export)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--check", type=Path, nargs="?", const=ROOT / "docs" / "demo" / "seeds.json",
+                        help="compare with the documented runs (default docs/demo/seeds.json); seed 0 unless --seeds")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the RL job")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        if not args.check.is_file():
+            parser.error(f"--check {args.check}: no such file")
+        known = {r["seed"] for r in json.loads(args.check.read_text())["runs"]}
+        seeds = args.seeds if "--seeds" in (argv if argv is not None else sys.argv) else [0]
+        if not set(seeds) <= known:
+            parser.error(f"--check {args.check} documents seeds {sorted(known)}, not {sorted(set(seeds) - known)}")
+        args.seeds = seeds
     runs = []
     for seed in args.seeds:
         runs.append(run_seed(seed, args.out, args.overrides, args.sft_config, args.rl_config))
         print(f"seed {seed}: accuracy {runs[-1]['accuracy_after_sft']:.3f} after SFT -> "
               f"{runs[-1]['accuracy_after_rl']:.3f} after RL", flush=True)
     print(format_table(runs))
+    if args.check is not None:
+        return check(args.check, runs)
     passed = all(r["gain"] >= args.min_gain for r in runs)
     print(f"every seed gained >= {args.min_gain}: {'yes' if passed else 'no'}")
     if args.json:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESUMED = re.compile(r"resumed at step (\d+)")  # a restarted run's line: the step its checkpoint holds
 
 __all__ = ["Drill", "rank_pid"]
 
@@ -88,13 +90,18 @@ class Drill:
             time.sleep(0.1)
         return time.monotonic()
 
-    def fault(self, name: str, inject: Callable[[], object], found: str, recovered: int) -> None:
+    def fault(self, name: str, inject: Callable[[], object], found: str, recovered: int | None = None) -> None:
         """Inject a fault; time the console line holding ``found`` (new since the fault) and step ``recovered``
-        logged again after it."""
+        logged again after it. ``recovered`` None: the first step after the one the restarted run resumed at
+        (its "resumed at step N" line), wherever the fault landed: a step that finished and was checkpointed
+        before the fault took effect is not run again."""
         seen = len(self.text())
         start = time.monotonic()
         inject()
         found_at = self.wait(lambda: found in self.text()[seen:], f"{name} was reported")
+        if recovered is None:
+            self.wait(lambda: RESUMED.search(self.text()[seen:]) is not None, f"the restart after {name} resumed")
+            recovered = int(RESUMED.search(self.text()[seen:])[1]) + 1
         # The restarted run truncates the metrics to its checkpoint, then logs the step again.
         before = {r["step"]: r for r in self.records()}.get(recovered)
         recovered_at = self.wait(lambda: any(r["step"] == recovered and r != before for r in self.records()),
@@ -153,7 +160,7 @@ def _ray_drill(work: Path, model: str) -> dict:
         try:
             drill.wait(lambda: 2 in drill.steps(), "step 2")
             drill.fault("Ray: a node killed", lambda: cluster.kill_node("127.0.0.12"),
-                        found="[hybridflow] the job failed", recovered=3)
+                        found="[hybridflow] the job failed")
             code = drill.finish()
         finally:
             drill.kill()

@@ -91,4 +91,14 @@ def resolve_lora_sync(config, cluster: Cluster, efficiency: Efficiency | None = 
     if not config.actor.lora.enabled:
         return replace(config, rollout=replace(rollout, lora_sync="merge")), None
     choice = choose_lora_sync(config, cluster, efficiency, job_workload(config, flash_attention=flash_attention))
+    if choice.mode == "adapter" and _moves_requests_in_flight(config):
+        choice = LoRASyncChoice("merge", "a served agent's requests take new weights in flight (trainer.mode async, "
+                                "rollout.server_update pause), which vLLM cannot do for a request's LoRA adapter",
+                                choice.plans)
     return replace(config, rollout=replace(rollout, lora_sync=choice.mode)), choice
+
+
+def _moves_requests_in_flight(config) -> bool:
+    """A served agent's requests go on under each new version of the weights (``EngineLoop.update``'s pause)."""
+    rollout = config.rollout
+    return config.trainer.mode == "async" and rollout.serves_agent and rollout.server_update == "pause"

@@ -9,7 +9,7 @@ import torch
 from workers.data_proto import DataProto
 from workers.policy_losses import masked_mean, zero_padding
 
-__all__ = ["batch_metrics", "kl_metrics", "phase_lines", "reduce_update_metrics"]
+__all__ = ["batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "reduce_update_metrics"]
 
 # |kl_div| below this is rounding noise: the ratio loss / kl_div would be too (the unit probe is exact)
 _KL_DIV_FLOOR = 1e-6
@@ -93,3 +93,21 @@ def reduce_update_metrics(replies: Any) -> dict[str, float]:
     """A role's update statistics (per mini-batch lists, one dict per answering replica) as step means."""
     first = replies[0] if isinstance(replies, list) else replies
     return {key: float(sum(values) / len(values)) for key, values in first.items() if values}
+
+
+def nothing_to_train(step: int, batch: DataProto, rollout_metrics: dict[str, float]) -> str | None:
+    """Why step ``step`` (as the console numbers it) has nothing to train on, when no sample of ``batch`` has a
+    response token masked in (every agent session failed, say); None when it has. The update would otherwise
+    average over no token and report the NaN it got."""
+    if bool(batch.batch["response_mask"].any()):
+        return None
+    sessions = rollout_metrics.get("agent/sessions")
+    if sessions:
+        failed = {k.removeprefix("agent/"): int(v) for k, v in sorted(rollout_metrics.items())
+                  if k.removeprefix("agent/") in ("error", "timeout", "bad_reward", "no_requests") and v}
+        why = (f"every agent session failed ({int(sessions)} of {int(sessions)}: "
+               f"{', '.join(f'{k} {v}' for k, v in failed.items())}; the first failure is above)"
+               if sum(failed.values()) == sessions else f"no agent session of {int(sessions)} gave a token to train")
+    else:
+        why = f"every one of its {len(batch)} responses is masked out"
+    return f"step {step}: nothing to train on: {why}; the critic's and the actor's updates are skipped"

@@ -47,7 +47,7 @@ from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwarg
 from controller.rl.rollout_source import RolloutSource
 from controller.rl.routes import routes_for_actor, without_routes
 from controller.rl.schedules import build_schedule, generation_seed, with_sampling
-from controller.rl.step_metrics import batch_metrics, kl_metrics, phase_lines, reduce_update_metrics
+from controller.rl.step_metrics import batch_metrics, kl_metrics, nothing_to_train, phase_lines, reduce_update_metrics
 from controller.rl.trainer_builder import config_from_keywords
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
 from controller.rl.trainer_inputs import TrainerInputs
@@ -522,6 +522,11 @@ class RLTrainer:
         """The critic's PPO update, then the actor's with the algorithm's ``terms``; their metrics go into
         ``state.metrics``."""
         g = self.groups
+        empty = nothing_to_train(state.step + 1, batch, state.rollout_metrics)
+        if empty is not None:  # an update over no token gives NaNs and says nothing of why
+            print(f"[hybridflow] {empty}", flush=True)
+            state.metrics["training/nothing_to_train"] = 1.0
+            return
         if "critic" in g:
             with state.timed("update_critic"):
                 state.metrics.update(reduce_update_metrics(g["critic"].update_critic(without_routes(batch))))

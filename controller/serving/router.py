@@ -1,13 +1,16 @@
 """Sessions spread over the rollout's replicas, each kept on one (its prefix cache stays warm).
 
 A new session goes to the replica with the fewest open sessions; every later request of it goes to the same
-one. Requests reach a replica as token ids (``workers.rollout.serving.ReplicaServer``'s ``/generate``).
+one. Requests reach a replica as token ids (``workers.rollout.serving.ReplicaServer``'s ``/generate``), with the
+job's API key.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any, AsyncIterator
+
+from workers.rollout.serving.api_key import bearer
 
 __all__ = ["ReplicaRouter", "ReplicaError"]
 
@@ -17,10 +20,10 @@ class ReplicaError(RuntimeError):
 
 
 class ReplicaRouter:
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], api_key: str) -> None:
         if not addresses:
             raise ValueError("a router needs at least one replica address")
-        self.addresses = list(addresses)
+        self.addresses, self.api_key = list(addresses), api_key
         self.sessions = [0] * len(addresses)  # open sessions per replica
         self.requests = [0] * len(addresses)  # requests sent per replica
         self._where: dict[str, int] = {}
@@ -43,7 +46,7 @@ class ReplicaRouter:
         import aiohttp
 
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=bearer(self.api_key))
         return self._http
 
     async def close(self) -> None:
@@ -53,15 +56,20 @@ class ReplicaRouter:
 
     async def generate(self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         """The whole completion of one request: prompt and sampled ids, log-probs, versions, finish reason."""
+        import aiohttp
+
         index = self.replica(session_id)
         self.requests[index] += 1
         http = await self._client()
         address = self.addresses[index]
-        async with http.post(f"{address}/generate", json={"prompt_ids": prompt_ids, "sampling": sampling}) as reply:
-            body = await reply.json()
-            if reply.status != 200:
-                raise ReplicaError(f"replica {index} ({address}) refused the request: {body.get('error', body)}")
-            return body
+        try:
+            async with http.post(f"{address}/generate", json={"prompt_ids": prompt_ids, "sampling": sampling}) as reply:
+                body = await reply.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise ReplicaError(f"replica {index} ({address}) could not be reached: {exc}") from exc
+        if reply.status != 200:
+            raise ReplicaError(f"replica {index} ({address}) refused the request: {body.get('error', body)}")
+        return body
 
     async def stream(self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
                      ) -> AsyncIterator[dict[str, Any]]:
@@ -70,11 +78,16 @@ class ReplicaRouter:
         self.requests[index] += 1
         http = await self._client()
         address = self.addresses[index]
-        async with http.post(f"{address}/generate",
-                             json={"prompt_ids": prompt_ids, "sampling": sampling, "stream": True}) as reply:
-            if reply.status != 200:
-                body = await reply.json()
-                raise ReplicaError(f"replica {index} ({address}) refused the request: {body.get('error', body)}")
-            async for line in reply.content:
-                if line.strip():
-                    yield json.loads(line)
+        import aiohttp
+
+        try:
+            async with http.post(f"{address}/generate",
+                                 json={"prompt_ids": prompt_ids, "sampling": sampling, "stream": True}) as reply:
+                if reply.status != 200:
+                    body = await reply.json(content_type=None)
+                    raise ReplicaError(f"replica {index} ({address}) refused the request: {body.get('error', body)}")
+                async for line in reply.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except aiohttp.ClientError as exc:
+            raise ReplicaError(f"replica {index} ({address}) could not be reached: {exc}") from exc

@@ -36,8 +36,10 @@ import torch
 
 from controller.serving.server import RolloutServer
 from controller.serving.trajectories import ServedSample, session_samples
-from controller.serving.user_agents import AGENT_STATUSES, SessionOutcome, load_agent, run_sessions
+from controller.serving.agent_failures import failure_report
+from controller.serving.user_agents import AGENT_STATUSES, SessionOutcome, agent_row, load_agent, run_sessions
 from workers.data_proto import DataProto
+from workers.rollout.serving.api_key import bearer, new_api_key
 
 __all__ = ["ServedPart", "ServedReplicas", "ServedRollout", "joined_prompts"]
 
@@ -63,9 +65,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _post(address: str, path: str, body: dict, timeout: float = 600) -> dict:
+def _post(address: str, path: str, body: dict, api_key: str, timeout: float = 600) -> dict:
     request = urllib.request.Request(address + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **bearer(api_key)})
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         return json.loads(reply.read() or b"{}")
 
@@ -88,14 +90,14 @@ SERVE_STOP_TIMEOUT_S = 600.0  # from POST /stop to the end of the replicas' serv
 class ServedReplicas:
     """The rollout's replicas serving: each rank's engine behind its token-in, token-out endpoint."""
 
-    def __init__(self, rollout_group) -> None:
-        self.group = rollout_group
+    def __init__(self, rollout_group, api_key: str) -> None:
+        self.group, self.api_key = rollout_group, api_key
         self.started: list[dict[str, Any]] = []
         self.serving = None
 
     def start(self) -> "ServedReplicas":
         """Every rank takes the policy's current weights (where the rollout pulls them) and serves."""
-        self.started = self.group.start_serving()
+        self.started = self.group.start_serving(self.api_key)
         self.serving = self.group.serve.submit()
         return self
 
@@ -111,12 +113,12 @@ class ServedReplicas:
         """``POST /update`` on every replica at once (the transfer is collective); each one's answer: its new
         version and the transfer's metrics."""
         with ThreadPoolExecutor(len(self.addresses)) as pool:
-            return list(pool.map(lambda address: _post(address, "/update", {"policy": policy}), self.addresses))
+            return list(pool.map(lambda address: _post(address, "/update", {"policy": policy}, self.api_key), self.addresses))
 
     def stop(self) -> list[dict[str, Any]]:
         """End the serving (requests in flight finish first); each replica's counts and metrics."""
         for address in self.addresses:
-            _post(address, "/stop", {}, timeout=60)
+            _post(address, "/stop", {}, self.api_key, timeout=60)
         # Its own limit: a serving lasts as long as the sessions do, which no deadline of the call's
         # durations bounds (the sessions have their own timeouts); once stopped it ends at once.
         replicas, self.serving = self.serving.result(timeout=SERVE_STOP_TIMEOUT_S), None
@@ -138,13 +140,14 @@ class ServedRollout:
             raise ValueError("a served rollout runs the user's agent: set rollout.agent.entrypoint")
         self.group, self.tokenizer, self.config, self.pad_to = rollout_group, tokenizer, rollout_config, pad_to
         self.agent = load_agent(agent.entrypoint)
+        self.api_key = rollout_config.server_api_key or new_api_key()  # the job's, for every endpoint; never logged
         self.steps = 0
 
     def generate(self, prompts: DataProto, overrides: dict[str, Any], pad: bool = True) -> DataProto:
         """The training batch of ``prompts`` (each ``n`` times), with the rollout's metrics in
         ``meta_info["metrics"]``; ``pad``: to a multiple of ``pad_to`` rows. The replicas serve for this call."""
         start = time.perf_counter()
-        replicas = ServedReplicas(self.group).start()
+        replicas = ServedReplicas(self.group, self.api_key).start()
         try:
             part, sampling = self.run(prompts, overrides, replicas, f"step{self.steps}")
         finally:
@@ -163,8 +166,9 @@ class ServedRollout:
         """The OpenAI-compatible endpoint over ``replicas``, serving every request with ``sampling``."""
         cfg = self.config
         return RolloutServer(self.tokenizer, replicas.addresses, replace(sampling, seed=None, n=1),
-                             replicas.max_model_len, cfg.agent.tool_format, host=cfg.server_host,
-                             port=cfg.server_port, fixed_sampling=True)
+                             replicas.max_model_len, self.api_key, cfg.agent.tool_format, host=cfg.server_host,
+                             port=cfg.server_port, fixed_sampling=True, max_sessions=cfg.server_max_sessions,
+                             max_n=cfg.server_max_n)
 
     def sessions(self, prompts: DataProto, sampling, server: RolloutServer, prefix: str,
                  gate: asyncio.Semaphore | None = None):
@@ -172,7 +176,7 @@ class ServedRollout:
         ``server``: it returns their ``ServedPart``. ``gate`` bounds the sessions at once across calls."""
         agent_cfg = self.config.agent
         repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
-        rows = [{k: _plain(v[i]) for k, v in repeated.non_tensor_batch.items()} for i in range(len(repeated))]
+        rows = [agent_row({k: _plain(v[i]) for k, v in repeated.non_tensor_batch.items()}) for i in range(len(repeated))]
         seeds = [None if sampling.seed is None else sampling.seed + i * agent_cfg.max_turns for i in range(len(rows))]
         limits = {"max_prompt_length": self.config.max_prompt_length,
                   "max_response_length": agent_cfg.max_response_length}
@@ -234,6 +238,9 @@ class ServedRollout:
         batch.non_tensor_batch["uid"] = np.asarray(uids, dtype=object)
         batch.meta_info["temperature"] = sampling.logprob_temperature
         batch.meta_info["metrics"] = self._metrics(outcomes, results, splits, padding)
+        report = failure_report(outcomes)
+        if report is not None:
+            print(report, flush=True)
         if versioned:
             versions = torch.full((len(samples), agent_cfg.max_response_length), -1, dtype=torch.long)
             oldest = torch.full((len(samples),), default_version, dtype=torch.long)

@@ -126,7 +126,7 @@ class ServedStream:
     # ---------------------------------------------------------------- serving
     def _start(self, source: RolloutSource, state: StepState) -> None:
         source.record_rollout_metrics(state, source.sync_weights())  # the rollout's pool is idle: a plain sync
-        self.replicas = ServedReplicas(self.served.group).start()
+        self.replicas = ServedReplicas(self.served.group, self.served.api_key).start()
         self.version_of = [source.version]
         self.server = self.served.server(self.replicas, self.sampling).start()
         self.loop = asyncio.new_event_loop()

@@ -3,15 +3,21 @@ not, served by the rollout replicas.
 
 ::
 
-    server = RolloutServer(tokenizer, replica_addresses, sampling, max_model_len).start()
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="hybridflow")
+    server = RolloutServer(tokenizer, replica_addresses, sampling, max_model_len, api_key).start()
+    server.open_session(session_id)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{session_id}/v1", api_key=api_key)
     ...
     server.close()
 
 Routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, and the same under
-``/sessions/{id}/v1/...`` for a client that belongs to one session (the trainer gives each agent sample one).
-Other requests are a session of their own, or the one their ``X-Session-Id`` header (or ``user`` field) names.
-Any model name is served: the policy.
+``/sessions/{id}/v1/...`` for a client that belongs to one session (the trainer gives each agent sample one,
+under an id no other process can guess), or the session an ``X-Session-Id`` header names. A session must be open
+(``open_session``): an unknown id is answered 404 and creates nothing. A request that names none is a session of
+its own for as long as it runs. Any model name is served: the policy.
+
+Every request needs the job's API key (``Authorization: Bearer``, as the ``openai`` client sends it; else 401).
+At most ``max_sessions`` sessions at once (else 429) and ``max_n`` choices a request (else 400), each refusal
+naming its cap; ``max_tokens`` is bounded by the rollout's ``max_new_tokens`` and a body by 64 MiB.
 
 A chat request's messages go through the tokenizer's chat template (with its ``tools``); a reply's tool
 calls are read out of the sampled text in ``tool_format`` (``workers.rollout.agent.tool_calls``) and returned
@@ -32,25 +38,30 @@ from controller.serving.messages import assistant_message, template_messages, to
 from controller.serving.openai_protocol import (RequestError, chat_response, completion_response, sampling_fields,
                                                 stream_chunk)
 from controller.serving.router import ReplicaError, ReplicaRouter
-from controller.serving.session import ServedTurn, Session, SessionStore
+from controller.serving.session import ServedTurn, Session, SessionStore, TooManySessions, UnknownSession
+from workers.rollout.serving.api_key import require_api_key
 
 __all__ = ["RolloutServer"]
 
 
 class RolloutServer:
-    def __init__(self, tokenizer, replicas: list[str], sampling, max_model_len: int, tool_format: str = "hermes",
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy",
-                 fixed_sampling: bool = False) -> None:
+    def __init__(self, tokenizer, replicas: list[str], sampling, max_model_len: int, api_key: str,
+                 tool_format: str = "hermes", host: str = "127.0.0.1", port: int = 0, model_name: str = "policy",
+                 fixed_sampling: bool = False, max_sessions: int = 256, max_n: int = 16) -> None:
         """``sampling``: the rollout's SamplingConfig, what a request does not set; ``max_model_len``: the
-        engines' context (prompt and completion). ``fixed_sampling`` (training): a request's temperature,
+        engines' context (prompt and completion); ``api_key``: the job's key, which every request to this
+        server and to the replicas carries. ``fixed_sampling`` (training): a request's temperature,
         top_p and top_k are the rollout's whatever it asks, so that the log-probs served are those the update
-        compares with; its max_tokens and stop strings are kept."""
+        compares with; its max_tokens and stop strings are kept. ``max_sessions`` / ``max_n``: the caps
+        (``rollout.server_max_sessions`` / ``server_max_n``)."""
         self.tokenizer, self.sampling, self.max_model_len = tokenizer, sampling, max_model_len
         self.fixed_sampling = fixed_sampling
         self.tool_format, self.host, self.model_name = tool_format, host, model_name
         self.port = port or _free_port(host)
-        self.router = ReplicaRouter(replicas)
-        self.sessions = SessionStore()
+        self.router = ReplicaRouter(replicas, api_key)
+        self.sessions = SessionStore(max_sessions)
+        self.max_n, self.api_key = max_n, api_key  # the key: for the clients this process hands out, never logged
+        self._auth = require_api_key(api_key)
         self._chat_formats: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -104,7 +115,7 @@ class RolloutServer:
 
         self._aio = asyncio.new_event_loop()
         asyncio.set_event_loop(self._aio)
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._auth])
         for prefix in ("", "/sessions/{session}"):
             app.router.add_get(prefix + "/v1/models", self._models)
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
@@ -121,9 +132,16 @@ class RolloutServer:
         self._aio.run_forever()
 
     # ------------------------------------------------------------------ helpers
-    def _session(self, request, body: dict) -> Session:
-        named = request.match_info.get("session") or request.headers.get("X-Session-Id") or body.get("user")
-        return self.sessions.get(named)
+    def _session(self, request) -> tuple[Session, bool]:
+        """The request's session, and whether it is its own for this request only (it names none)."""
+        named = request.match_info.get("session") or request.headers.get("X-Session-Id")
+        if named:
+            return self.sessions.get(named), False
+        return self.sessions.transient(), True
+
+    def _release(self, session: Session) -> None:
+        self.router.close_session(session.session_id)
+        self.sessions.pop(session.session_id)
 
     def _chat_format(self, tools: list[dict] | None):
         from workers.rollout.agent.trajectory import ChatFormat
@@ -137,6 +155,9 @@ class RolloutServer:
 
     def _fields(self, body: dict) -> tuple[dict, int]:
         sampling, n = sampling_fields(body, self.sampling.max_new_tokens)
+        if n > self.max_n:
+            raise RequestError(f"n {n} is over this server's {self.max_n} choices a request "
+                               f"(rollout.server_max_n)")
         if self.fixed_sampling:
             for name in ("temperature", "top_p", "top_k"):
                 sampling.pop(name, None)
@@ -163,7 +184,7 @@ class RolloutServer:
     def _error(status: int, message: str):
         from aiohttp import web
 
-        kind = "invalid_request_error" if status == 400 else "server_error"
+        kind = "server_error" if status >= 500 else "invalid_request_error"
         return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
     async def _models(self, request):
@@ -173,17 +194,27 @@ class RolloutServer:
                                                                "owned_by": "hybridflow"}]})
 
     # ------------------------------------------------------------------ chat
-    async def _answering(self, work):
-        """``work``'s response; a request the server cannot take is HTTP 400, a replica's failure 502."""
+    async def _answering(self, request, answer):
+        """``answer(request, session)``'s response: a request the server cannot take is HTTP 400, an unknown
+        session 404, one past the sessions' cap 429, a replica's failure 502."""
         self.stats["requests"] += 1
+        session, transient = None, False
         try:
-            return await work
+            session, transient = self._session(request)
+            return await answer(request, session)
         except (RequestError, ValueError, json.JSONDecodeError) as exc:
-            self.stats["errors"] += 1
-            return self._error(400, str(exc))
+            failure = (400, str(exc))
+        except UnknownSession as exc:
+            failure = (404, str(exc))
+        except TooManySessions as exc:
+            failure = (429, str(exc))
         except ReplicaError as exc:
-            self.stats["errors"] += 1
-            return self._error(502, str(exc))
+            failure = (502, str(exc))
+        finally:
+            if transient:
+                self._release(session)
+        self.stats["errors"] += 1
+        return self._error(*failure)
 
     async def _served(self, session: Session, prompt_ids: list[int], sampling: dict, n: int) -> list[dict]:
         """``n`` completions of ``prompt_ids`` on the session's replica, each with its own seed."""
@@ -192,16 +223,15 @@ class RolloutServer:
                                            for k in range(n))))
 
     async def _chat(self, request):
-        return await self._answering(self._chat_body(request))
+        return await self._answering(request, self._chat_body)
 
-    async def _chat_body(self, request):
+    async def _chat_body(self, request, session: Session):
         body = await request.json()
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of chat messages")
         sampling, n = self._fields(body)
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        session = self._session(request, body)
         chat = self._chat_format(tools)
         conversation = template_messages(messages)
         prompt_ids, parent = session.chat_prompt(conversation, chat)
@@ -281,9 +311,9 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ text completions
     async def _completions(self, request):
-        return await self._answering(self._completions_body(request))
+        return await self._answering(request, self._completions_body)
 
-    async def _completions_body(self, request):
+    async def _completions_body(self, request, session: Session):
         from aiohttp import web
 
         body = await request.json()
@@ -295,7 +325,6 @@ class RolloutServer:
         else:
             raise RequestError("prompt must be a string or a non-empty list of token ids (one prompt a request)")
         sampling, n = self._fields(body)
-        session = self._session(request, body)
         parent = session.completion_prompt(prompt_ids)
         self._check_length(prompt_ids, sampling, session, parent)
         if body.get("stream"):

@@ -15,13 +15,13 @@ turns into training samples.
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 from dataclasses import dataclass, field
 
 from controller.serving.messages import normalized
 
-__all__ = ["ServedTurn", "Session", "SessionStore"]
+__all__ = ["ServedTurn", "Session", "SessionStore", "TooManySessions", "UnknownSession"]
 
 
 @dataclass
@@ -108,27 +108,51 @@ class Session:
         return len(self.turns) - 1
 
 
-class SessionStore:
-    """The sessions of one serving, by id; a request with no session gets one of its own."""
+class UnknownSession(LookupError):
+    """A request names a session this server does not hold (HTTP 404); nothing is created."""
 
-    def __init__(self) -> None:
+
+class TooManySessions(RuntimeError):
+    """The server holds ``max_sessions`` already (HTTP 429); the message names the cap."""
+
+
+class SessionStore:
+    """The sessions of one serving, by id, at most ``max_sessions`` at once (``rollout.server_max_sessions``).
+
+    The trainer opens each of its sessions (``open``), under an id no other process can guess, and takes it
+    when its agent is done (``pop``). A request that names a session reaches it only if it is open
+    (``get``); a request that names none is a session of its own for as long as it runs (``transient``)."""
+
+    def __init__(self, max_sessions: int = 256) -> None:
+        self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
-        self._anonymous = itertools.count()
         self._lock = threading.Lock()
 
-    def get(self, session_id: str | None, seed: int | None = None) -> Session:
+    def _room(self) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            raise TooManySessions(f"the server holds {len(self.sessions)} sessions, its cap "
+                                  f"(rollout.server_max_sessions={self.max_sessions}): try again when one ends")
+
+    def get(self, session_id: str) -> Session:
         with self._lock:
-            if session_id is None:
-                session_id = f"request-{next(self._anonymous)}"
             if session_id not in self.sessions:
-                self.sessions[session_id] = Session(session_id, seed)
+                raise UnknownSession(f"no open session {session_id!r} on this server")
             return self.sessions[session_id]
+
+    def transient(self) -> Session:
+        """A session for one request that names none, under a random id; ``pop`` it when the request ends."""
+        with self._lock:
+            self._room()
+            session = Session(f"request-{secrets.token_hex(16)}")
+            self.sessions[session.session_id] = session
+            return session
 
     def open(self, session_id: str, seed: int | None = None, **limits: int | None) -> Session:
         """A new session (the trainer's, one per agent sample; ``limits``: ``Session``'s)."""
         with self._lock:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id!r} is already open")
+            self._room()
             self.sessions[session_id] = session = Session(session_id, seed, **limits)
             return session
 

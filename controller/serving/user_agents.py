@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import secrets
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from controller.serving.session import ServedTurn
 
-__all__ = ["AGENT_STATUSES", "SessionOutcome", "load_agent", "run_sessions"]
+__all__ = ["AGENT_STATUSES", "SessionOutcome", "agent_row", "load_agent", "run_sessions"]
 
 AGENT_STATUSES = ("ok", "timeout", "error", "bad_reward", "no_requests")
 
@@ -43,6 +45,18 @@ def load_agent(entrypoint: str) -> Agent:
     return fn
 
 
+def agent_row(row: dict) -> dict:
+    """The row an agent gets: the data row's fields (``messages``, ``ground_truth``, ``uid``, ``data_source``,
+    ``extra_info``), and verl's names for the two an agent reads most, so that an agent written for verl's schema
+    runs as it is: ``prompt`` (the chat messages) and ``reward_model`` (``{"style": "rule", "ground_truth"}``)."""
+    out = dict(row)
+    if "messages" in out:
+        out.setdefault("prompt", out["messages"])
+    if "ground_truth" in out:
+        out.setdefault("reward_model", {"style": "rule", "ground_truth": out["ground_truth"]})
+    return out
+
+
 @dataclass
 class SessionOutcome:
     session_id: str
@@ -52,6 +66,7 @@ class SessionOutcome:
     turns: list[ServedTurn] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    traceback: str | None = None  # where the agent raised (status "error")
 
 
 async def run_sessions(agent: Agent, rows: list[dict], server, seeds: list[int | None], max_concurrent: int,
@@ -65,13 +80,13 @@ async def run_sessions(agent: Agent, rows: list[dict], server, seeds: list[int |
     gate = gate or asyncio.Semaphore(max_concurrent)
 
     async def one(index: int, row: dict) -> SessionOutcome:
-        session_id = f"{prefix}-{index}"
+        session_id = f"{prefix}-{index}-{secrets.token_hex(16)}"  # unguessable: the key is not the only lock
         async with gate:
             server.open_session(session_id, seeds[index], **(limits or {}))
-            client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{session_id}/v1", api_key="hybridflow",
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{session_id}/v1", api_key=server.api_key,
                                         max_retries=0, timeout=timeout_s)
             start = time.perf_counter()
-            status, reward, error = "ok", None, None
+            status, reward, error, trace = "ok", None, None, None
             try:
                 reward = await asyncio.wait_for(agent(client, dict(row)), timeout_s)
                 if reward is not None:
@@ -83,13 +98,14 @@ async def run_sessions(agent: Agent, rows: list[dict], server, seeds: list[int |
             except asyncio.TimeoutError:
                 status, error = "timeout", f"the agent did not return within {timeout_s:g} s"
             except Exception as exc:  # noqa: BLE001 (the user's code: its sample ends, the step goes on)
-                status, error = "error", f"{type(exc).__name__}: {exc}"
+                status, error, trace = "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()
             finally:
                 await client.close()
             seconds = time.perf_counter() - start
         turns = server.take_session(session_id).turns
         if status == "ok" and not turns:
             status, error = "no_requests", "the agent never asked the model"
-        return SessionOutcome(session_id, index, status, reward if status == "ok" else None, turns, error, seconds)
+        return SessionOutcome(session_id, index, status, reward if status == "ok" else None, turns, error, seconds,
+                              trace)
 
     return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))

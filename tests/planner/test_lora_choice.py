@@ -112,6 +112,16 @@ def test_resolve_writes_the_choice_into_the_config():
     assert full.rollout.lora_sync == "merge" and none is None
     # job_plan of an auto config scores the chosen mode
     assert job_plan(_config(), cluster).step_time == choice.plan.step_time
+    # A served agent whose requests take each update in flight cannot be served unmerged adapters (vLLM keeps a
+    # request on the adapter it started with): merge, whatever the scores, and the reason says so.
+    served = ["rollout.server=true", "rollout.agent={entrypoint: 'examples.agents.openai_calculator:agent'}",
+              "trainer.mode=async"]
+    h200, free = parse_cluster("1xH200"), Efficiency(lora_decode_overhead=0.0)  # where serving wins on time
+    finishing, kept = resolve_lora_sync(_config(*served, "rollout.server_update=finish"), h200, free)
+    assert finishing.rollout.lora_sync == kept.mode == "adapter"
+    in_flight, why = resolve_lora_sync(_config(*served), h200, free)
+    assert in_flight.rollout.lora_sync == why.mode == "merge" and "in flight" in why.reason
+    assert why.plans == kept.plans  # scored as before
 
 
 def test_a_rollout_pool_receives_the_adapters_each_step_and_keeps_the_base():

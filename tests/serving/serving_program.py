@@ -26,11 +26,13 @@ from workers.rollout import Rollout
 from workers.rollout.batch import sequence_tensors
 from workers.rollout.config import RolloutConfig
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.serving.api_key import bearer, new_api_key
 
 ROLLOUT = {"engine": "vllm", "server": True, "max_prompt_length": 900, "kv_cache_bytes": 64 << 20,
            "sampling": {"max_new_tokens": 12, "temperature": 1.0},
            "agent": {"tools": ["calculator"], "environment": "tests.serving.talking_env:KeepTalking",
                      "entrypoint": "tests.serving.talking_env:agent", "max_turns": 3, "max_response_length": 96}}
+KEY = new_api_key()  # the job's: every endpoint, the replicas' included, answers only requests that carry it
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
                                                           "properties": {"expression": {"type": "string"}},
@@ -49,8 +51,8 @@ async def drive(url: str) -> dict:
     import openai
 
     out: dict = {}
-    a = openai.AsyncOpenAI(base_url=f"{url}/sessions/a/v1", api_key="unused")
-    b = openai.AsyncOpenAI(base_url=f"{url}/sessions/b/v1", api_key="unused")
+    a = openai.AsyncOpenAI(base_url=f"{url}/sessions/a/v1", api_key=KEY)
+    b = openai.AsyncOpenAI(base_url=f"{url}/sessions/b/v1", api_key=KEY)
     # Session a: a chat with tools, continued twice (once streamed), then its history rewritten.
     messages = [{"role": "user", "content": "What is 12*7?"}]
     first = await a.chat.completions.create(model="any-name", messages=messages, tools=TOOLS, temperature=1.0)
@@ -89,7 +91,7 @@ async def drive(url: str) -> dict:
 
 def _post(address: str, path: str, body: dict):
     request = urllib.request.Request(address + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **bearer(KEY)})
     return urllib.request.urlopen(request, timeout=120)
 
 
@@ -150,13 +152,13 @@ def main() -> None:
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
         model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 2}, optim={"lr": 1e-3}))
     rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config=ROLLOUT))
-    started = rollout.start_serving()
+    started = rollout.start_serving(KEY)
     serving = rollout.serve.submit()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     server = RolloutServer(tokenizer, [s["address"] for s in started], SamplingConfig(max_new_tokens=12),
-                           max_model_len=started[0]["max_model_len"]).start()
+                           max_model_len=started[0]["max_model_len"], api_key=KEY).start()
     server.open_session("a", seed=100)
     server.open_session("b", seed=200)
     seen = asyncio.run(drive(server.url))
@@ -166,7 +168,7 @@ def main() -> None:
     sessions = {sid: server.take_session(sid) for sid in ("a", "b")}
     server.close()
     for s in started:
-        urllib.request.urlopen(urllib.request.Request(s["address"] + "/stop", data=b"{}"), timeout=30).read()
+        _post(s["address"], "/stop", {}).read()
     stats = serving.result()
     samples = {sid: session_samples(session.turns) for sid, session in sessions.items()}
     every = [s for sid in ("a", "b") for s in samples[sid]]

@@ -4,6 +4,7 @@ purpose. Each failure ends its own sample only, counted; a rewritten history spl
 padded to whole mini-batches with rows that train nothing; the step trains on the rest."""
 
 import math
+import re
 
 import pytest
 
@@ -13,13 +14,28 @@ from test_train_cli import hybridflow, read_metrics, third_party_lines
 def test_a_user_agent_trains_two_steps_and_its_failures_are_its_own(tmp_path):
     proc = hybridflow("train", "--config", "examples/openai_agent.yaml", f"trainer.run_dir={tmp_path}",
                       "model_path=builtin:tiny-chat", "rollout.agent.entrypoint=tests.serving.flaky_agent:agent",
-                      "reward.fn=environment", "rollout.agent.session_timeout_s=15", "trainer.total_steps=2",
+                      "reward.fn=environment", "rollout.agent.session_timeout_s=15", "trainer.total_steps=3",
                       "trainer.val_every=0", "trainer.export_hf=false", "trainer.plots=false", "data.val_size=4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert third_party_lines(proc.stdout) == [], proc.stdout[-3000:]
     steps = read_metrics(tmp_path)
-    assert [s["step"] for s in steps] == [1, 2]
-    for s in steps:  # 4 prompts x 4 samples: a quarter raise, a quarter time out, half answer and split in two
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # Each step's failures on the console: the count, and the first exception with its traceback.
+    lines = proc.stdout.splitlines()
+    first = [line for line in lines if re.fullmatch(
+        r"\[hybridflow\] agent: 8 of 16 sessions failed \(error 4, timeout 4\); each trains nothing\. The first, row 0 "
+        r"\(session step(\d)-0-[0-9a-f]{32}\): RuntimeError: the agent failed on purpose", line)]
+    assert len(first) == 2, proc.stdout[-3000:]  # one a step, under an id no other process could guess
+    assert "[hybridflow]     RuntimeError: the agent failed on purpose" in lines
+    assert any(line.startswith("[hybridflow]       File") and "flaky_agent.py" in line for line in lines)
+    # Step 3: every session raised. It says so, and skips the update, instead of diagnosing a NaN.
+    assert any(line.startswith("[hybridflow] agent: 16 of 16 sessions failed (error 16)") and
+               line.endswith("KeyError: 'question'") for line in lines), proc.stdout[-3000:]
+    assert ("[hybridflow] step 3: nothing to train on: every agent session failed (16 of 16: error 16; the first "
+            "failure is above); the critic's and the actor's updates are skipped") in lines
+    assert "non-finite" not in proc.stdout and steps[2]["training/nothing_to_train"] == 1.0
+    assert "actor/pg_loss" not in steps[2] and steps[2]["agent/error"] == 16
+    for s in steps[:2]:  # 4 prompts x 4 samples: a quarter raise, a quarter time out, half answer and split in two
         assert s["agent/sessions"] == 16 and s["agent/error"] == 4 and s["agent/timeout"] == 4
         assert s["agent/trajectory_splits"] == 8 and s["agent/samples"] == 8 * 2 + 8
         assert s["agent/padding_samples"] == 8  # 24 rows, padded to two mini-batches of 16

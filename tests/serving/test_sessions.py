@@ -107,7 +107,8 @@ def test_a_reply_with_tool_calls_comes_back_as_openai_tool_calls(chat):
     from controller.serving.server import RolloutServer
     from workers.rollout.sampling import SamplingConfig
 
-    server = RolloutServer(chat.tokenizer, ["http://127.0.0.1:1"], SamplingConfig(), max_model_len=64)  # not started
+    server = RolloutServer(chat.tokenizer, ["http://127.0.0.1:1"], SamplingConfig(), max_model_len=64,
+                           api_key="k" * 32)  # not started
     text = 'Let me see.<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
     ids = chat.tokenizer(text, add_special_tokens=False)["input_ids"]
     out = {"token_ids": ids, "log_probs": [0.0] * len(ids), "versions": [0] * len(ids), "finish_reason": "stop"}
@@ -118,3 +119,77 @@ def test_a_reply_with_tool_calls_comes_back_as_openai_tool_calls(chat):
     assert call["id"].startswith("call_") and call["type"] == "function"
     plain = server._chat_choice(out, with_tools=False)  # no tools asked for: the text as it is
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": text}
+
+
+def test_the_server_answers_only_its_job_and_names_each_cap(chat):
+    """Every endpoint needs the job's key (401 without it, through the openai client and on a replica's /update);
+    an unknown session is 404 and creates nothing; the caps on sessions (429) and choices (400) name their
+    settings. Nothing here reaches an engine: each refusal comes first."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    from controller.serving.server import RolloutServer
+    from workers.rollout.sampling import SamplingConfig
+    from workers.rollout.serving import ReplicaServer
+    from workers.rollout.serving.api_key import new_api_key
+
+    key = new_api_key()
+    replica = ReplicaServer(object(), key).start()  # its engine loop is never reached: the key is checked first
+    server = RolloutServer(chat.tokenizer, ["http://127.0.0.1:1"], SamplingConfig(max_new_tokens=8), max_model_len=64,
+                           api_key=key, max_sessions=2, max_n=4).start()
+    try:
+        def client(api_key=key, session=None):
+            base = f"{server.url}/sessions/{session}/v1" if session else f"{server.url}/v1"
+            return openai.OpenAI(base_url=base, api_key=api_key, max_retries=0, timeout=30)
+
+        hello = [{"role": "user", "content": "hi"}]
+        server.open_session("sample-0")
+        with pytest.raises(openai.AuthenticationError, match="needs the job's API key"):
+            client("wrong-key", "sample-0").chat.completions.create(model="policy", messages=hello)
+        with pytest.raises(openai.AuthenticationError):
+            client("wrong-key").models.list()
+        bare = urllib.request.Request(f"{server.url}/v1/models")  # no Authorization header at all
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bare, timeout=30)
+        assert refused.value.code == 401
+        assert [m.id for m in client().models.list()] == ["policy"]
+        # An unknown session: 404, and nothing is created.
+        with pytest.raises(openai.NotFoundError, match="no open session 'guessed-1'"):
+            client(session="guessed-1").chat.completions.create(model="policy", messages=hello)
+        assert sorted(server.sessions.sessions) == ["sample-0"]
+        # n past server_max_n: 400 naming it.
+        with pytest.raises(openai.BadRequestError, match=r"n 5 is over this server's 4 choices a request "
+                                                         r"\(rollout.server_max_n\)"):
+            client(session="sample-0").chat.completions.create(model="policy", messages=hello, n=5)
+        # With the key, on an open session, the request goes on to the replicas (none answers here: 502).
+        with pytest.raises(openai.InternalServerError, match="could not be reached"):
+            client(session="sample-0").chat.completions.create(model="policy", messages=hello)
+        # A request naming no session is one of its own while it runs; past server_max_sessions it is 429.
+        with pytest.raises(openai.InternalServerError):
+            client().completions.create(model="policy", prompt="1+2=")
+        assert sorted(server.sessions.sessions) == ["sample-0"]  # its session is gone with it
+        server.open_session("sample-1")
+        with pytest.raises(openai.RateLimitError, match=r"holds 2 sessions, its cap \(rollout.server_max_sessions=2\)"):
+            client().completions.create(model="policy", prompt="1+2=")
+
+        # A replica's control endpoints: refused without the key, taken with it.
+        def update(headers):
+            request = urllib.request.Request(f"{replica.address}/update", data=json.dumps({"policy": "pause"}).encode(),
+                                             headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    return reply.status, json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            status, body = update(headers)
+            assert status == 401 and "needs the job's API key" in body["error"]["message"]
+        assert update({"Authorization": f"Bearer {key}"}) == (400, {"error": "this replica takes no weights while it "
+                                                                              "serves"})
+    finally:
+        server.close()
+        replica.close()

@@ -132,15 +132,23 @@ class LoRAAdapter(torch.nn.Module):
             cut, dim = (self.lora_A[part], 1) if self.row_parallel else (self.lora_B[part], 0)
             set_tensor_model_parallel_attributes(cut, is_parallel=True, dim=dim, stride=1)
 
+    def dropped_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each part's input: ``x`` through a dropout mask of its own, as PEFT's separate q/k/v (gate/up)
+        modules each draw one, in the update only. Outside it (old log-probs, reference, values, validation:
+        the passes without gradients, or a module in eval mode) nothing is dropped."""
+        if isinstance(self.dropout, torch.nn.Identity) or not (self.training and torch.is_grad_enabled()):
+            return {part: x for part in self.lora_A}
+        return {part: self.dropout(x) for part in self.lora_A}
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """What the adapters add to the linear's output for input ``x`` [..., in] (this rank's part)."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             reduce_from_tensor_model_parallel_region)
 
-        x = self.dropout(x)
+        inputs = self.dropped_inputs(x)
         outs = {}
         for part, a in self.lora_A.items():
-            h = torch.nn.functional.linear(x, a)  # [..., r]
+            h = torch.nn.functional.linear(inputs[part], a)  # [..., r]
             if self.row_parallel:
                 h = reduce_from_tensor_model_parallel_region(h, self.tp_group)  # the partial products summed
             else:

@@ -9,7 +9,17 @@ import torch
 from hybridengine.model.catalogue import layer_index
 from workers.megatron.lora import LoRAConfig, adapted_linears, cut_adapter, whole_adapters
 
-__all__ = ["full_adapters", "load_peft_adapter", "peft_tensors", "save_peft_adapter"]
+__all__ = ["full_adapters", "load_peft_adapter", "peft_adapter_problems", "peft_tensors", "save_peft_adapter"]
+
+# PEFT adapter settings that change what the adapter computes, which these adapters do not do: scaling
+# alpha / sqrt(r) (rsLoRA), a magnitude vector (DoRA), a rank or alpha of its own per module. Loaded as plain
+# LoRA, such an adapter would run at the wrong scale or without its magnitudes, silently: each is refused.
+_UNSUPPORTED = {
+    "use_rslora": "rsLoRA's scaling alpha / sqrt(r), where these adapters scale by alpha / r",
+    "use_dora": "DoRA's magnitude vectors, which these adapters do not hold",
+    "alpha_pattern": "a lora_alpha per module, where these adapters have one alpha",
+    "rank_pattern": "a rank per module, where these adapters have one rank",
+}
 
 _HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -31,6 +41,14 @@ def peft_tensors(adapters: dict[tuple[int, str, str], tuple[torch.Tensor, torch.
     return out
 
 
+def peft_adapter_problems(saved: dict, folder) -> list[str]:
+    """What in a PEFT adapter's ``adapter_config.json`` (``saved``) these adapters cannot run as it was trained,
+    each naming the field; empty when none."""
+    return [f"lora.adapter_path {folder}: {field} is {saved[field]!r} in its adapter_config.json: {why}; "
+            f"train it without, or merge it into the model (PEFT's merge_and_unload) and start from that"
+            for field, why in _UNSUPPORTED.items() if saved.get(field)]
+
+
 def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_rank: int, pp_rank: int = 0,
                       pp: int = 1) -> None:
     """Set this stage's adapters from the PEFT adapter directory ``config.adapter_path``, each cut to this TP
@@ -45,6 +63,9 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
         raise FileNotFoundError(f"lora.adapter_path {folder} is not a PEFT adapter directory (adapter_config.json "
                                 f"and adapter_model.safetensors)")
     saved = json.loads((folder / "adapter_config.json").read_text())
+    problems = peft_adapter_problems(saved, folder)
+    if problems:
+        raise ValueError("; ".join(problems))
     whole = load_file(str(folder / "adapter_model.safetensors"))
     # the targets as the tensors name them (a saved target_modules may list full module paths, or a regex)
     targets = sorted({key.split(".lora_A.")[0].rsplit(".", 1)[-1] for key in whole if ".lora_A." in key})

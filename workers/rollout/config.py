@@ -62,6 +62,11 @@ class RolloutConfig:
     server: bool = False
     server_host: str = "127.0.0.1"  # where the OpenAI-compatible endpoint listens (loopback: this machine only)
     server_port: int = 0  # its port; 0: a free one each time it starts (a taken port is refused before launch)
+    # The key every request to the server and its replicas must carry (Authorization: Bearer); None: a random
+    # one for each job, never logged (the openai client hybridflow hands an agent carries it)
+    server_api_key: str | None = None
+    server_max_sessions: int = 256  # sessions open at once at most (the trainer's and others'); more: HTTP 429
+    server_max_n: int = 16  # choices a request may ask for (n) at most; more: HTTP 400
     # A weight update while requests are in flight (trainer.mode async): "pause" (they go on under the new
     # weights, each token tagged with its policy version) or "finish" (they end under the old weights first)
     server_update: str = "pause"
@@ -103,6 +108,17 @@ class RolloutConfig:
                             f"{self.tensor_parallel} x {self.pipeline_parallel}")
         if isinstance(self.server_port, bool) or not isinstance(self.server_port, int) or not 0 <= self.server_port < 65536:
             problems.append(f"server_port must be an integer in [0, 65535] (0: a free port), got {self.server_port!r}")
+        if self.server_api_key is not None and (not isinstance(self.server_api_key, str) or len(self.server_api_key) < 16):
+            problems.append("server_api_key must be a string of at least 16 characters (None: a random key per job)")
+        for name in ("server_max_sessions", "server_max_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if (self.serves_agent and isinstance(self.server_max_sessions, int)
+                and self.agent.max_concurrent_sessions > self.server_max_sessions):
+            problems.append(f"agent.max_concurrent_sessions {self.agent.max_concurrent_sessions} is over "
+                            f"server_max_sessions {self.server_max_sessions}: the server would refuse the job's own "
+                            f"agents")
         if self.server_update not in SERVER_UPDATE_POLICIES:
             problems.append(f"server_update {self.server_update!r} is not one of {SERVER_UPDATE_POLICIES}")
         if self.server and self.engine != "vllm":

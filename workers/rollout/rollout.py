@@ -269,10 +269,11 @@ class Rollout(BaseWorker):
 
     # ------------------------------------------------------- as a server (rollout.server)
     @register(Dispatch.ONE_TO_ALL)
-    def start_serving(self, host: str = "127.0.0.1") -> dict[str, Any]:
+    def start_serving(self, api_key: str, host: str = "127.0.0.1") -> dict[str, Any]:
         """Take the policy's current weights (where the rollout pulls them) and open this rank's token-in,
-        token-out endpoint (``workers.rollout.serving``); its address and the sync's metrics. Requests are
-        served once ``serve`` runs; each rank is one replica (generation TP 1)."""
+        token-out endpoint (``workers.rollout.serving``), which answers only requests that carry ``api_key``;
+        its address and the sync's metrics. Requests are served once ``serve`` runs; each rank is one replica
+        (generation TP 1)."""
         if not hasattr(self.generator, "serving_loop"):
             raise ValueError(f"rollout.server needs an engine that serves requests one by one (vllm); the "
                              f"{self.config.engine!r} engine generates batches")
@@ -288,7 +289,7 @@ class Rollout(BaseWorker):
         # POST /update: the policy's current weights while serving (every rank at once: the reshard is collective)
         on_update = None if isinstance(self.weight_sync, CheckpointWeights) else (
             lambda: self.weight_sync.update(self.generator))
-        self._serving = (loop, ReplicaServer(loop, host, on_update=on_update).start(), metrics)
+        self._serving = (loop, ReplicaServer(loop, api_key, host, on_update=on_update).start(), metrics)
         return {"address": self._serving[1].address, "max_model_len": loop.max_model_len, **metrics}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 from hybridengine.compat import LibraryShim, Patch
 
-__all__ = ["VLLM", "layerwise_reload", "permuted_groups", "shm_group_names", "shutdown_engine"]
+__all__ = ["VLLM", "after_each_forward", "layerwise_reload", "permuted_groups", "shm_group_names", "shutdown_engine"]
 
 VLLM = LibraryShim(
     "vLLM",
@@ -50,6 +50,11 @@ VLLM = LibraryShim(
         Patch("engine_shutdown",
               why="LLM has no close(); its engine core (llm.llm_engine.engine_core) is shut down directly.",
               remove_when="vLLM's LLM has a public shutdown."),
+        Patch("route_capture",
+              why="vLLM 0.32 returns routed experts only through the auxiliary-output connector of its Model Runner "
+                  "V2 (GPU and Triton); the V1 runner's execute_model is wrapped to file each forward's captured "
+                  "routes (RoutedExpertsCapturer) under their requests and positions.",
+              remove_when="vLLM returns routed experts from every model runner."),
     ],
 )
 VLLM.check_version()
@@ -189,3 +194,16 @@ def shutdown_engine(llm: Any) -> None:
     """Shut down the engine core of ``llm`` (a ``vllm.LLM``)."""
     engine = VLLM.require(llm, "llm_engine", patch="engine_shutdown")
     VLLM.require(engine, "engine_core", patch="engine_shutdown").shutdown()
+
+
+@VLLM.applies("route_capture")
+def after_each_forward(runner: Any, then: Callable[[Any], None]) -> None:
+    """Call ``then(scheduler_output)`` after each forward of the model runner ``runner`` (its execute_model)."""
+    execute = VLLM.require(runner, "execute_model", patch="route_capture")
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        out = execute(scheduler_output, *args, **kwargs)
+        then(scheduler_output)
+        return out
+
+    runner.execute_model = execute_model

@@ -314,7 +314,7 @@ class VLLMGenerator(GeneratorBase):
             fields = defaults.updated({k: v for k, v in sampling.items() if k != "seed"})
             return self._params(fields, sampling.get("seed"), output_kind=RequestOutputKind.DELTA)
 
-        return EngineLoop(self.llm.llm_engine, make_params, self.lora_request)
+        return EngineLoop(self.llm.llm_engine, make_params, lambda: self.lora_request)  # the adapter of the moment
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Completion]:
         if self.asleep:

@@ -11,7 +11,13 @@ lays a step's tokens out request by request in its input batch's order, each
 request's from its computed-token count on.
 
 Every position must be computed for its own request, so a capturing engine
-runs without prefix caching (a cached prefix is not routed again).
+runs without prefix caching (a cached prefix is not routed again). A request
+that vLLM preempts (its KV cache freed under memory pressure) is computed again
+from its start when it resumes: the routes of that recomputation replace what
+was filed for those positions before (the routers see the same tokens; with
+sampling, the positions after the preemption point are the resumed ones).
+The wrapping of the runner's forward is a patch of vLLM's internals, registered
+with its why and remove-when in ``vllm_compat`` (``after_each_forward``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["VLLMRouteCapture"]
+from workers.rollout.vllm_compat import after_each_forward
+
+__all__ = ["VLLMRouteCapture", "file_routes"]
+
+
+def file_routes(pieces: dict[int, torch.Tensor], start: int, rows: torch.Tensor) -> None:
+    """File ``rows`` (the routes of positions ``start`` on) into one request's ``pieces`` (first position ->
+    rows). Rows filed before for ``start`` or later positions are dropped: the request was preempted and is
+    being computed again, and the new forward's routes are the ones its tokens now have. A piece that runs past
+    ``start`` is cut there."""
+    for first in [first for first in pieces if first >= start]:
+        del pieces[first]
+    for first, piece in list(pieces.items()):
+        if first + len(piece) > start:
+            pieces[first] = piece[:start - first]
+    pieces[start] = rows
 
 
 class VLLMRouteCapture:
@@ -38,14 +59,7 @@ class VLLMRouteCapture:
         self._route_capturer = RoutedExpertsCapturer(config.scheduler_config.max_num_batched_tokens, config)
         bind_routed_experts_capturer(runner.model, self._route_capturer)
         self._routes: dict[str, dict[int, torch.Tensor]] = {}  # request -> first position -> [tokens, layers, k]
-        execute = runner.execute_model
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            out = execute(scheduler_output, *args, **kwargs)
-            self._file_routes(scheduler_output)
-            return out
-
-        runner.execute_model = execute_model
+        after_each_forward(runner, self._file_routes)
 
     def _file_routes(self, scheduler_output: Any) -> None:
         total = scheduler_output.total_num_scheduled_tokens
@@ -58,7 +72,7 @@ class VLLMRouteCapture:
             count = scheduler_output.num_scheduled_tokens.get(request, 0)
             if count:
                 start = int(batch.num_computed_tokens_cpu[index])
-                self._routes.setdefault(request, {})[start] = rows[offset:offset + count].clone()
+                file_routes(self._routes.setdefault(request, {}), start, rows[offset:offset + count].clone())
                 offset += count
         if offset != total:
             raise RuntimeError(f"routed experts: filed {offset} of the step's {total} tokens")

@@ -38,11 +38,14 @@ class ServedTokens:
 
 
 class EngineLoop:
-    """``engine``: a vLLM ``LLMEngine``; ``make_params(sampling: dict) -> SamplingParams``."""
+    """``engine``: a vLLM ``LLMEngine``; ``make_params(sampling: dict) -> SamplingParams``; ``lora_request()``:
+    the LoRA adapter a new request is served with (None: the base), read as each request is added, since a
+    weight update of a LoRA actor served unmerged registers a new adapter and deletes the one before."""
 
-    def __init__(self, engine, make_params: Callable[[dict], Any], lora_request=None, version: int = 0,
-                 idle_wait_s: float = 0.05) -> None:
-        self.engine, self.make_params, self.lora_request = engine, make_params, lora_request
+    def __init__(self, engine, make_params: Callable[[dict], Any], lora_request: Callable[[], Any] | None = None,
+                 version: int = 0, idle_wait_s: float = 0.05) -> None:
+        self.engine, self.make_params = engine, make_params
+        self.lora_request = lora_request or (lambda: None)
         self.version = version
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.Queue = queue.Queue()
@@ -123,7 +126,7 @@ class EngineLoop:
             self._callbacks[request_id] = on_tokens
             try:
                 self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, self.make_params(sampling),
-                                        lora_request=self.lora_request)
+                                        lora_request=self.lora_request())
             except Exception as exc:  # a request vLLM refuses (too long, bad sampling): it alone ends
                 del self._callbacks[request_id]
                 on_tokens(ServedTokens([], [], [], finish_reason=f"error: {exc}", prompt_ids=prompt_ids))

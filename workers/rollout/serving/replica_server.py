@@ -5,8 +5,9 @@
 answers newline-delimited JSON, one ``ServedTokens`` as it is sampled per line. A client that goes away
 aborts its request. ``POST /update`` (``{"policy": "pause" | "finish"}``) takes the policy's current weights
 while serving: the requests in flight pause and go on with them, or finish first. ``GET /health`` gives the
-loop's state; ``POST /stop`` ends the serving (once the requests in flight are done). The server runs on its own thread and event loop; the engine steps on the
-thread that calls ``EngineLoop.run``. The OpenAI-compatible front end (chat templates, tools, sessions) is
+loop's state; ``POST /stop`` ends the serving (once the requests in flight are done). Every endpoint needs the
+job's API key (``api_key``: a request without it is answered 401). The server runs on its own thread and event
+loop; the engine steps on the thread that calls ``EngineLoop.run``. The OpenAI-compatible front end (chat templates, tools, sessions) is
 the controller's (``controller.serving``).
 """
 
@@ -20,17 +21,20 @@ import threading
 
 from typing import Callable
 
+from workers.rollout.serving.api_key import require_api_key
 from workers.rollout.serving.engine_loop import UPDATE_POLICIES, EngineLoop, ServedTokens
 
 __all__ = ["ReplicaServer"]
 
 
 class ReplicaServer:
-    def __init__(self, loop: EngineLoop, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, loop: EngineLoop, api_key: str, host: str = "127.0.0.1", port: int = 0,
                  on_update: Callable[[], dict] | None = None) -> None:
-        """``on_update``: takes the policy's current weights into the engine (``POST /update``), on the
-        stepping thread between steps; None: this replica's weights do not change while it serves."""
+        """``api_key``: what every request must carry (``workers.rollout.serving.api_key``); ``on_update``: takes
+        the policy's current weights into the engine (``POST /update``), on the stepping thread between steps;
+        None: this replica's weights do not change while it serves."""
         self.loop, self.host, self.on_update = loop, host, on_update
+        self._auth = require_api_key(api_key)
         self.port = port or _free_port(host)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -71,7 +75,7 @@ class ReplicaServer:
 
         self._aio = asyncio.new_event_loop()
         asyncio.set_event_loop(self._aio)
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._auth])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_post("/stop", self._stop)
