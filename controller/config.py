@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -453,8 +454,6 @@ def lora_problems(roles: dict[str, tuple[Any, Any]]) -> list[str]:
             problems.append(f"{key}.lora.adapter_path {lora.adapter_path!r} is not a PEFT adapter directory (no "
                             f"adapter_config.json)")
         elif lora.adapter_path is not None:
-            import json
-
             from workers.megatron.lora_peft import peft_adapter_problems
 
             saved = json.loads((Path(lora.adapter_path) / "adapter_config.json").read_text())
