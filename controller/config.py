@@ -488,6 +488,10 @@ def _router_replay_problems(config: RLConfig, model_spec) -> list[str]:
     if mode == "rollout" and config.actor.engine.recompute_granularity == "full":
         problems.append(f"{setting} with actor.engine.recompute_granularity 'full': the recomputed forward would "
                         f"route afresh; use 'selective' or none")
+    if mode == "rollout" and config.actor.engine.moe_capacity_factor is not None:
+        problems.append(f"{setting} with actor.engine.moe_capacity_factor {config.actor.engine.moe_capacity_factor}: "
+                        f"the capacity would drop replayed tokens that the rollout's experts computed; use "
+                        f"moe_capacity_factor null (dropless) or algorithm.router_replay measure")
     return problems
 
 

@@ -157,10 +157,15 @@ def test_router_replay_settings_are_checked_before_launch():
     dense = ModelSpec.from_hf_config({**QWEN3_MOE, "architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(ConfigError) as refused:
         check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [
-            "algorithm.router_replay=rollout", "actor.engine.recompute_granularity=full"]), dense)
+            "algorithm.router_replay=rollout", "actor.engine.recompute_granularity=full",
+            "actor.engine.moe_capacity_factor=1.25"]), dense)
     for part in ("algorithm.router_replay rollout is for mixtures of experts; Qwen3ForCausalLM has no router",
-                 "recompute_granularity 'full': the recomputed forward would route afresh"):
+                 "recompute_granularity 'full': the recomputed forward would route afresh",
+                 "moe_capacity_factor 1.25: the capacity would drop replayed tokens"):
         assert part in str(refused.value)
+    # measuring drops nothing it replays: a capacity is fine there
+    check_config(load_config(EXAMPLES / "ppo_tiny.yaml", [*rl, "algorithm.router_replay=measure",
+                                                          "actor.engine.moe_capacity_factor=1.25"]), spec)
     for config in ({"engine": "megatron"}, RolloutConfig(engine="megatron")):
         spec_in = RoleSpec(Rollout, {"model_path": "m", "config": config})
         out = _returning_routes(spec_in).kwargs["config"]

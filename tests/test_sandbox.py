@@ -31,6 +31,8 @@ from hybridflow.sandbox import (
     run,
     run_many,
 )
+import sandbox_escapes as escapes
+from workers.sandbox import cgroup
 from workers.sandbox.isolation import ENV_VAR, unavailable_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +119,89 @@ def test_a_fork_bomb_hits_the_process_limit_and_leaves_no_process(level):
     while (left := _sandbox_processes(facts.uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == [], left
+
+
+@pytest.mark.parametrize("level", LEVEL_PARAMS)
+def test_six_children_of_300_mb_are_bounded_as_one_program(level):
+    """The memory bound is the whole program's: in a cgroup leaf (root here, or a delegated cgroup) the kernel
+    kills children past 512 MiB in all and the status says so; without one, the documented bound is
+    memory x processes, and with 4 processes the fourth fork is refused."""
+    facts = level_facts(level)
+    limits = SandboxLimits(timeout=20.0) if cgroup.available() else SandboxLimits(timeout=20.0, processes=4)
+    result = run(escapes.SIX_CHILDREN, limits=limits, isolation=level)
+    held = result.stdout.split().count("held")
+    assert held * 300 * 2**20 <= cgroup.memory_bound(limits)
+    if cgroup.available():
+        assert result.status == "memory", result.summary()
+        assert result.stderr.splitlines()[-1].startswith(
+            "hybridflow-sandbox: the program's processes together passed the memory bound (536870912 bytes)")
+    else:
+        assert result.status == "processes", result.summary()
+    assert _sandbox_processes(facts.uid) == []
+
+
+@pytest.mark.parametrize("level", LEVEL_PARAMS)
+def test_a_child_in_a_session_of_its_own_dies_with_the_program(level):
+    """setsid() leaves the program's process group; the cgroup leaf, the pid namespace or the reaper (limits-only
+    without a cgroup) still ends it with the program."""
+    facts = level_facts(level)
+    result = run(escapes.SETSID_CHILD, timeout=10.0, isolation=level)
+    assert result.status == "ok" and result.stdout.split() == ["grandchild", "done"], result.summary()
+    deadline = time.monotonic() + 2.0
+    while (left := _sandbox_processes(facts.uid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == [], left
+
+
+def _unprivileged_python() -> str | None:
+    """A system interpreter an unprivileged uid can run (the project's may sit under a 0700 home)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(candidate)
+        if os.path.exists(real) and os.stat(real).st_mode & 0o005 == 0o005:
+            return real
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this run is unprivileged already: the tests above take that path")
+def test_every_escape_is_contained_for_an_unprivileged_user_at_every_level():
+    """The path a real deployment takes: the trainer as an ordinary user. The escapes above (and the two
+    bounds) run as uid 65534, with a system interpreter, at every level that uid has (no cgroup of its
+    own: the reaper holds a limits-only program's processes, the per-process bounds its memory)."""
+    import shutil
+
+    python, setpriv = _unprivileged_python(), shutil.which("setpriv")
+    if python is None or setpriv is None:
+        pytest.skip(f"needs setpriv and a system python3 that other users can run (found {setpriv}, {python})")
+    package = Path(tempfile.mkdtemp(prefix="hybridflow-unprivileged-"))
+    try:
+        (package / "workers").mkdir()
+        (package / "workers" / "__init__.py").write_text("")
+        (package / "workers" / "sandbox").symlink_to(ROOT / "workers" / "sandbox")
+        for path in (package, package / "workers", package / "workers" / "__init__.py"):
+            path.chmod(0o755)
+        proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                               "--bounding-set=-all", python, "-I", str(ROOT / "tests" / "sandbox_escapes.py"),
+                               str(package)], capture_output=True, text=True, cwd=package, timeout=300,
+                              env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"})
+    finally:
+        shutil.rmtree(package, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["uid"] == 65534 and report["cgroup"] is False
+    assert "limits-only" in report["levels"], report["unavailable"]
+    assert set(report["levels"]) >= set(ISOLATING) - {"bwrap"} or "unshare" in report["unavailable"]
+    for level, outcomes in report["levels"].items():
+        for name, outcome in outcomes.items():
+            assert outcome["left"] == [], (level, name, outcome)
+        got = {name: outcome["status"] for name, outcome in outcomes.items()}
+        assert got == {"loop": "timeout", "fork_bomb": "timeout", "allocate_10_gb": "memory",
+                       "write_1_gb": "file_size", "print_100_mb": "output", "six_children": "processes",
+                       "setsid_child": "ok"}, (level, got)
+        bomb = outcomes["fork_bomb"]["stdout"].split()
+        assert bomb and set(bomb) == {"EAGAIN"} and len(bomb) <= 32, (level, bomb[:5])
+        assert outcomes["setsid_child"]["stdout"].split() == ["grandchild", "done"]
+        assert "held" not in outcomes["six_children"]["stdout"] or \
+            outcomes["six_children"]["stdout"].split().count("held") * 300 * 2**20 <= outcomes["six_children"]["memory_bound"]
 
 
 @pytest.mark.parametrize("level", LEVEL_PARAMS)

@@ -47,6 +47,7 @@ from workers.megatron.micro_batches import (
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 from workers.megatron.routing_monitor import RoutingMonitor
+from workers.megatron.moe_padding import MoEPadding, padding_mask
 from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
@@ -95,6 +96,7 @@ class MegatronEngine:
         # Routing figures are an update's (run_ppo_epochs reads them): a forward-only engine keeps none.
         self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe and optim is not None else None
         self.replay: RoutingReplay | None = None  # built at the first batch with routes to replay
+        self.padding = MoEPadding(module) if self.spec.is_moe else None
         self.optimizer = self.scheduler = None
         self.optim_config = optim
         self.output_deferred = False
@@ -185,7 +187,9 @@ class MegatronEngine:
         """
         prepare_megatron()
         if ROUTED_EXPERTS in batch.batch or ROLLOUT_ROUTES in batch.batch:
-            check_replay(self.spec, self.config.recompute_granularity if ROUTED_EXPERTS in batch.batch else None)
+            replayed = ROUTED_EXPERTS in batch.batch
+            check_replay(self.spec, self.config.recompute_granularity if replayed else None,
+                         self.config.moe_capacity_factor if replayed else None)
         micro = self.micro_batches(batch)
         mask = batch.batch["attention_mask"]
         padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=sum(mb["input_ids"].numel() for mb in micro))
@@ -202,7 +206,7 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb["input_ids"]
-            with self._routes_of(mb):
+            with self._routes_of(mb), self._padding_of(mb):
                 output = model(ids, _position_ids(ids), None, **keep_dtype)
             return output, partial(loss_func, mb)
 
@@ -218,6 +222,14 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return RunOutputs(stats, micro, padding)
+
+    def _padding_of(self, mb: MicroBatch):
+        """Within: ``mb``'s forward, a mixture of experts' routers leaving its padding out of their losses and
+        counts (``moe_padding``); nothing for a dense model."""
+        if self.padding is None:
+            return contextlib.nullcontext()
+        return self.padding.within(padding_mask(mb["attention_mask"].sum(-1), mb["input_ids"].shape[1],
+                                                self.sequence_parallel, self.groups.tp_rank, self.layout.tp))
 
     def _routes_of(self, mb: MicroBatch):
         """Within: ``mb``'s forward, its routers replaying its ``routed_experts`` when it has them, or compared

@@ -18,7 +18,9 @@ the sequence) and returns, named ``moe/...``:
 - ``z_loss``: the mean squared log-sum-exp of the router logits, averaged
   over layers.
 
-Padding positions are routed like any token and are counted. Ratios are
+Padding positions (megatron's ``padding_mask``, which the engine gives a
+mixture of experts' forward) are left out, as the routers' own losses leave
+them out. Ratios are
 unaffected by activation recomputation, which runs a layer's forward twice.
 """
 
@@ -57,8 +59,12 @@ class RoutingMonitor:
         def record(router, args, output) -> None:
             with torch.no_grad():
                 hidden = args[0].detach().reshape(-1, args[0].shape[-1])
-                logits = F.linear(hidden, router.weight.detach()).double()
                 routing_map = output[1].detach().reshape(-1, experts)
+                padding = args[1] if len(args) > 1 else None  # megatron's padding_mask, [S, B] (True: padding)
+                if padding is not None:
+                    real = ~padding.reshape(-1).to(hidden.device)
+                    hidden, routing_map = hidden[real], routing_map[real]
+                logits = F.linear(hidden, router.weight.detach()).double()
                 row = self.totals[layer]
                 row[:experts] += routing_map.sum(0).double()
                 row[experts:2 * experts] += logits.softmax(-1).sum(0)

@@ -10,7 +10,10 @@ experts from the router's own scores, so the router still learns. The token
 order is megatron's: sequence-major ([S, B] flattened), and under sequence
 parallelism each TP rank's slice of the sequence. Each stage replays its own
 layers. A position whose route is unknown (-1: padding, a response's last
-token) is routed to experts 0..k-1, which no loss reads.
+token) is routed to experts 0..k-1, which no loss reads. Padding is also
+masked out of the routers' own losses and counts (``moe_padding``), so the
+load-balancing and z-losses, and their gradients, are those of the real
+tokens alone.
 
 A batch may instead carry the rollout's routes as ``rollout_routed_experts``:
 the routers then choose as usual, and only how often they agree with the
@@ -20,7 +23,8 @@ top-k set equals the given one.
 
 Replay covers the forward passes; megatron's full activation recomputation
 replays again in the backward pass, which the engine does not drive, so the
-two are refused together (``check_replay``).
+two are refused together (``check_replay``), as is an expert capacity, which
+would drop replayed tokens that the rollout's experts computed.
 """
 
 from __future__ import annotations
@@ -39,14 +43,18 @@ ROUTED_EXPERTS = "routed_experts"  # routes to replay
 ROLLOUT_ROUTES = "rollout_routed_experts"  # the rollout's routes, only compared with the routers' own choice
 
 
-def check_replay(spec, recompute_granularity: str | None) -> None:
-    """Raise unless routes can be replayed on ``spec`` with this recomputation."""
+def check_replay(spec, recompute_granularity: str | None, capacity_factor: float | None = None) -> None:
+    """Raise unless routes can be replayed on ``spec`` with this recomputation and expert capacity."""
     if spec.moe is None:
         raise ValueError(f"routed experts to replay were given for {spec.architecture}, which has no router "
                          f"(routing replay is for mixtures of experts)")
     if recompute_granularity == "full":
         raise ValueError("routing replay with recompute_granularity 'full' is not supported: the recomputed "
                          "forward would route afresh; use 'selective' or none")
+    if capacity_factor is not None:
+        raise ValueError(f"routing replay with moe_capacity_factor {capacity_factor} is not supported: the "
+                         f"capacity would drop replayed tokens that the rollout's experts computed; use null "
+                         f"(dropless)")
 
 
 class RoutingReplay:

@@ -13,6 +13,9 @@
 - ``result``: ``SandboxResult`` and the statuses (``STATUSES``);
 - ``isolation``: the levels (bwrap, unshare, limits-only), which one runs here,
   what each covers, and the command line of each;
+- ``cgroup``: a cgroup leaf per program (its whole memory and process count;
+  every process killed at the end);
+- ``reaper``: the first process of a limits-only program without a leaf;
 - ``runner``: ``run``;
 - ``pool``: ``run_many`` and ``Sandbox`` (a bounded pool, with ``async arun``);
 - ``config``: a job's ``sandbox`` section and its check before launch.

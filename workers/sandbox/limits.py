@@ -12,11 +12,15 @@ Each field and how it is enforced:
   group (and with it its pid namespace) when it passes; status "timeout".
   RLIMIT_CPU is set to ``ceil(timeout) + 1`` s of CPU time per process
   (SIGXCPU, also reported as "timeout"), the hard limit a second later.
-- ``memory`` (bytes): RLIMIT_AS, the address space of each process; an
-  allocation past it fails (Python: MemoryError, status "memory").
-- ``processes``: RLIMIT_NPROC, the processes and threads the program may
-  have at once (a fork past it fails with EAGAIN). Root ignores it, so a root
-  parent runs the program as an unprivileged uid (``isolation.py``).
+- ``memory`` (bytes): the whole program's memory, where it runs in a cgroup
+  leaf of its own (``cgroup.py``: the kernel kills its processes past it,
+  status "memory"); and RLIMIT_AS, the address space of each process, always
+  (an allocation past it fails: Python's MemoryError, status "memory").
+  Without a leaf the program holds at most ``memory x processes`` in all.
+- ``processes``: the processes and threads the program may have at once: the
+  leaf's ``pids.max``, and RLIMIT_NPROC always (a fork past either fails with
+  EAGAIN). Root ignores RLIMIT_NPROC, so a root parent runs the program as an
+  unprivileged uid (``isolation.py``).
 - ``file_size`` (bytes): RLIMIT_FSIZE, the largest file the program may
   write (a write past it fails with EFBIG, status "file_size").
 - ``output`` (bytes): stdout and stderr together; the parent reads at most
@@ -58,8 +62,8 @@ class SandboxLimits:
     """Resource limits of one sandboxed program (see the module docstring for how each is enforced)."""
 
     timeout: float = 10.0  # wall-clock seconds
-    memory: int = 512 * MiB  # bytes of address space per process (RLIMIT_AS)
-    processes: int = 64  # processes and threads at once (RLIMIT_NPROC)
+    memory: int = 512 * MiB  # bytes: the whole program's (a cgroup leaf) and each process's (RLIMIT_AS)
+    processes: int = 64  # processes and threads at once (the leaf's pids.max, RLIMIT_NPROC)
     file_size: int = 16 * MiB  # bytes per written file (RLIMIT_FSIZE)
     output: int = 1 * MiB  # bytes of stdout + stderr captured before the program is killed
     open_files: int = 64  # file descriptors per process (RLIMIT_NOFILE)

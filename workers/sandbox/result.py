@@ -6,7 +6,10 @@ status                    meaning
 ``ok``                    exited with code 0 within every limit
 ``error``                 exited with a non-zero code (an uncaught exception, sys.exit(1))
 ``timeout``               passed the wall-clock timeout (killed) or its CPU time (SIGXCPU)
-``memory``                an allocation failed at the address-space limit (MemoryError)
+``memory``                an allocation failed at the address-space limit (MemoryError), or
+                          the kernel killed its processes at the bound of them all (a cgroup)
+``processes``             a fork failed at the process limit (EAGAIN) and the program ended
+                          on it
 ``output``                printed more than the output limit (killed, text truncated)
 ``file_size``             a write failed at the file-size limit (EFBIG, SIGXFSZ) or the
                           sandbox's tmpfs was full (ENOSPC)
@@ -14,10 +17,13 @@ status                    meaning
 ``sandbox_error``         the sandbox itself could not start (the program never ran)
 ========================  ==============================================================
 
-"memory" and "file_size" are read from the program's exit: Python turns
-those failures into exceptions, so the last line of stderr names them
-(``MemoryError``, ``OSError: [Errno 27] File too large``). A program that
-catches them and exits otherwise gets the status of that exit.
+"memory", "processes" and "file_size" are read from the program's exit:
+Python turns those failures into exceptions, so the last line of stderr names
+them (``MemoryError``, ``BlockingIOError: [Errno 11]``, ``OSError: [Errno 27]
+File too large``). A program that catches them and exits otherwise gets the
+status of that exit. A program whose processes the kernel killed at its
+cgroup's memory bound is "memory" however it exited, and stderr ends with a
+line saying so (``runner``).
 """
 
 from __future__ import annotations
@@ -26,21 +32,23 @@ import re
 import signal
 from dataclasses import dataclass
 
-__all__ = ["OK", "ERROR", "TIMEOUT", "MEMORY", "OUTPUT", "FILE_SIZE", "KILLED", "SANDBOX_ERROR", "STATUSES",
+__all__ = ["OK", "ERROR", "TIMEOUT", "MEMORY", "PROCESSES", "OUTPUT", "FILE_SIZE", "KILLED", "SANDBOX_ERROR", "STATUSES",
            "SandboxResult", "classify"]
 
 OK = "ok"
 ERROR = "error"
 TIMEOUT = "timeout"
 MEMORY = "memory"
+PROCESSES = "processes"
 OUTPUT = "output"
 FILE_SIZE = "file_size"
 KILLED = "killed"
 SANDBOX_ERROR = "sandbox_error"
-STATUSES = (OK, ERROR, TIMEOUT, MEMORY, OUTPUT, FILE_SIZE, KILLED, SANDBOX_ERROR)
+STATUSES = (OK, ERROR, TIMEOUT, MEMORY, PROCESSES, OUTPUT, FILE_SIZE, KILLED, SANDBOX_ERROR)
 
 # The last line of a traceback for each limit Python reports as an exception.
 _MEMORY_LINE = re.compile(r"^MemoryError\b")
+_PROCESSES_LINE = re.compile(r"^(?:BlockingIOError|OSError): \[Errno 11\] ")  # EAGAIN: a fork refused
 _FILE_SIZE_LINE = re.compile(r"^(?:\w+\.)*\w*Error: \[Errno (?:27|28)\] ")  # EFBIG, ENOSPC
 
 
@@ -111,6 +119,8 @@ def classify(returncode: int | None, stderr: str, *, timed_out: bool, output_exc
     last = _last_line(stderr)
     if _MEMORY_LINE.match(last):
         return MEMORY
+    if _PROCESSES_LINE.match(last):
+        return PROCESSES
     if _FILE_SIZE_LINE.match(last):
         return FILE_SIZE
     return ERROR

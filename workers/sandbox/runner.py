@@ -16,17 +16,23 @@ What happens, in order:
    program as ``main.py``) and ``tmp/`` (its TMPDIR at the levels without a
    /tmp of their own). Under a root parent both belong to uid 65534.
 3. The level's command starts (``isolation.launch``) in a new session, with
-   only ``sandbox_env`` as its environment.
+   only ``sandbox_env`` as its environment, inside a cgroup leaf of its own
+   where this machine gives one (``cgroup``: the whole program's memory and
+   process count), else, at limits-only, under a reaper (``reaper.py``).
 4. The parent writes stdin, reads stdout and stderr up to ``limits.output``
-   bytes together, and kills the process group at the wall-clock timeout or
-   the output limit; once the program has exited, it kills the group again
-   (what the program left running dies with it) and stops reading.
-5. The status is read from how it ended (``result.classify``) and the
-   directory is removed.
+   bytes together, and kills the program at the wall-clock timeout or the
+   output limit; once the program has exited, it kills what it left running
+   and stops reading. Killing means every process of the leaf, or the reaper's
+   whole tree, or (in a pid namespace, which dies with its first process) the
+   process group: a process that made a session of its own dies too.
+5. The status is read from how it ended (``result.classify``; "memory" when
+   the kernel killed processes at the leaf's bound), the leaf and the
+   directory are removed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -40,9 +46,10 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from workers.sandbox import cgroup as _cgroup
 from workers.sandbox import isolation as _isolation
 from workers.sandbox.limits import SandboxLimits
-from workers.sandbox.result import SANDBOX_ERROR, SandboxResult, classify
+from workers.sandbox.result import ERROR, KILLED, MEMORY, OK, SANDBOX_ERROR, SandboxResult, classify
 
 __all__ = ["LANGUAGES", "check_files", "run", "run_at_level"]
 
@@ -50,7 +57,8 @@ LANGUAGES = ("python",)
 _READ_CHUNK = 65536
 _EXIT_GRACE_S = 0.2  # after the program exits, how long to drain output its leftovers may still write
 # How the launch tools say they failed (the program never ran).
-_TOOL_FAILURE_PREFIXES = ("bwrap: ", "unshare: ", "setpriv: ", "prlimit: ")
+_TOOL_FAILURE_PREFIXES = ("bwrap: ", "unshare: ", "setpriv: ", "prlimit: ", "hybridflow-sandbox: ")
+_REAPER = str(Path(__file__).with_name("reaper.py"))
 
 
 def check_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
@@ -165,6 +173,61 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+class _Program:
+    """What holds one running program's processes, and how to end all of them: its cgroup leaf where there is
+    one (every process, whatever sessions it made), else its process group; at limits-only without a leaf, a
+    reaper first (``reaper.py``), which outlives the program and kills what it left."""
+
+    def __init__(self, level: str, limits: SandboxLimits) -> None:
+        self.leaf = _cgroup.create(limits)
+        self.reaper = self.leaf is None and level == _isolation.LIMITS_ONLY
+        self.pid: int | None = None
+
+    def argv(self, argv: list[str]) -> list[str]:
+        if self.reaper:
+            argv = [_isolation.interpreter(), "-I", "-S", _REAPER, *argv]
+        if self.leaf is not None:
+            argv = _cgroup.join_argv(self.leaf, argv)
+        return argv
+
+    def stop(self) -> None:
+        """Kill the program and everything it made (the first process too, once the reaper is done)."""
+        if self.reaper and self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)  # the reaper kills the program's whole tree, then exits
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline and _alive(self.pid):
+                    time.sleep(0.005)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.pid is not None:
+            _kill_group(self.pid)
+        if self.leaf is not None:
+            self.leaf.kill_all()
+
+    def memory_note(self, limits: SandboxLimits) -> str | None:
+        """Why the kernel killed the program's processes, if it did at the leaf's memory bound."""
+        kills = self.leaf.oom_kills() if self.leaf is not None else 0
+        if not kills:
+            return None
+        return (f"hybridflow-sandbox: the program's processes together passed the memory bound "
+                f"({limits.memory} bytes); the kernel killed {kills} of them")
+
+    def close(self) -> None:
+        if self.leaf is not None:
+            self.leaf.kill_all()
+            self.leaf.remove()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` (a child of this process) has yet to exit: it stays a zombie until reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _sandbox_error(level: str, message: str, started: float) -> SandboxResult:
     return SandboxResult(SANDBOX_ERROR, "", message, None, time.monotonic() - started, level)
 
@@ -185,22 +248,14 @@ def _run(level: str, code: str, stdin: bytes | None, files: dict[str, bytes], li
             status_read, status_write = os.pipe()
         try:
             spec = _isolation.launch(level, staging, work, limits, status_write)
+            program = _Program(level, limits)
         except OSError as exc:
             return _sandbox_error(level, f"the sandbox could not be prepared: {exc}", started)
         try:
-            proc = subprocess.Popen(
-                spec.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec.cwd, env=spec.env,
-                pass_fds=spec.pass_fds, start_new_session=True, preexec_fn=spec.preexec_fn, **spec.popen_kwargs)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return _sandbox_error(level, f"the sandbox could not start: {exc}", started)
+            return _start(program, spec, level, stdin, limits, started, status_read, status_write)
         finally:
-            for fd in spec.close_after_start:
-                os.close(fd)
-            if status_write is not None:
-                os.close(status_write)
-                status_write = None
-        return _supervise(proc, level, stdin, limits, started, status_read)
+            status_write = None  # closed by _start
+            program.close()
     finally:
         for fd in (status_read, status_write):
             if fd is not None:
@@ -208,7 +263,30 @@ def _run(level: str, code: str, stdin: bytes | None, files: dict[str, bytes], li
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _supervise(proc: subprocess.Popen, level: str, stdin: bytes | None, limits: SandboxLimits, started: float,
+def _start(program: _Program, spec, level: str, stdin: bytes | None, limits: SandboxLimits, started: float,
+           status_read: int | None, status_write: int | None) -> SandboxResult:
+    try:
+        try:
+            proc = subprocess.Popen(
+                program.argv(spec.argv), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec.cwd, env=spec.env,
+                pass_fds=spec.pass_fds, start_new_session=True, preexec_fn=spec.preexec_fn, **spec.popen_kwargs)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return _sandbox_error(level, f"the sandbox could not start: {exc}", started)
+    finally:
+        for fd in spec.close_after_start:
+            os.close(fd)
+        if status_write is not None:
+            os.close(status_write)
+    program.pid = proc.pid
+    result = _supervise(proc, program, level, stdin, limits, started, status_read)
+    note = program.memory_note(limits)
+    if note is not None and result.status in (OK, ERROR, KILLED):  # killed for the memory of all its processes
+        result = dataclasses.replace(result, status=MEMORY, stderr=result.stderr + ("\n" if result.stderr else "") + note)
+    return result
+
+
+def _supervise(proc: subprocess.Popen, program: _Program, level: str, stdin: bytes | None, limits: SandboxLimits, started: float,
                status_read: int | None) -> SandboxResult:
     deadline = started + limits.timeout
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
@@ -232,7 +310,7 @@ def _supervise(proc: subprocess.Popen, level: str, stdin: bytes | None, limits: 
             now = time.monotonic()
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
-                _kill_group(proc.pid)  # what the program left running
+                program.stop()  # what the program left running
             if exited_at is not None and now - exited_at > _EXIT_GRACE_S:
                 break
             if exited_at is None and now >= deadline:
@@ -275,7 +353,7 @@ def _supervise(proc: subprocess.Popen, level: str, stdin: bytes | None, limits: 
             if output_exceeded:
                 break
     except BaseException:
-        _kill_group(proc.pid)
+        program.stop()
         raise
     finally:
         selector.close()
@@ -285,14 +363,14 @@ def _supervise(proc: subprocess.Popen, level: str, stdin: bytes | None, limits: 
             except OSError:
                 pass
     if timed_out or output_exceeded:
-        _kill_group(proc.pid)
+        program.stop()
     try:  # a program that closed its stdout and stderr may still be running: the deadline holds
         returncode = proc.wait(timeout=10 if timed_out or output_exceeded else max(deadline - time.monotonic(), 0) + 0.1)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc.pid)
+        program.stop()
         returncode = proc.wait()
-    _kill_group(proc.pid)  # whatever it left running (the group outlives its reaped leader)
+    program.stop()  # whatever it left running (the group outlives its reaped leader)
     for pipe in (proc.stdout, proc.stderr):
         pipe.close()
     duration = time.monotonic() - started

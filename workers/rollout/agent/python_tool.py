@@ -33,7 +33,8 @@ from workers.sandbox.result import SANDBOX_ERROR, SandboxResult
 __all__ = ["PythonTool"]
 
 _NO_OUTPUT = "(no output)"
-_MEANING = {"timeout": "time limit passed", "memory": "memory limit reached", "output": "output limit passed",
+_MEANING = {"timeout": "time limit passed", "memory": "memory limit reached", "processes": "process limit reached",
+            "output": "output limit passed",
             "file_size": "file size limit reached"}
 
 
