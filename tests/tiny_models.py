@@ -110,7 +110,7 @@ def make_llama3(path: Path, layers: int = 2, vocab: int = 256, head_dim: int = 3
 
 def make_qwen3_moe(path: Path, layers: int = 2, experts: int = 8, topk: int = 2, vocab: int = 256, hidden: int = 64,
                    expert_ffn: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                   norm_topk_prob: bool = True, seed: int = 0) -> Path:
+                   norm_topk_prob: bool = True, seed: int = 0, max_positions: int = 128) -> Path:
     """A random Qwen3-MoE checkpoint (q/k norm, ``experts`` routed experts, top-``topk`` renormalized).
 
     The router is scaled up so that routing is decisive: near-ties between the k-th and (k+1)-th expert
@@ -122,7 +122,8 @@ def make_qwen3_moe(path: Path, layers: int = 2, experts: int = 8, topk: int = 2,
     config = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=expert_ffn,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=norm_topk_prob, max_position_embeddings=128,
+        num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6, rope_theta=1000000.0, initializer_range=0.05, router_aux_loss_coef=0.0,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )

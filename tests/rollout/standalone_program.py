@@ -78,14 +78,53 @@ def stop_across_chunks(rollout, prompt: list[int], greedy: list[int], decode) ->
     return {"stop": stop, "boundary": boundary, "chunks": chunks, "whole": whole}
 
 
+class RoutesRollout(Rollout):
+    @register(Dispatch.ONE_TO_ALL)
+    def routes_recomputed(self) -> int:
+        """Forwards of the last generation that routed a preempted request's positions again."""
+        return self.generator.routes_recomputed
+
+
+PRESSURE = dict(prompts=3, prompt_tokens=100, new_tokens=60, cache_tokens=256)  # 160 tokens each; room for 256
+
+
+def under_kv_pressure(pool, moe_model: str, out: dict) -> None:
+    """A mixture of experts' rollout reporting its routes, with a KV cache of two of vLLM's CPU blocks (128 tokens
+    each) for three requests of 160 tokens: each needs a second block at position 128, so vLLM preempts and
+    recomputes. The routes filed are the recomputations'."""
+    from hybridengine.model.spec import ModelSpec
+
+    spec = ModelSpec.from_pretrained(moe_model)
+    # K and V, fp32, per layer and KV head; vLLM's CPU cache takes twice what that gives (256 tokens, as its own
+    # estimate of the longest sequence says when it is less)
+    per_token = 2 * 2 * spec.num_layers * spec.num_query_groups * spec.head_dim * 4
+    rollout = WorkerGroup(pool, RoutesRollout, role="moe_rollout", kwargs=dict(model_path=moe_model, actor_role=None, config={
+        "engine": "vllm", "return_routed_experts": True, "max_prompt_length": PRESSURE["prompt_tokens"],
+        "kv_cache_bytes": PRESSURE["cache_tokens"] * per_token, "max_num_seqs": PRESSURE["prompts"],
+        "sampling": {"max_new_tokens": PRESSURE["new_tokens"]}}))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, spec.vocab_size, (PRESSURE["prompt_tokens"],), generator=g).tolist()
+               for _ in range(PRESSURE["prompts"])]
+    batch = prompt_batch(prompts, width=PRESSURE["prompt_tokens"], greedy=True, ignore_eos=True)
+    out["pressured"] = rollout.generate_sequences(batch)
+    out["pressured_recomputed"] = rollout.routes_recomputed()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("out")
+    parser.add_argument("--moe", action="store_true", help="MODEL is a mixture of experts: only its routes under "
+                        "KV-cache pressure (one vLLM engine per process)")
     args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    if args.moe:
+        result = {}
+        under_kv_pressure(pool, args.model, result)
+        torch.save(result, os.path.join(args.out, "pressured.pt"))
+        return
     greedy = hf_greedy(args.model, PROMPTS[0], 10)
     eos = greedy[2]  # greedy stops as soon as it produces this token
-    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     rollout = WorkerGroup(pool, ProbeRollout, role="rollout", kwargs=dict(model_path=args.model, actor_role=None, config={
         "engine": "vllm", "max_prompt_length": 8, "eos_token_id": eos, "sampling": {"max_new_tokens": 10}}))
     result = {"hf_greedy": greedy, "eos": eos}

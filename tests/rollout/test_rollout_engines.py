@@ -183,3 +183,20 @@ def test_standalone_vllm_rollout_stops_and_refuses_partial_shards(tmp_path):
     assert across["chunks"][-1].non_tensor_batch["finish_reason"].tolist() == ["stop"]
     (refusal,) = result["missing_qkv"]
     assert "ShardLoadError" in refusal and "missing ['model.layers.0.self_attn.qkv_proj.weight'" in refusal
+
+
+def test_vllm_routes_of_requests_preempted_under_kv_cache_pressure(tmp_path):
+    """Routing replay's routes under KV-cache pressure: a KV cache of two of vLLM's 128-token CPU blocks for three
+    160-token requests, so vLLM preempts requests and computes them again from their start. The routes filed
+    for every position are the recomputation's, and equal those of an unpressured forward: HF's routers' top-k
+    on the same tokens, each sequence computed whole. (The capture refused a preempted request before.)"""
+    moe = make_qwen3_moe(tmp_path / "moe", head_dim=32, max_positions=256)  # a head size vLLM's CPU attention runs
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(Path(__file__).parent / "standalone_program.py", [str(moe), str(out), "--moe"], nproc=1,
+                        timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = torch.load(out / "pressured.pt", weights_only=False)
+    assert result["pressured_recomputed"][0] > 0
+    assert responses(result["pressured"]) and all(len(r) == 60 for r in responses(result["pressured"]))
+    assert_routes_match_hf(result["pressured"], moe)

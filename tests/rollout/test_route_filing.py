@@ -16,7 +16,7 @@ def rows(first: int, count: int, tag: int) -> torch.Tensor:
 def take(pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     capture = VLLMRouteCapture()
     capture._routes = {"request-0": pieces}
-    (routes,) = capture.take_routes(["request-0"])
+    (routes,), _ = capture.take_routes(["request-0"])
     return routes
 
 
@@ -25,8 +25,8 @@ def test_a_recomputed_request_keeps_the_routes_of_its_last_computation():
     file_routes(pieces, 0, rows(0, 5, tag=1))  # the prompt
     file_routes(pieces, 5, rows(5, 1, tag=1))  # two decoded tokens
     file_routes(pieces, 6, rows(6, 1, tag=1))
-    file_routes(pieces, 0, rows(0, 7, tag=2))  # preempted, then computed again: prompt and both tokens at once
-    file_routes(pieces, 7, rows(7, 1, tag=2))  # and on
+    assert file_routes(pieces, 0, rows(0, 7, tag=2))  # preempted, computed again: prompt and both tokens at once
+    assert not file_routes(pieces, 7, rows(7, 1, tag=2))  # and on
     routes = take(pieces)
     assert routes.shape == (8, 2, 2)
     assert routes[:, 0, 0].tolist() == list(range(8)) and set(routes[:, 0, 1].tolist()) == {2}

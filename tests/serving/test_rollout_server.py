@@ -97,3 +97,25 @@ def test_weights_change_under_requests_in_flight_by_pause_or_finish(served):
     assert events.index("update 0") < events.index("request done")  # the idle one did not wait
     assert [reply["version"] for reply in finished["replies"]] == [2, 2]
     assert all(reply["weight_sync/bytes"] > 0 for reply in paused["replies"] + finished["replies"])
+
+
+def test_served_lora_adapters_are_the_latest_update_s(tmp_path):
+    """``rollout.lora_sync: adapter`` behind the server: vLLM serves the actor's adapters unmerged. After the
+    actor's adapters change and ``POST /update`` registers the new ones (deleting the old ones' folder), the next
+    reply is sampled with the new adapters: its log-probs are the actor's (1e-4), where the reply before the
+    update is far from them. (The server's engine loop kept the adapter it started with before.)"""
+    from tiny_models import make_llama
+
+    from controller.models.char_tokenizer import save_char_tokenizer
+
+    model = save_char_tokenizer(make_llama(tmp_path / "model"), 256)
+    proc = run_torchrun(HERE / "lora_serving_program.py", [str(model), str(tmp_path)], nproc=1, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = torch.load(tmp_path / "lora_serving.pt", weights_only=False)
+    first, second = out["first"], out["second"]
+    assert len(first["token_ids"]) == len(second["token_ids"]) == 8
+    assert out["update"]["version"] == 1 and out["update"]["weight_sync/bytes"] > 0
+    assert first["versions"] == [0] * 8 and second["versions"] == [1] * 8
+    torch.testing.assert_close(torch.tensor(second["log_probs"]), out["now"]["second"], atol=1e-4, rtol=0)
+    # the adapters moved the policy well past that tolerance: served on the old adapters, the reply would not match
+    assert (torch.tensor(first["log_probs"]) - out["now"]["first"]).abs().max() > 1e-2

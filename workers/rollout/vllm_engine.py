@@ -325,7 +325,8 @@ class VLLMGenerator(GeneratorBase):
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         routes = [None] * len(outputs)
         if self.placement is not None:  # this rank's worker: [positions, layers, k] of each request
-            (routes,) = self.llm.collective_rpc("take_routes", args=([o.request_id for o in outputs],))
+            ((routes, recomputed),) = self.llm.collective_rpc("take_routes", args=([o.request_id for o in outputs],))
+            self.routes_recomputed = recomputed  # forwards that routed a preempted request's positions again
         completions = []
         for output, captured in zip(outputs, routes):
             sample = output.outputs[0]

@@ -31,17 +31,21 @@ from workers.rollout.vllm_compat import after_each_forward
 __all__ = ["VLLMRouteCapture", "file_routes"]
 
 
-def file_routes(pieces: dict[int, torch.Tensor], start: int, rows: torch.Tensor) -> None:
+def file_routes(pieces: dict[int, torch.Tensor], start: int, rows: torch.Tensor) -> bool:
     """File ``rows`` (the routes of positions ``start`` on) into one request's ``pieces`` (first position ->
     rows). Rows filed before for ``start`` or later positions are dropped: the request was preempted and is
     being computed again, and the new forward's routes are the ones its tokens now have. A piece that runs past
-    ``start`` is cut there."""
+    ``start`` is cut there. Returns whether anything filed before was replaced (a recomputation)."""
+    replaced = False
     for first in [first for first in pieces if first >= start]:
         del pieces[first]
+        replaced = True
     for first, piece in list(pieces.items()):
         if first + len(piece) > start:
             pieces[first] = piece[:start - first]
+            replaced = True
     pieces[start] = rows
+    return replaced
 
 
 class VLLMRouteCapture:
@@ -59,6 +63,7 @@ class VLLMRouteCapture:
         self._route_capturer = RoutedExpertsCapturer(config.scheduler_config.max_num_batched_tokens, config)
         bind_routed_experts_capturer(runner.model, self._route_capturer)
         self._routes: dict[str, dict[int, torch.Tensor]] = {}  # request -> first position -> [tokens, layers, k]
+        self._recomputed = 0  # forwards that computed a request's positions again (after a preemption)
         after_each_forward(runner, self._file_routes)
 
     def _file_routes(self, scheduler_output: Any) -> None:
@@ -72,14 +77,16 @@ class VLLMRouteCapture:
             count = scheduler_output.num_scheduled_tokens.get(request, 0)
             if count:
                 start = int(batch.num_computed_tokens_cpu[index])
-                file_routes(self._routes.setdefault(request, {}), start, rows[offset:offset + count].clone())
+                self._recomputed += file_routes(self._routes.setdefault(request, {}), start,
+                                                rows[offset:offset + count].clone())
                 offset += count
         if offset != total:
             raise RuntimeError(f"routed experts: filed {offset} of the step's {total} tokens")
 
-    def take_routes(self, requests: list[str]) -> list[torch.Tensor]:
+    def take_routes(self, requests: list[str]) -> tuple[list[torch.Tensor], int]:
         """The routes of ``requests`` (the ids of vLLM's outputs), each [positions, layers, k] from position 0
-        on, and forget every request's. (The engine core runs each request under its id and a suffix.)"""
+        on, and how many forwards recomputed positions since the last call; forget every request's. (The engine
+        core runs each request under its id and a suffix.)"""
         internal = {name.rsplit("-", 1)[0]: name for name in self._routes}
         out = []
         for request in requests:
@@ -92,4 +99,5 @@ class VLLMRouteCapture:
                 expected += len(pieces[start])
             out.append(torch.cat([pieces[s] for s in sorted(pieces)]) if pieces else torch.empty(0, dtype=torch.int16))
         self._routes = {}
-        return out
+        recomputed, self._recomputed = getattr(self, "_recomputed", 0), 0
+        return out, recomputed

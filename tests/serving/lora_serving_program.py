@@ -1,0 +1,80 @@
+"""Run under torchrun (1 rank): a LoRA actor and its colocated vLLM rollout serving the adapters unmerged
+(``lora_sync: adapter``) behind a replica's endpoint. A request is served; the actor's adapters change (as a
+step would change them: B moved off zero, here from the controller's thread while the rank serves, since the
+rank's one call thread is busy serving); ``POST /update`` (``finish``) brings them in; the same request is
+served again. Writes OUT/lora_serving.pt: both served replies, the update's reply, and, once serving stopped,
+the actor's log-probs of each reply's tokens."""
+
+import argparse
+import json
+import os
+import urllib.request
+
+import torch
+
+from controller import ResourcePool, WorkerGroup
+from controller.runtime.process_exit import exit_process
+from controller.runtime.torchrun_backend import TorchrunRuntime
+from workers.actor import Actor
+from workers.data_proto import DataProto
+from workers.megatron.lora import LoRAConfig
+from workers.rollout import Rollout
+from workers.rollout.batch import sequence_tensors
+from workers.rollout.serving.api_key import bearer, new_api_key
+
+KEY = new_api_key()
+PROMPT = [5, 9, 33, 7, 100, 4]
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def post(address: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(address + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **bearer(KEY)})
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+def batch_of(ids: list[int]) -> DataProto:
+    """One row: PROMPT then ``ids`` as the response."""
+    prompts, responses = torch.tensor([PROMPT]), torch.tensor([ids])
+    ones = torch.ones_like(responses)
+    tensors = sequence_tensors(prompts, torch.ones_like(prompts), responses, ones, ones,
+                               torch.zeros(1, len(ids)))
+    return DataProto(tensors, meta_info={"temperature": 1.0})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
+    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
+        model_path=args.model, engine={"precision": "fp32", "micro_batch_size": 1}, optim={"lr": 1e-3}, lora=LORA))
+    rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
+        "engine": "vllm", "server": True, "lora_sync": "adapter", "max_prompt_length": 8,
+        "sampling": {"max_new_tokens": 8},
+        "lora_adapter": {**LORA, "targets": list(LoRAConfig(rank=4).targets)}}))
+    (started,) = rollout.start_serving(KEY)
+    serving = rollout.serve.submit()
+    address = started["address"]
+    request = {"prompt_ids": PROMPT, "sampling": {"greedy": True, "ignore_eos": True}}
+    first = post(address, "/generate", request)
+    engine = TorchrunRuntime.get().host.workers["actor"].engine
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for adapter in engine.adapters.values():
+            for b in adapter.lora_B.values():
+                b.add_(torch.randn(b.shape, generator=g) * 0.5)
+    update = post(address, "/update", {"policy": "finish"})
+    second = post(address, "/generate", request)
+    post(address, "/stop", {})
+    serving.result()
+    now = {name: actor.compute_log_prob(batch_of(reply["token_ids"])).batch["old_log_probs"][0]
+           for name, reply in (("first", first), ("second", second))}
+    torch.save({"first": first, "second": second, "update": update, "now": now},
+               os.path.join(args.out, "lora_serving.pt"))
+
+
+if __name__ == "__main__":
+    main()
+    exit_process(0)
