@@ -32,6 +32,7 @@ from workers.critic import CriticConfig
 from workers.megatron.config import PRECISIONS, EngineConfig, OptimConfig
 from workers.megatron.lora import LoRAConfig
 from workers.rollout.config import RolloutConfig
+from workers.rollout.generator import GeneratorTraits, generator_traits, registered_generators
 from workers.sandbox.config import SandboxConfig
 from workers.rollout.agreement import OLD_LOG_PROB_SOURCES
 
@@ -595,12 +596,12 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
             problems.append(str(exc))
     if rollout.lora_sync == "adapter" and not config.actor.lora.enabled:
         problems.append("rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0")
-    if rollout.lora_sync == "adapter" and rollout.engine == "vllm":
-        from workers.rollout.vllm_engine import VLLM_MAX_LORA_RANK
-
-        if config.actor.lora.rank > VLLM_MAX_LORA_RANK:
-            problems.append(f"rollout.lora_sync 'adapter': vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}, and "
-                            f"actor.lora.rank is {config.actor.lora.rank}; use rollout.lora_sync: merge (or auto)")
+    traits = generator_traits(rollout.engine) if rollout.engine in registered_generators() else GeneratorTraits()
+    if rollout.lora_sync == "adapter" and traits.serves_adapters:
+        if config.actor.lora.rank > traits.max_adapter_rank:
+            problems.append(f"rollout.lora_sync 'adapter': {rollout.engine} serves LoRA ranks up to "
+                            f"{traits.max_adapter_rank}, and actor.lora.rank is {config.actor.lora.rank}; use "
+                            f"rollout.lora_sync: merge (or auto)")
     problems += lora_problems({"actor": (config.actor, model_spec),
                                "critic": (config.critic, role_specs["critic"] if _needs_critic(alg) else None),
                                "ref_policy": (config.ref_policy, None)})
@@ -682,7 +683,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                 plan_cross_pool(actor_layout, gen, world // mp)
                 if model_spec is not None and model_spec.moe is not None:
                     check_expert_split(model_spec, gen)
-                    refuse_routed_experts(model_spec, rollout.engine, gen)
+                    refuse_routed_experts(model_spec, rollout.engine, gen, traits.experts_at_tensor_parallel)
             except ReshardLayoutError as exc:
                 problems.append(f"rollout: {exc}")
     elif actor_layout is not None:
@@ -693,7 +694,7 @@ def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] |
                 actor = config.actor.engine
                 plan_weights(model_spec.with_padded_vocab(actor.make_vocab_size_divisible_by, actor.tensor_parallel),
                              actor_layout, gen)
-                refuse_routed_experts(model_spec, rollout.engine, gen)
+                refuse_routed_experts(model_spec, rollout.engine, gen, traits.experts_at_tensor_parallel)
         except ValueError as exc:  # ReshardLayoutError, or a split the model's heads do not allow
             problems.append(f"rollout: {exc}")
     if model_spec is not None:

@@ -310,18 +310,19 @@ def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int) -> i
 
 
 def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp: int, pin: Pin):
+    traits = workload.generation_traits
     if work.role == "rollout":
         layouts = [(t, 1) for t in divisors(n) if _legal_layout(work, t, 1)]
-        if workload.generation_engine != "vllm":
+        if traits.pipeline_parallel:
             layouts += [(t, p) for t in divisors(n) for p in divisors(n // t) if p > 1 and _legal_layout(work, t, p)]
     else:
         layouts = [(g.tensor_parallel, g.pipeline_parallel)
                    for g in legal_generation_layouts(ParallelLayout.for_world(n, tp, pp))]
-        if workload.generation_engine == "vllm":
+        if not traits.pipeline_parallel:
             layouts = [(t, p) for t, p in layouts if p == 1]
-    if work.spec.moe is not None:  # the experts must split over the generation TP; megatron's engine runs TP1
+    if work.spec.moe is not None:  # the experts must split over the generation TP; some engines run them at TP1
         layouts = [(t, p) for t, p in layouts if work.spec.moe.expert_ffn_hidden_size % t == 0
-                   and (workload.generation_engine == "vllm" or t == 1)]
+                   and (traits.experts_at_tensor_parallel or t == 1)]
     for gen_tp, gen_pp in layouts:
         if pin.gen_tp is not None and gen_tp != pin.gen_tp:
             continue

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.rollout.agreement import old_log_probs_from_update
+from workers.rollout.generator import GeneratorTraits, generator_traits
 
 __all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "STAGES"]
 
@@ -112,10 +113,14 @@ class Workload:
             return (None,)
         if self.lora_sync != "auto":
             return (self.lora_sync,)
-        from workers.rollout.vllm_engine import VLLM_MAX_LORA_RANK
-
-        serves = self.generation_engine == "vllm" and self.lora_rank <= VLLM_MAX_LORA_RANK
+        traits = self.generation_traits
+        serves = traits.serves_adapters and self.lora_rank <= traits.max_adapter_rank
         return ("merge", "adapter") if serves else ("merge",)
+
+    @property
+    def generation_traits(self) -> GeneratorTraits:
+        """What the generation engine can do (its registered traits)."""
+        return generator_traits(self.generation_engine)
 
     @property
     def role_names(self) -> tuple[str, ...]:
@@ -175,7 +180,7 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
                     max_num_seqs=rollout.max_num_seqs, generation_engine=rollout.engine,
                     release_training=rollout.release_training, flash_attention=flash_attention,
                     generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel,
-                    kv_block_tokens=128 if rollout.engine == "vllm" and not flash_attention else 16,
+                    kv_block_tokens=16 if flash_attention else generator_traits(rollout.engine).kv_block_tokens_without_flash,
                     generation_sleeps=rollout.sleep_between_rollouts and flash_attention,
                     **(dict(lora_rank=config.actor.lora.rank, lora_targets=config.actor.lora.targets,
                             lora_sync=rollout.lora_sync) if config.actor.lora.enabled else {}))

@@ -204,10 +204,11 @@ def plan_weights(spec: ModelSpec, train: ParallelLayout, gen: GenerationLayout) 
     return WeightPlan(spec, plan_reshard(train, gen))
 
 
-def refuse_routed_experts(spec: ModelSpec, engine: str, gen: GenerationLayout) -> None:
-    """RL with a mixture of experts: vLLM at any generation TP and the megatron rollout engine at TP1 load the
-    resharded experts, colocated with the actor or on a pool of their own. ``engine`` / ``gen``: the rollout's."""
-    if spec.moe is None or engine == "vllm" or (engine == "megatron" and gen.tensor_parallel == 1):
+def refuse_routed_experts(spec: ModelSpec, engine: str, gen: GenerationLayout, experts_at_tensor_parallel: bool) -> None:
+    """RL with a mixture of experts: every generation engine loads the resharded experts at generation TP1, and
+    one that cuts them over TP (its traits' ``experts_at_tensor_parallel``: vLLM) at any TP, colocated with the
+    actor or on a pool of their own. ``engine`` / ``gen``: the rollout's."""
+    if spec.moe is None or experts_at_tensor_parallel or gen.tensor_parallel == 1:
         return
     raise ReshardLayoutError(
         f"{spec.architecture} is a mixture of experts ({spec.moe.num_experts} routed experts): its generation "

@@ -8,7 +8,7 @@ from typing import Any
 from hybridengine.reshard.baselines import RESHARD_METHODS
 from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
-from workers.rollout.generator import registered_generators
+from workers.rollout.generator import generator_traits, registered_generators
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.serving.engine_loop import UPDATE_POLICIES as SERVER_UPDATE_POLICIES
 
@@ -88,7 +88,8 @@ class RolloutConfig:
             problems.append(f"truncation {self.truncation!r} is not one of {TRUNCATION_MODES}")
         if self.lora_sync not in LORA_SYNC_MODES:
             problems.append(f"lora_sync {self.lora_sync!r} is not one of {LORA_SYNC_MODES}")
-        if self.lora_sync == "adapter" and self.engine != "vllm":
+        traits = generator_traits(self.engine) if self.engine in registered_generators() else None
+        if self.lora_sync == "adapter" and traits is not None and not traits.serves_adapters:
             problems.append(f"lora_sync 'adapter' serves LoRA adapters with vLLM's LoRA kernels; the {self.engine!r} "
                             f"engine takes them merged (lora_sync: merge)")
         if self.reshard_method not in RESHARD_METHODS:
@@ -97,8 +98,8 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
-        if self.engine == "vllm" and self.pipeline_parallel != 1:
-            problems.append(f"the vllm engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
+        if traits is not None and not traits.pipeline_parallel and self.pipeline_parallel != 1:
+            problems.append(f"the {self.engine} engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
                             f"use engine='megatron' for pipelined generation")
         if self.agent is not None and self.agent.entrypoint is not None and not self.server:
             problems.append(f"agent.entrypoint {self.agent.entrypoint!r} talks to the rollout server: set "
@@ -121,7 +122,7 @@ class RolloutConfig:
                             f"agents")
         if self.server_update not in SERVER_UPDATE_POLICIES:
             problems.append(f"server_update {self.server_update!r} is not one of {SERVER_UPDATE_POLICIES}")
-        if self.server and self.engine != "vllm":
+        if self.server and traits is not None and not traits.serves_requests:
             problems.append(f"server: true serves requests one by one with vLLM's engine; the {self.engine!r} engine "
                             f"generates batches")
         if self.agent is not None and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):

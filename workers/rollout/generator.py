@@ -22,8 +22,15 @@ until ``release``), ``loads_checkpoint`` (it can serve ``model_path`` as
 loaded, without a weight source) and ``max_new_tokens`` (the longest
 response it was built for, or None).
 
-Engines are registered by name with an import path, so building one imports
-its library only then: ``register_generator("sglang", "my_pkg.engine:Gen")``
+Two capabilities are sub-protocols an engine may add: ``AdapterServing``
+(a LoRA actor's adapters served unmerged, ``update_adapters``) and
+``RequestServing`` (requests one by one behind the rollout server,
+``serving_loop``).
+
+Engines are registered by name with an import path and their traits
+(``engine_traits.GeneratorTraits``), so building one imports its library only
+then, and checking or planning one imports nothing:
+``register_generator("sglang", "my_pkg.engine:Gen", GeneratorTraits(...))``
 makes ``rollout.engine: sglang`` a valid setting. The class builds itself from
 a ``GeneratorContext`` (``from_context``).
 """
@@ -39,10 +46,12 @@ import torch
 from hybridengine.model.spec import ModelSpec
 from hybridengine.reshard.plan import ReshardPlan
 from workers.rollout.batch import Completion, GenerationRequest
+from workers.rollout.engine_traits import MEGATRON_TRAITS, VLLM_TRAITS, GeneratorTraits
 from workers.rollout.sampling import SamplingConfig
 
-__all__ = ["Generator", "GeneratorBase", "GeneratorContext", "build_generator", "generator_class",
-           "register_generator", "registered_generators"]
+__all__ = ["AdapterServing", "Generator", "GeneratorBase", "GeneratorContext", "GeneratorTraits", "RequestServing",
+           "build_generator", "generator_class", "generator_traits", "register_generator", "registered_generators",
+           "serves_adapters"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,27 @@ class Generator(Protocol):
     def resume(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class AdapterServing(Protocol):
+    """An engine that serves a LoRA actor's adapters unmerged on the frozen base."""
+
+    serves_adapters: bool  # built to serve adapters (a LoRA actor's rollout with lora_sync adapter)
+
+    def update_adapters(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class RequestServing(Protocol):
+    """An engine that serves requests one by one (the rollout server): its engine loop over these defaults."""
+
+    def serving_loop(self, defaults: SamplingConfig) -> Any: ...
+
+
+def serves_adapters(generator: Generator) -> bool:
+    """Whether ``generator`` takes a LoRA actor's adapters unmerged (else they arrive merged in its weights)."""
+    return isinstance(generator, AdapterServing) and bool(generator.serves_adapters)
 
 
 class GeneratorBase:
@@ -122,19 +152,32 @@ _ENGINES: dict[str, str | type] = {
     "vllm": "workers.rollout.vllm_engine:VLLMGenerator",
     "megatron": "workers.rollout.megatron_engine:MegatronGenerator",
 }
+_TRAITS: dict[str, GeneratorTraits] = {"vllm": VLLM_TRAITS, "megatron": MEGATRON_TRAITS}
 
 
-def register_generator(name: str, engine: str | type) -> None:
-    """Make ``rollout.engine: name`` build ``engine`` (a class, or its ``"module:Class"`` import path)."""
+def register_generator(name: str, engine: str | type, traits: GeneratorTraits | None = None) -> None:
+    """Make ``rollout.engine: name`` build ``engine`` (a class, or its ``"module:Class"`` import path), with
+    ``traits`` its capabilities (None: ``GeneratorTraits()``, the least an engine offers)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a generator's name must be a non-empty string, got {name!r}")
     if isinstance(engine, str) and ":" not in engine:
         raise ValueError(f"generator {name!r}: {engine!r} is not a 'module:Class' import path")
+    if traits is not None and not isinstance(traits, GeneratorTraits):
+        raise ValueError(f"generator {name!r}: traits must be a GeneratorTraits, got {type(traits).__name__}")
     _ENGINES[name] = engine
+    _TRAITS[name] = traits or GeneratorTraits()
 
 
 def registered_generators() -> tuple[str, ...]:
     return tuple(_ENGINES)
+
+
+def generator_traits(name: str) -> GeneratorTraits:
+    """What the engine registered as ``name`` can do (imports nothing of it)."""
+    if name not in _TRAITS:
+        raise ValueError(f"rollout engine {name!r} is not one of {registered_generators()} "
+                         f"(register one with workers.rollout.generator.register_generator)")
+    return _TRAITS[name]
 
 
 def generator_class(name: str) -> type:

@@ -46,7 +46,7 @@ from workers.rollout.batch import (
 )
 from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
-from workers.rollout.generator import GeneratorContext, build_generator
+from workers.rollout.generator import GeneratorContext, RequestServing, build_generator
 from workers.rollout.weight_sync import CheckpointWeights, CrossPoolSync, weight_sync_for
 
 __all__ = ["Rollout"]
@@ -274,7 +274,7 @@ class Rollout(BaseWorker):
         token-out endpoint (``workers.rollout.serving``), which answers only requests that carry ``api_key``;
         its address and the sync's metrics. Requests are served once ``serve`` runs; each rank is one replica
         (generation TP 1)."""
-        if not hasattr(self.generator, "serving_loop"):
+        if not isinstance(self.generator, RequestServing):
             raise ValueError(f"rollout.server needs an engine that serves requests one by one (vllm); the "
                              f"{self.config.engine!r} engine generates batches")
         if self.gen.tensor_parallel != 1 or self.gen.pipeline_parallel != 1:

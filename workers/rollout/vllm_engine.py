@@ -31,6 +31,7 @@ from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.rollout.batch import Completion, GenerationRequest
+from workers.rollout.engine_traits import VLLM_TRAITS
 from workers.rollout.generator import GeneratorBase, GeneratorContext
 from workers.rollout.route_capture import to_training_ids
 from workers.rollout.sampling import SamplingConfig
@@ -91,17 +92,16 @@ def _cpu_scheduling(max_num_seqs: int, max_model_len: int | None) -> dict:
     return {"max_num_batched_tokens": max_num_seqs * max_model_len}
 
 
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
-VLLM_MAX_LORA_RANK = _VLLM_LORA_RANKS[-1]
+VLLM_MAX_LORA_RANK = VLLM_TRAITS.max_adapter_rank  # vLLM's max_lora_rank choices: its traits' adapter ranks
 
 
 def _lora_options(lora: dict) -> dict:
     """vLLM's engine options to serve one LoRA of ``lora["rank"]`` at a time."""
-    fits = [r for r in _VLLM_LORA_RANKS if r >= lora["rank"]]
-    if not fits:
+    fits = VLLM_TRAITS.adapter_rank_for(lora["rank"])
+    if fits is None:
         raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}; the actor's is {lora['rank']}: "
                          f"use rollout.lora_sync: merge")
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+    return {"enable_lora": True, "max_lora_rank": fits, "max_loras": 1}
 
 
 class VLLMGenerator(GeneratorBase):

@@ -32,7 +32,7 @@ import torch
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.plan import GenerationLayout
-from workers.rollout.generator import Generator
+from workers.rollout.generator import Generator, serves_adapters
 
 __all__ = ["CheckpointWeights", "ColocatedSync", "CrossPoolSync", "WeightSource", "WeightSync", "weight_sync_for"]
 
@@ -82,12 +82,12 @@ class ColocatedSync(WeightSync):
 
     def update(self, generator: Generator) -> dict[str, Any]:
         start = time.perf_counter()  # the engine wakes what it needs itself: weights now, the KV cache to generate
-        serves = getattr(generator, "serves_adapters", False)  # a LoRA actor's adapters, unmerged
+        serves = serves_adapters(generator)  # a LoRA actor's adapters, unmerged
         moved = self.source.to_generation(self.gen, self.method, self.release_training,
                                           **({"merge_adapters": False} if serves else {}))
         metrics = {k: v for k, v in moved.items() if k not in _PLAN_KEYS}
         weights, changed = self.source.weights, getattr(self.source, "changed", None)
-        if changed is not None and getattr(generator, "accepts_partial_weights", False):
+        if changed is not None and generator.accepts_partial_weights:
             weights = {name: weights[name] for name in changed}  # e.g. a LoRA actor's merged linears
         if weights or not serves:
             metrics.update(generator.update_weights(weights))
@@ -162,7 +162,7 @@ class CrossPoolSync(WeightSync):
         adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), self._layout)
         received = self.transfer.bytes_received - before
         metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received}
-        if getattr(generator, "serves_adapters", False):
+        if serves_adapters(generator):
             if first:
                 metrics.update(generator.update_weights(self.base))
             metrics.update(generator.update_adapters(peft_tensors(adapters)))
@@ -170,7 +170,7 @@ class CrossPoolSync(WeightSync):
             coord = self.transfer.plan.gen_coordinate(self.rank)
             merge_into(self.base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank,
                        self.lora["alpha"] / self.lora["rank"], self.merged)
-            partial = not first and getattr(generator, "accepts_partial_weights", False)
+            partial = not first and generator.accepts_partial_weights
             metrics.update(generator.update_weights(dict(self.merged) if partial else {**self.base, **self.merged}))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = received
