@@ -227,6 +227,8 @@ def _build(cls: Any, value: Any, where: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{where or 'config'}: expected a mapping of {cls.__name__} fields, got {value!r}")
+        if hasattr(cls, "split_section"):  # a section whose keys a part of it owns (an algorithm's own settings)
+            value = cls.split_section(value, where, _build)
         hints = typing.get_type_hints(cls)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - fields)

@@ -80,3 +80,37 @@ def test_the_algorithm_trains_two_steps_through_the_cli(tmp_path, model, algorit
     if algorithm == "gspo_token":  # MIS per sequence: geometric-mean ratios near 1 fall inside [0.5, 2]
         for s in steps:
             assert s["rollout_corr/masked_frac"] == 0.0 and s["rollout_corr/weight_mean"] == pytest.approx(1.0)
+
+
+def test_a_users_algorithm_with_a_typed_setting_of_its_own_trains_through_the_cli(tmp_path, model):  # noqa: F811
+    """my_algos:ScaledGRPO, one file outside the project, with ``algorithm.advantage_scale=0.5`` (its nested
+    Config): the advantages the update trained on (the rollout dump) are half of GRPO's, computed here by hand
+    from the dumped scores and groups; a wrong type for the setting is refused before any process starts."""
+    import json
+
+    import numpy as np
+
+    from test_algorithm_hooks import write_scaled_grpo
+
+    write_scaled_grpo(tmp_path)
+    run = ["--config", "examples/ppo_tiny.yaml", f"model_path={model}", "trainer.launcher=torchrun",
+           "rollout.engine=megatron", *TINY, "trainer.val_every=0", "algorithm.name=my_algos:ScaledGRPO",
+           "rollout.sampling.n=2", *ON_POLICY]
+    proc = hybridflow("train", *run, f"trainer.run_dir={tmp_path / 'run'}", "algorithm.advantage_scale=bad",
+                      pythonpath=(str(tmp_path),))
+    assert proc.returncode == 2 and "algorithm.advantage_scale: expected a number, got 'bad'" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    dump = tmp_path / "samples"
+    proc = hybridflow("train", *run, f"trainer.run_dir={tmp_path / 'run'}", "algorithm.advantage_scale=0.5",
+                      f"trainer.rollout_data_dir={dump}", pythonpath=(str(tmp_path),))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (dump / "1.jsonl").read_text().splitlines()]
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        groups.setdefault(row["uid"], []).append(row["score"])
+    for row in rows:
+        scores = np.array(groups[row["uid"]])
+        grpo = (row["score"] - scores.mean()) / (scores.std(ddof=1) + 1e-6)  # GRPO's, by hand
+        tokens = [a for a, m in zip(row["advantages"], row["response_mask"]) if m]
+        assert tokens and np.allclose(tokens, 0.5 * grpo, atol=1e-5), (row["uid"], tokens, grpo)
+    assert any(len(set(scores)) > 1 for scores in groups.values())  # some group's rewards differ: advantages != 0

@@ -263,6 +263,74 @@ def test_a_user_algorithm_by_name_and_by_import_path(tmp_path, monkeypatch):
     sys.modules.pop("my_algos", None)
 
 
+SCALED_GRPO = """
+    from dataclasses import dataclass
+
+    from controller.algorithms import RLAlgorithm
+
+
+    class ScaledGRPO(RLAlgorithm):
+        \"\"\"GRPO whose advantages are multiplied by a setting of its own.\"\"\"
+
+        preset = "grpo"
+
+        @dataclass(frozen=True)
+        class Config:
+            advantage_scale: float = 1.0
+
+            def __post_init__(self):
+                if not self.advantage_scale > 0:
+                    raise ValueError(f"advantage_scale must be > 0, got {self.advantage_scale}")
+
+        def advantages(self, ctx, state, batch):
+            batch = super().advantages(ctx, state, batch)
+            batch.batch["advantages"] = batch.batch["advantages"] * self.settings.advantage_scale
+            return batch
+"""
+
+
+def write_scaled_grpo(folder) -> None:
+    """A user's algorithm with a typed setting of its own, in one file outside the project (my_algos.py)."""
+    (folder / "my_algos.py").write_text(textwrap.dedent(SCALED_GRPO))
+
+
+def test_an_algorithm_owns_its_typed_settings(tmp_path, monkeypatch):
+    """``algorithm.advantage_scale`` belongs to my_algos:ScaledGRPO's nested Config: parsed beside the shared
+    keys, typed and checked before launch, and read by its hooks as ``self.settings``."""
+    from controller.algorithms.algorithm import NoSettings
+    from controller.config import config_from_dict, config_to_dict
+
+    write_scaled_grpo(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["algorithm.name=my_algos:ScaledGRPO", "rollout.sampling.n=2"]
+    try:
+        config = load_config(ROOT / "examples" / "ppo_tiny.yaml", [*base, "algorithm.advantage_scale=0.5",
+                                                                    "algorithm.gamma=0.9"])
+        assert config.algorithm.settings.advantage_scale == 0.5 and config.algorithm.gamma == 0.9
+        check_config(config)
+        algorithm = build_algorithm(config.algorithm)
+        assert algorithm.settings.advantage_scale == 0.5
+        assert config_from_dict(config_to_dict(config)) == config  # the tree round-trips (a run's config.yaml)
+        assert build_algorithm(load_config(ROOT / "examples" / "ppo_tiny.yaml", base).algorithm).settings \
+            .advantage_scale == 1.0  # its default
+        # The same batch through GRPO and through ScaledGRPO: advantages x 0.5.
+        batch = DataProto({"token_level_scores": torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 3.0], [0.0, 2.0]]),
+                           "response_mask": torch.ones(4, 2)}, {"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+        plain = build_algorithm(AlgorithmConfig(name="grpo")).advantages(None, StepState(1), batch.union(DataProto({})))
+        scaled = algorithm.advantages(None, StepState(1), batch)
+        torch.testing.assert_close(scaled.batch["advantages"], 0.5 * plain.batch["advantages"])
+        for value, message in (("abc", "algorithm.advantage_scale: expected a number, got 'abc'"),
+                               ("-1", "algorithm: advantage_scale must be > 0, got -1.0")):
+            with pytest.raises(ConfigError, match=message):
+                load_config(ROOT / "examples" / "ppo_tiny.yaml", [*base, f"algorithm.advantage_scale={value}"])
+        with pytest.raises(ConfigError, match=r"algorithm: unknown key\(s\) \['advantage_scal'\]; valid keys: .*"
+                                              r"and my_algos:ScaledGRPO's own: \['advantage_scale'\]"):
+            load_config(ROOT / "examples" / "ppo_tiny.yaml", [*base, "algorithm.advantage_scal=0.5"])
+    finally:
+        sys.modules.pop("my_algos", None)
+    assert build_algorithm(AlgorithmConfig(name="grpo")).settings == NoSettings()  # built-ins declare none
+
+
 def test_config_checks_name_the_algorithm_settings():
     def problems(*overrides):
         with pytest.raises(ConfigError) as info:

@@ -17,6 +17,22 @@ the roles (``ctx.groups``), read the step's settings, and report metrics into ``
 State that must survive a restart goes in ``state_dict`` / ``load_state_dict``: the trainer's
 checkpoint keeps it.
 
+An algorithm's own settings are a nested frozen dataclass, ``Config``: its fields are read from the
+``algorithm:`` section beside the keys every algorithm shares (``gamma``, ``lam``, the KL settings...),
+typed and checked before any process starts, and reach the hooks as ``self.settings``::
+
+    class ScaledGRPO(RLAlgorithm):
+        preset = "grpo"
+
+        @dataclass(frozen=True)
+        class Config:
+            advantage_scale: float = 1.0     # algorithm.advantage_scale
+
+        def advantages(self, ctx, state, batch):
+            batch = super().advantages(ctx, state, batch)
+            batch.batch["advantages"] *= self.settings.advantage_scale
+            return batch
+
 A user's algorithm is a subclass registered by name::
 
     @register_algorithm("clipped_grpo")
@@ -53,10 +69,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALGORITHMS",
+    "NoSettings",
     "RLAlgorithm",
     "StepState",
     "algorithm_preset",
     "build_algorithm",
+    "own_settings",
     "register_algorithm",
     "resolve_algorithm",
     "resolve_rollout_correction",
@@ -84,13 +102,22 @@ class StepState:
             self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class NoSettings:
+    """The settings of an algorithm that declares none of its own."""
+
+
 class RLAlgorithm:
     """The default hooks: an advantage estimator by name, the KL penalty in the reward, the preset's loss."""
 
     preset: AlgorithmPreset | str | None = None  # a subclass's starting defaults (a built-in name or a preset)
+    # The algorithm's own settings: a frozen dataclass whose fields are read from the algorithm: section beside
+    # the shared keys (a field's type is checked, its __post_init__ checks values; both before launch)
+    Config: type = NoSettings
 
     def __init__(self, config: AlgorithmConfig, preset: AlgorithmPreset) -> None:
         self.config, self.defaults = config, preset
+        self.settings = own_settings(type(self), config)
         ctrl = dict(config.kl_ctrl)
         self.kl_ctrl: KLController = make_kl_controller(ctrl.pop("kind", "fixed"), **ctrl)
 
@@ -145,6 +172,20 @@ class RLAlgorithm:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+
+def own_settings(cls: type[RLAlgorithm], config: AlgorithmConfig):
+    """``cls.Config`` as ``config`` gives it: parsed from the section (``AlgorithmConfig.split_section``), a
+    mapping of its fields, or its defaults."""
+    given = getattr(config, "settings", None)
+    if given is None:
+        return cls.Config()
+    if isinstance(given, cls.Config):
+        return given
+    if isinstance(given, dict):
+        return cls.Config(**given)
+    raise TypeError(f"algorithm.settings must be a {cls.__name__}.Config or a mapping of its fields, got "
+                    f"{type(given).__name__}")
 
 
 # ------------------------------------------------------------------ resolution (pure)

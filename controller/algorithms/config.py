@@ -6,6 +6,7 @@ settings. ``controller.config`` gathers it into the job's tree; the checks that 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,34 @@ class AlgorithmConfig:
     max_gen_batches: int = 10  # generation rounds per step at most, the first included
     overlong_buffer_len: int | None = None  # tokens before max_new_tokens where the penalty grows; None: 20%
     overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
+    # The algorithm's own settings: its class's nested ``Config``, parsed from the algorithm: keys that no
+    # algorithm shares (``split_section``); None: that Config's defaults
+    settings: Any = None
+
+    @classmethod
+    def split_section(cls, value: dict[str, Any], where: str, build: Callable[[Any, Any, str], Any]) -> dict[str, Any]:
+        """The ``algorithm:`` mapping with the keys of the algorithm's own ``Config`` gathered, typed, into
+        ``settings`` (``build(cls, value, where)`` types a section, errors naming the key). Unchanged when the
+        algorithm declares no settings of its own, or cannot be found (its checks say so)."""
+        from controller.algorithms.algorithm import resolve_algorithm
+        from controller.errors import ConfigError
+
+        shared = {f.name for f in dataclasses.fields(cls) if f.init}
+        extra = {k: v for k, v in value.items() if k not in shared}
+        given = value.get("settings")
+        try:
+            own = resolve_algorithm(value.get("name", cls.name))[0].Config
+        except ValueError:
+            return value
+        own_keys = {f.name for f in dataclasses.fields(own) if f.init}
+        if not own_keys or not (extra or isinstance(given, dict)):
+            return value
+        unknown = sorted(set(extra) - own_keys)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(shared - {'settings'})}, and "
+                              f"{value.get('name')}'s own: {sorted(own_keys)}")
+        settings = build(own, {**(given if isinstance(given, dict) else {}), **extra}, where)
+        return {**{k: v for k, v in value.items() if k in shared}, "settings": settings}
 
     @property
     def estimator(self) -> str:
