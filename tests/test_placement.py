@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ConfigError, check_config, job_pools, load_config
+from controller.checks.placement import job_pools
+from controller.config import ConfigError, check_config, load_config
 from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools, pool_shape
 
 

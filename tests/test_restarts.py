@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from controller.config import RLConfig, trainer_problems, load_config
+from controller.checks.trainer import trainer_problems
+from controller.config import RLConfig, load_config
 from controller.errors import (CallTimeoutError, ConfigError, NonFiniteTrainingError, RemoteWorkerError,
                                WorkerDiedError)
 from controller.jobs.relaunch import _resize_note, data_parallel, healthy_node_count

@@ -30,7 +30,9 @@ if str(ROOT) not in sys.path:
 __all__ = ["render"]
 
 # The module whose problems name the keys of each tree.
-RL_CHECKS, SFT_CHECKS = "controller/config.py", "controller/sft/config.py"
+# the RL job's checks: the tree's own, then each feature's room (controller/checks)
+RL_CHECKS = ["controller/config.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "controller" / "checks").glob("*.py"))]
+SFT_CHECKS = "controller/sft/config.py"
 
 
 def _type_name(hint) -> str:
@@ -192,7 +194,7 @@ def render() -> str:
            "keyword form). An unknown key is refused with the valid ones named; the checks listed under each",
            "table run before any process starts (`…` stands for the value the message names).", "",
            "## RL jobs (`hybridflow train`)", ""]
-    _section(RLConfig, "", _problems((ROOT / RL_CHECKS).read_text()), out, set())
+    _section(RLConfig, "", [m for path in RL_CHECKS for m in _problems((ROOT / path).read_text())], out, set())
     out += ["## SFT jobs (`hybridflow sft`)", ""]
     _section(SFTConfig, "", _problems((ROOT / SFT_CHECKS).read_text()), out, set())
     return "\n".join(out).rstrip() + "\n"

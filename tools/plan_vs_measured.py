@@ -64,7 +64,7 @@ RUNS = {
 
 
 def processes(config) -> int:
-    from controller.config import distinct_pools, job_pools
+    from controller.checks.placement import distinct_pools, job_pools
 
     return sum(shape.world_size for shape in distinct_pools(job_pools(config.trainer)))
 

@@ -31,7 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from controller.config import ConfigError, job_pools
+from controller.checks.placement import job_pools
+from controller.config import ConfigError
 from controller.errors import TrainingStoppedError
 from controller.jobs.restarts import RestartBudget, describe, restart_fields, restartable
 

@@ -33,7 +33,7 @@ class MemoryCheckError(PlanError):
 
 def job_sets(config, workload: Workload) -> list[tuple[tuple[str, ...], int]]:
     """(roles, devices) of each pool the config gives: the default pool first."""
-    from controller.config import job_pools
+    from controller.checks.placement import job_pools
 
     pools = job_pools(config.trainer)
     where = {role: pools[role].name if role in pools else "default" for role in workload.role_names}

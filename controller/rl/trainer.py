@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
-from controller.config import PLACEABLE_ROLES, RLConfig, check_config, job_pools
+from controller.checks.placement import PLACEABLE_ROLES, job_pools
+from controller.config import RLConfig, check_config
 from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.config import (
-    ConfigError, RoleConfig, TrainerConfig, _build, job_pools, lora_problems, model_split_problem, read_config_values,
-    trainer_problems,
-)
+from controller.checks.layouts import model_split_problem
+from controller.checks.lora import lora_problems
+from controller.checks.placement import job_pools
+from controller.checks.trainer import trainer_problems
+from controller.config import ConfigError, RoleConfig, TrainerConfig
+from controller.typed_tree import build, read_config_values
 
 __all__ = ["SFT_FORMATS", "SFT_TASKS", "SFTConfig", "SFTDataConfig", "check_sft_config", "load_sft_config"]
 
@@ -77,7 +79,7 @@ def load_sft_config(path: str | Path | None = None, overrides: list[str] | None 
     values.pop("kind", None)  # a run directory's config.yaml says which job wrote it
     if "trainer" in values and "run_dir" not in (values["trainer"] or {}):
         values["trainer"] = {"run_dir": "runs/sft", **values["trainer"]}
-    return _build(SFTConfig, values, "")
+    return build(SFTConfig, values, "")
 
 
 # RL-only trainer settings: an SFT job refuses them rather than ignoring them.
