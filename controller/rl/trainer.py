@@ -25,7 +25,6 @@ import math
 import sys
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,11 +42,12 @@ from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import ROLE_ORDER, reference_role
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
+from controller.rl.rollout_client import RolloutClient, rollout_client
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.rollout_source import RolloutSource
 from controller.rl.routes import routes_for_actor, without_routes
-from controller.rl.schedules import build_schedule, generation_seed, with_sampling
+from controller.rl.schedules import build_schedule, generation_seed
 from controller.rl.step_metrics import batch_metrics, kl_metrics, nothing_to_train, phase_lines, reduce_update_metrics
 from controller.rl.trainer_builder import config_from_keywords
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
@@ -137,8 +137,7 @@ class RLTrainer:
         self._proto_seen = False
         self.verbose = trainer.log_phases
         self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
-        self.served_rollout = None  # rollout.agent.entrypoint: generation through the rollout server
-        self._served_calls: ThreadPoolExecutor | None = None  # one_step_off: the served generation ahead
+        self.rollout_client: RolloutClient | None = None  # how responses come: the group or the server (build)
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
         self.mode = trainer.mode
@@ -300,20 +299,22 @@ class RLTrainer:
                     kwargs = separate_rollout_kwargs(kwargs, self.specs["actor"].kwargs.get("engine"),
                                                      self.groups["actor"].world_size)
                 self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs, watch=self.watch)
+        served = stream = None
         if rollout_cfg.serves_agent:
             from controller.serving.served_rollout import ServedRollout
 
             minis = [self.ppo.ppo_mini_batch_size] + ([self.config.critic_ppo.ppo_mini_batch_size]
                                                       if "critic" in self.groups else [])
-            self.served_rollout = ServedRollout(self.groups["rollout"], tokenizer, rollout_cfg, math.lcm(*minis))
+            served = ServedRollout(self.groups["rollout"], tokenizer, rollout_cfg, math.lcm(*minis))
             if self.mode == "async":  # the replicas serve across steps; the weights change under the sessions
                 from controller.serving.served_stream import ServedStream
 
-                self.schedule = ServedStream(self.served_rollout, self.config.trainer.max_staleness,
-                                             rollout_cfg.server_update)
+                self.schedule = stream = ServedStream(served, self.config.trainer.max_staleness,
+                                                      rollout_cfg.server_update)
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
                                                   self.pools[self.placement["rollout"]].controller_address())
+        self.rollout_client = rollout_client(self.groups["rollout"], self.rollout_link, served, stream)
 
     def lay_out(self) -> None:
         """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
@@ -422,17 +423,9 @@ class RLTrainer:
         return RolloutSource(
             version=self.global_step, seed=self.seed, batch_size=self.batch_size, sampling=self.rollout_sampling,
             pad_token_id=self.pad_token_id, next_prompts=self.next_prompts, generate_and_score=self.generate_and_score,
-            score=self.score, submit=self._submit, sync_weights=link.sync if link is not None else lambda receive=None: {},
+            score=self.score, submit=self.rollout_client.submit,
+            sync_weights=link.sync if link is not None else lambda receive=None: {},
             record_rollout_metrics=self.record_rollout_metrics)
-
-    def _submit(self, method: str, data: DataProto) -> Future:
-        """A call to the rollout's group, answered later; a served agent's generation runs on a thread of the
-        controller's (one_step_off), serving on the rollout's pool while the actor trains on its own."""
-        if self.served_rollout is not None and method == "generate_sequences":
-            if self._served_calls is None:
-                self._served_calls = ThreadPoolExecutor(1, thread_name_prefix="hybridflow-served-rollout")
-            return self._served_calls.submit(self.served_rollout.generate, data, {})
-        return getattr(self.groups["rollout"], method).submit(data)
 
     def next_prompts(self, state: StepState) -> DataProto:
         """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
@@ -450,7 +443,7 @@ class RLTrainer:
                  keep_metrics: bool = True) -> DataProto:
         """The rollout's responses to ``prompts`` under ``sampling`` (merged over the rollout config's)."""
         transfer = self.rollout_link.sync() if self.rollout_link is not None else {}
-        out = self._responses(prompts, sampling)
+        out = self.rollout_client.responses(prompts, sampling)
         if self.rollout_proto is not None and not self._proto_seen:  # the declared fields, on a real batch
             self.rollout_proto.check([*out.batch, *out.non_tensor_batch])
             self._proto_seen = True
@@ -458,15 +451,6 @@ class RLTrainer:
         if keep_metrics and state is not None:
             self.record_rollout_metrics(state, metrics)
         return out
-
-    def _responses(self, prompts: DataProto, sampling: dict[str, Any], training: bool = True) -> DataProto:
-        """The rollout's batch for ``prompts``: from its engines, or through its server with the user's agent
-        (``rollout.agent.entrypoint``; padded to whole mini-batches when ``training``)."""
-        if getattr(self.schedule, "serving", False):  # the served stream's replicas are serving: through them
-            return self.schedule.generate_now(prompts, sampling)
-        if self.served_rollout is not None:
-            return self.served_rollout.generate(prompts, sampling, pad=training)
-        return self.groups["rollout"].generate_sequences(with_sampling(prompts, sampling))
 
     @staticmethod
     def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
@@ -586,12 +570,9 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         scores, lengths, calls = [], [], []
-        if getattr(self.schedule, "serving", False):  # a served stream's replicas take the weights in flight
-            self.schedule.take_weights(self.rollout_link.sync, self.global_step)
-        elif self.rollout_link is not None:
-            self.rollout_link.sync()
+        self.rollout_client.weights_for_validation(self.global_step)  # a served stream: taken in flight
         for prompts in self.val_loader.all_batches():
-            out = self._responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
+            out = self.rollout_client.responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
             scores.append(self.score(out).batch["scores"])
             lengths.append(out.batch["response_mask"].sum(-1).float())
             if "agent_tool_calls" in out.non_tensor_batch:  # an agent rollout: the tool calls of each sample
@@ -645,11 +626,9 @@ class RLTrainer:
         return Path(path)
 
     def shutdown(self) -> None:
-        if hasattr(self.schedule, "close"):  # a served stream: its sessions and replicas stop first
-            self.schedule.close()
-        if self._served_calls is not None:
-            self._served_calls.shutdown(wait=True)
-            self._served_calls = None
+        if self.rollout_client is not None:  # a served stream: its sessions and replicas stop first
+            self.rollout_client.close()
+            self.rollout_client = None
         if self.rollout_link is not None:
             self.rollout_link.close()
             self.rollout_link = None
