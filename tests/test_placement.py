@@ -126,7 +126,7 @@ def test_a_job_config_places_roles_on_shared_pools(tmp_path, monkeypatch):
     assert trainer.pool_sizes == {"default": 4, "actor": 8, "critic": 4}
     # Its pre-launch check sees the shared pool once: the reward's entry names the actor's pool.
     seen = []
-    monkeypatch.setattr("controller.rl.trainer.check_config", lambda config, *a, **k: seen.append(config))
+    monkeypatch.setattr("controller.rl.job_assembly.check_config", lambda config, *a, **k: seen.append(config))
     trainer.check()
     assert seen[0].trainer.placement == {"actor": {"nodes": 2, "processes_per_node": 4}, "critic":
                                          {"nodes": 1, "processes_per_node": 4}, "reward": "actor"}

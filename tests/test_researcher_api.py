@@ -121,7 +121,7 @@ def test_the_trainer_writes_device_map_auto_layouts_into_its_config_before_the_c
     """At build the auto roles' layouts, the planner's (controller.planner.device_map), go into the typed config
     (the reference made from the actor's model included), so check_config and the workers see the layout that
     will run; a role laid out by hand keeps its layout."""
-    import controller.rl.trainer as trainer_module
+    import controller.rl.job_assembly as trainer_module  # where the job is laid out
     from controller.config import ConfigError
     from controller.models.builtin import resolve_model_path
     from controller.planner.device_map import auto_layouts, job_cluster

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workers.data_proto import DataProto
 from workers.policy_losses import masked_mean, zero_padding
 
-__all__ = ["batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "reduce_update_metrics"]
+if TYPE_CHECKING:
+    from controller.algorithms.algorithm import StepState
+
+__all__ = ["ROLLOUT_METRICS", "batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "record_rollout_metrics",
+           "reduce_update_metrics"]
 
 # |kl_div| below this is rounding noise: the ratio loss / kl_div would be too (the unit probe is exact)
 _KL_DIV_FLOOR = 1e-6
@@ -111,3 +115,25 @@ def nothing_to_train(step: int, batch: DataProto, rollout_metrics: dict[str, flo
     else:
         why = f"every one of its {len(batch)} responses is masked out"
     return f"step {step}: nothing to train on: {why}; the critic's and the actor's updates are skipped"
+
+
+# The rollout's own metrics that a step reports; extra generation rounds add to the timings and bytes.
+ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
+                   "reshard/bytes_received", "reshard/expert_bytes_received", "reshard/lora_bytes_received",
+                   "rollout/tokens_per_s",
+                   # either way the weights came (in place or across pools): the time and the bytes received
+                   "timing_s/weight_update", "weight_update/bytes_received",
+                   # a rollout on its own pool: the cross-pool transfer, beside the in-place reshard's
+                   "timing_s/weight_transfer", "weight_transfer/bytes", "weight_transfer/bound_bytes",
+                   "weight_transfer/bytes_sent",
+                   "rollout/kv_cache_tokens")  # what vLLM's KV cache holds (whole blocks), as the planner sizes it
+
+
+def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
+    """A generation's metrics into the step's: timings and bytes add up over a step's rounds."""
+    # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
+    state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
+    for key in (k for k in ROLLOUT_METRICS if k in metrics):
+        summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
+        previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
+        state.rollout_metrics[key] = previous + float(metrics[key])

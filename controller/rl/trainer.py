@@ -21,9 +21,6 @@ setting) unless ``register_placement`` puts it elsewhere.
 
 from __future__ import annotations
 
-import math
-import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,31 +29,21 @@ from typing import Any
 import torch
 
 from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
-from controller.checks.placement import PLACEABLE_ROLES, job_pools
-from controller.config import RLConfig, check_config
-from controller.data import PromptLoader
-from controller.errors import ConfigError
-from controller.models.builtin import resolve_model_path
+from controller.config import RLConfig
 from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
-from controller.rl.role_assembly import ROLE_ORDER, reference_role
-from controller.rl.role_defaults import critic_from_causal_lm
-from controller.rl.role_specs import declare_roles, kl_loss_function, with_parallelism, with_resolved_paths
-from controller.rl.rollout_client import RolloutClient, rollout_client
+from controller.rl.role_assembly import reference_role
+from controller.rl.job_assembly import JobAssembly
+from controller.rl.role_specs import kl_loss_function, with_resolved_paths
 from controller.rl.rollout_dump import RolloutDump
-from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.rollout_source import RolloutSource
 from controller.rl.routes import routes_for_actor, without_routes
-from controller.rl.schedules import build_schedule, generation_seed
-from controller.rl.step_metrics import batch_metrics, kl_metrics, nothing_to_train, phase_lines, reduce_update_metrics
+from controller.rl.schedules import generation_seed
+from controller.rl.step_metrics import (batch_metrics, kl_metrics, nothing_to_train, phase_lines, record_rollout_metrics,
+                                        reduce_update_metrics)
 from controller.rl.trainer_builder import config_from_keywords
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
 from controller.rl.trainer_inputs import TrainerInputs
-from controller.runtime.hang_watch import HangWatch
-from controller.runtime.placement import PlacementError, PoolShape, pool_shape
-from controller.runtime.resource_pool import ResourcePool
-from controller.runtime.worker_group import WorkerGroup
-from hybridengine.device import accelerator_count, device_memory_bytes
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
 from workers.actor import PolicyUpdateTerms
@@ -66,17 +53,14 @@ from workers.user_kl import UserKLTerm
 
 __all__ = ["RLTrainer"]
 
-# The rollout's own metrics that a step reports; extra generation rounds add to the timings and bytes.
-ROLLOUT_METRICS = ("timing_s/gen", "timing_s/reshard", "timing_s/weight_sync", "weight_sync/bytes",
-                   "reshard/bytes_received", "reshard/expert_bytes_received", "reshard/lora_bytes_received",
-                   "rollout/tokens_per_s",
-                   # either way the weights came (in place or across pools): the time and the bytes received
-                   "timing_s/weight_update", "weight_update/bytes_received",
-                   # a rollout on its own pool: the cross-pool transfer, beside the in-place reshard's
-                   "timing_s/weight_transfer", "weight_transfer/bytes", "weight_transfer/bound_bytes",
-                   "weight_transfer/bytes_sent",
-                   "rollout/kv_cache_tokens")  # what vLLM's KV cache holds (whole blocks), as the planner sizes it
-
+# What the trainer reads from its job's assembly (RLTrainer.__getattr__): it keeps no placement state of its own.
+_FROM_JOB = frozenset({
+    "config", "specs", "policy_path", "placement", "pool_shapes", "pool_sizes", "rollout_on_its_own_pool", "backend",
+    "ray_address", "groups", "pools", "loader", "val_loader", "pad_token_id", "schedule", "mode", "rollout_link",
+    "rollout_client", "run_dir", "batch_size", "shuffle", "seed", "train_data", "val_data", "watch",
+    "lora_sync_choice", "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out",
+    "choose_lora_sync",
+})
 
 class RLTrainer:
     def __init__(self, config: RLConfig | None = None, /, **keywords: Any) -> None:
@@ -116,43 +100,25 @@ class RLTrainer:
             check_keywords("RLTrainer(config, ...)", TrainerInputs, keywords)
             inputs = TrainerInputs(**keywords)
             config = with_resolved_paths(config)  # hub ids: their cached snapshots (the keyword form's are)
-        self.config, self.inputs = config, inputs
-        trainer = config.trainer
-        self.run_dir = Path(trainer.run_dir) if trainer.run_dir is not None else None
-        self._scratch: tempfile.TemporaryDirectory | None = None
-        self.policy_path = (resolve_model_path(config.model_path, self._work_dir())
-                            if config.model_path.startswith("builtin:") else config.model_path)
+        train_data, val_data = inputs.train_data, inputs.val_data
         algorithm = inputs.algorithm
         safe_rlhf = config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
         if algorithm is None:
             algorithm = build_algorithm(config.algorithm, safe_rlhf=safe_rlhf)
         elif safe_rlhf and not isinstance(algorithm, SafeRLHF):  # a cost is scored: its hooks wrap the object's
             algorithm = SafeRLHF(algorithm)
-        self.algorithm = algorithm
-        self.ppo = config.ppo
-        self.specs = declare_roles(config, algorithm, self.policy_path)
+        self.inputs, self.algorithm, self.ppo = inputs, algorithm, config.ppo
+        self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)  # imported and its signature checked
+        self.job = JobAssembly(config, algorithm, train_data, val_data, inputs.pool)  # roles, placement, groups
+        if train_data is None:  # the prompts config.data describes, loaded and checked now, as the CLI does
+            prompts = rl_job_prompts(config, self.specs["actor"].model_path)
+            self.job.train_data, self.job.val_data = prompts.train, prompts.val
+        trainer = config.trainer
         self.rollout_proto = DataSchema(dict(trainer.rollout_proto)) if trainer.rollout_proto is not None else None
         if self.rollout_proto is not None:
             self.rollout_proto.check(getattr(self.specs["rollout"].worker_cls, "produces", ROLLOUT_FIELDS))
         self._proto_seen = False
         self.verbose = trainer.log_phases
-        self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
-        self.rollout_client: RolloutClient | None = None  # how responses come: the group or the server (build)
-        self.placement = {role: "default" for role in self.specs}
-        self.rollout_on_its_own_pool = False
-        self.mode = trainer.mode
-        self.schedule = build_schedule(trainer.mode, trainer.max_staleness, trainer.partial_rollout_tokens,
-                                       trainer.max_in_flight)
-        self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
-        self.pool_shapes: dict[str, PoolShape] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
-        self.backend = trainer.launcher
-        self.ray_address = trainer.ray_address
-        self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)  # imported and its signature checked
-        self.train_data, self.val_data = inputs.train_data, inputs.val_data
-        if self.train_data is None:  # the prompts config.data describes, loaded and checked now, as the CLI does
-            prompts = rl_job_prompts(config, self.specs["actor"].model_path)
-            self.train_data, self.val_data = prompts.train, prompts.val
-        self.batch_size, self.shuffle, self.seed = config.data.batch_size, config.data.shuffle, trainer.seed
         self.checkpoints = TrainerCheckpoint(self.run_dir)
         self.logger = inputs.logger
         self.rollout_dump = (RolloutDump(trainer.rollout_data_dir, self.specs["actor"].model_path)
@@ -164,239 +130,22 @@ class RLTrainer:
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
             self.batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward
         ) and not config.rollout.serves_agent  # a served agent's batch may hold more rows than one mini-batch
-        self.groups: dict[str, WorkerGroup] = {}
-        self.pools: dict[str, ResourcePool] = {"default": inputs.pool} if inputs.pool is not None else {}
         self.global_step = 0
-        # every worker call's deadline, from its own durations (trainer.hang_timeout_s: a fixed one)
-        self.watch = HangWatch(self.run_dir / "hangs" if self.run_dir is not None else None, trainer.hang_timeout_s)
         self.bad_steps = BadSteps(trainer.max_bad_steps)  # steps in a row that skipped an optimizer step
-        self.loader: PromptLoader | None = None
-        self.pad_token_id: int | None = None
-        pools = job_pools(trainer)  # the config's own placement: the pools' owners first, then the roles sharing them
-        for role, shape in sorted(pools.items(), key=lambda item: item[1].name != item[0]):
-            if role == "default":
-                continue
-            if shape.name == role:
-                self.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
-            else:
-                self.register_placement(role, pool=shape.name)
 
-    @property
-    def pool_sizes(self) -> dict[str, int]:
-        """Processes of each pool."""
-        return {name: shape.world_size for name, shape in self.pool_shapes.items()}
+    def __getattr__(self, name: str) -> Any:
+        """What the job's assembly owns (``controller.rl.job_assembly``): the config, the roles, their placement,
+        pools and groups, the loaders, the schedule, the rollout client, and the declarations made before the
+        first step (``register_placement``, ``register_parallelism``, ``build``, ``check``, ...)."""
+        job = self.__dict__.get("job")
+        if job is not None and name in _FROM_JOB:
+            return getattr(job, name)
+        raise AttributeError(f"'RLTrainer' object has no attribute {name!r}")
 
     @property
     def kl_ctrl(self):
         """The algorithm's KL coefficient controller (the KL penalty in the reward)."""
         return self.algorithm.kl_ctrl
-
-    # ------------------------------------------------------------- declaration
-    def register_placement(self, role: str, devices: int | None = None, pool: str | None = None, *,
-                           nodes: int | None = None, processes_per_node: int | None = None) -> None:
-        """Put ``role`` on its own resource pool. Before the first step.
-
-        The pool is ``devices`` processes on one node (one per device), or
-        ``nodes`` x ``processes_per_node`` processes across that many nodes::
-
-            trainer.register_placement("actor", nodes=2, processes_per_node=4)   # rollout follows the actor
-            trainer.register_placement("critic", 4)                              # a node of its own
-            trainer.register_placement("ref_policy", pool="actor")               # colocated with the actor
-
-        Roles given the same ``pool`` name share its processes (colocation); by
-        default every role is on the pool "default". The rollout follows the
-        actor and reshards its weights in place, unless it is placed itself::
-
-            trainer.register_placement("rollout", 4)    # generation on 4 processes of its own
-
-        Then the actor sends it the weights across pools after each update
-        (``controller.rl.rollout_pool``). Under torchrun a megatron role's pool must
-        be the whole world, so split placement is a Ray feature.
-        """
-        self._before_build("register_placement")
-        if role not in self.specs:
-            raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        if role == "rollout" and pool is not None and pool == self.placement.get("actor"):
-            raise ConfigError(f"register_placement('rollout', pool={pool!r}): that is the actor's pool, where the "
-                              f"rollout sits by default; give it a pool of its own, or leave it with the actor")
-        if devices is not None and (nodes is not None or processes_per_node is not None):
-            raise ConfigError(f"register_placement({role!r}): give devices (one node) or nodes and "
-                              f"processes_per_node, not both")
-        pool = pool or role
-        shape = None
-        if devices is not None or processes_per_node is not None:
-            value = devices if devices is not None else {"nodes": nodes or 1, "processes_per_node": processes_per_node}
-            try:
-                shape = pool_shape(pool, value, f"register_placement({role!r})")
-            except PlacementError as exc:
-                raise ConfigError(str(exc)) from None
-        elif nodes is not None:
-            raise ConfigError(f"register_placement({role!r}, nodes={nodes}): give processes_per_node too")
-        if pool in self.pool_shapes:
-            known = self.pool_shapes[pool]
-            if shape is not None and known is not None and known.process_on_nodes != shape.process_on_nodes:
-                if known.nodes == shape.nodes == 1:
-                    raise ConfigError(f"pool {pool!r} has {known.world_size} processes, not {shape.world_size}")
-                raise ConfigError(f"pool {pool!r} is {known}, not {shape}")
-        elif shape is None:
-            raise ConfigError(f"pool {pool!r} is new: give its devices (>= 1), or nodes and processes_per_node")
-        else:
-            self.pool_shapes[pool] = shape
-        self.placement[role] = pool
-        if role == "actor" and not self.rollout_on_its_own_pool:
-            self.placement["rollout"] = pool
-        if role == "rollout":
-            self.rollout_on_its_own_pool = True
-
-    def register_parallelism(self, role: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> None:
-        """Set a megatron role's TP/PP (the rollout's generation TP/PP), in the config. Before the first step."""
-        self._before_build("register_parallelism")
-        if role not in self.specs:
-            raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        if role != "rollout" and "engine" not in self.specs[role].kwargs:
-            raise ConfigError(f"role {role!r} ({self.specs[role].worker_cls.__name__}) has no model parallelism to set")
-        self.config = with_parallelism(self.config, role, tensor_parallel, pipeline_parallel)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
-
-    def _before_build(self, what: str) -> None:
-        if self.groups:
-            raise RuntimeError(f"{what} must come before the first step: the worker groups already exist")
-
-    # -------------------------------------------------------------------- build
-    def build(self) -> None:
-        """The checks across the whole config (with the placement as declared), then the pools and groups."""
-        if self.groups:
-            return
-        self.lay_out()
-        self.choose_lora_sync()
-        from controller.planner.prelaunch import check_before_launch
-
-        check_before_launch(self.placed_config())  # a GPU job that will not fit, refused before any worker
-        self.check()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
-        # Loaders first: a prompt the rollout cannot take is an error before any worker starts.
-        rollout_cfg = self.config.rollout
-        # With truncation "left" the rollout keeps a long prompt's end; otherwise the loader refuses it up front.
-        max_prompt = rollout_cfg.max_prompt_length if rollout_cfg.truncation == "error" else None
-        self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
-                                        shuffle=False) if self.val_data is not None else None)
-        for name, shape in self.pool_shapes.items():
-            if name in self.pools:
-                continue
-            self.pools[name] = ResourcePool(shape.process_on_nodes, backend=self.backend, ray_address=self.ray_address)
-        if "critic" in self.specs:  # a critic on a causal LM: the LM's body and a new value head
-            self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir(),
-                                                         self.config.critic_ppo.value_head_init)
-        for role in ROLE_ORDER:
-            if role in self.specs:
-                spec, pool = self.specs[role], self.pools[self.placement[role]]
-                kwargs = spec.kwargs
-                if role == "rollout" and self.rollout_on_its_own_pool:
-                    kwargs = separate_rollout_kwargs(kwargs, self.specs["actor"].kwargs.get("engine"),
-                                                     self.groups["actor"].world_size)
-                self.groups[role] = WorkerGroup(pool, spec.worker_cls, role=role, kwargs=kwargs, watch=self.watch)
-        served = stream = None
-        if rollout_cfg.serves_agent:
-            from controller.serving.served_rollout import ServedRollout
-
-            minis = [self.ppo.ppo_mini_batch_size] + ([self.config.critic_ppo.ppo_mini_batch_size]
-                                                      if "critic" in self.groups else [])
-            served = ServedRollout(self.groups["rollout"], tokenizer, rollout_cfg, math.lcm(*minis))
-            if self.mode == "async":  # the replicas serve across steps; the weights change under the sessions
-                from controller.serving.served_stream import ServedStream
-
-                self.schedule = stream = ServedStream(served, self.config.trainer.max_staleness,
-                                                      rollout_cfg.server_update)
-        if self.rollout_on_its_own_pool:
-            self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
-                                                  self.pools[self.placement["rollout"]].controller_address())
-        self.rollout_client = rollout_client(self.groups["rollout"], self.rollout_link, served, stream)
-
-    def lay_out(self) -> None:
-        """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
-        (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
-        from controller.planner.device_map import auto_layouts
-
-        auto = {role for role, spec in self.specs.items()
-                if spec.device_map == "auto" and not spec.explicit_parallelism}
-        if not auto:
-            return
-        cluster, efficiency = self._job_cluster()
-        layouts = auto_layouts(self.placed_config(), auto, cluster, efficiency, flash_attention=accelerator_count() > 0)
-        for role, (tp, pp) in layouts.items():
-            self.config = with_parallelism(self.config, role, tp, pp)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
-
-    def choose_lora_sync(self) -> None:
-        """``rollout.lora_sync: auto``: how a LoRA actor's adapters reach the rollout, merged or served, as the
-        planner scores the job on its devices (``controller.planner.lora_choice``); said on the console."""
-        if self.config.rollout.lora_sync != "auto":
-            return
-        from controller.planner.lora_choice import resolve_lora_sync
-
-        cluster, efficiency = self._job_cluster() if self.config.actor.lora.enabled else (None, None)
-        try:
-            placed, choice = resolve_lora_sync(replace(self.placed_config(), model_path=self.policy_path), cluster,
-                                               efficiency, flash_attention=accelerator_count() > 0)
-            rollout = placed.rollout
-        except ValueError as exc:  # a model the planner cannot read: the mode that runs on every engine
-            rollout, choice = replace(self.config.rollout, lora_sync="merge"), None
-            print(f"[hybridflow] rollout.lora_sync auto -> merge: the planner could not score the job ({exc})",
-                  file=sys.stderr, flush=True)
-        self.config = replace(self.config, rollout=rollout)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
-        self.lora_sync_choice = choice
-        if choice is not None:
-            print(f"[hybridflow] rollout.lora_sync auto -> {choice.mode}: {choice.reason}", file=sys.stderr, flush=True)
-
-    def _job_cluster(self):
-        """The job's devices as the planner sees them (``controller.planner.device_map.job_cluster``)."""
-        from controller.planner.device_map import job_cluster
-
-        used = {self.placement[role] for role in self.placement}
-        shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
-        return job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
-                           sum(s.world_size for s in shapes), device_memory_bytes())
-
-    def placed_config(self):
-        """The config with its pools as declared (``register_placement`` included) in ``trainer.placement``."""
-        placement, owner = {}, {}
-        for role, pool in self.placement.items():
-            shape = self.pool_shapes[pool]
-            if role == "rollout" and not self.rollout_on_its_own_pool:
-                continue  # it follows the actor
-            if pool != "default" and role in PLACEABLE_ROLES:  # the pool's first role holds it, the others share it
-                if pool in owner:
-                    placement[role] = owner[pool]
-                else:
-                    owner[pool] = role
-                    placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
-        return replace(self.config, trainer=replace(self.config.trainer, placement=placement))
-
-    def check(self) -> None:
-        """ConfigError listing every problem of the config, its pools as declared (``register_placement``
-        included), the policy's and the reward model's checkpoints; nothing starts."""
-        from hybridengine.model.spec import ModelSpec
-        from workers.reward.reward_model import megatron_spec_or_none
-
-        config = self.placed_config()
-        path = self.specs["actor"].model_path
-        policy = ModelSpec.from_pretrained(path) if Path(path, "config.json").is_file() else None
-        reward = self.config.reward.model_path
-        check_config(config, policy, reward_spec=megatron_spec_or_none(reward) if reward is not None else None)
-
-    def _work_dir(self) -> Path:
-        """Where the trainer writes what it derives (a critic's value-head model): the run directory, else
-        a temporary directory of this trainer's."""
-        if self.run_dir is not None:
-            return self.run_dir
-        if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="hybridflow-")
-        return Path(self._scratch.name)
 
     # --------------------------------------------------------------------- step
     def step(self, step: int | None = None) -> dict[str, float]:
@@ -425,7 +174,7 @@ class RLTrainer:
             pad_token_id=self.pad_token_id, next_prompts=self.next_prompts, generate_and_score=self.generate_and_score,
             score=self.score, submit=self.rollout_client.submit,
             sync_weights=link.sync if link is not None else lambda receive=None: {},
-            record_rollout_metrics=self.record_rollout_metrics)
+            record_rollout_metrics=record_rollout_metrics)
 
     def next_prompts(self, state: StepState) -> DataProto:
         """The loader's next prompt batch, through the algorithm's ``before_generation`` hook."""
@@ -449,18 +198,8 @@ class RLTrainer:
             self._proto_seen = True
         metrics = {**out.meta_info.pop("metrics", {}), **transfer}
         if keep_metrics and state is not None:
-            self.record_rollout_metrics(state, metrics)
+            record_rollout_metrics(state, metrics)
         return out
-
-    @staticmethod
-    def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
-        """A generation's metrics into the step's: timings and bytes add up over a step's rounds."""
-        # A multi-turn rollout's agent/* metrics (turns, tool calls and errors, finish reasons) as they come.
-        state.rollout_metrics.update({k: float(v) for k, v in metrics.items() if k.startswith("agent/")})
-        for key in (k for k in ROLLOUT_METRICS if k in metrics):
-            summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
-            previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
-            state.rollout_metrics[key] = previous + float(metrics[key])
 
     def score(self, batch: DataProto) -> DataProto:
         """``token_level_scores`` and ``scores`` of each response (and its cost under Safe-RLHF)."""
@@ -626,15 +365,5 @@ class RLTrainer:
         return Path(path)
 
     def shutdown(self) -> None:
-        if self.rollout_client is not None:  # a served stream: its sessions and replicas stop first
-            self.rollout_client.close()
-            self.rollout_client = None
-        if self.rollout_link is not None:
-            self.rollout_link.close()
-            self.rollout_link = None
-        for pool in self.pools.values():
-            pool.shutdown()
-        if self._scratch is not None:
-            self._scratch.cleanup()
-            self._scratch = None
-
+        """The job's rollout client, weights' link and pools (``JobAssembly.shutdown``)."""
+        self.job.shutdown()
