@@ -146,6 +146,15 @@ class CgroupLeaf:
         except (OSError, ValueError):
             return 0
 
+    def peak_bytes(self) -> int | None:
+        """The most memory the leaf's processes held at once (None where the kernel does not say)."""
+        path = (self.dirs["unified"] / "memory.peak" if self.version == 2
+                else self.dirs["memory"] / "memory.max_usage_in_bytes")
+        try:
+            return int(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def kill_all(self, within_s: float = 5.0) -> bool:
         """SIGKILL every process in the leaves until none is left (a fork in progress joins them too);
         whether they emptied within ``within_s``."""

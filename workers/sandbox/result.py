@@ -60,6 +60,8 @@ class SandboxResult:
     subprocess reports it), None when the program never ran.
     ``truncated`` says the output limit cut stdout / stderr. ``isolation``
     is the level that ran it ("bwrap", "unshare" or "limits-only").
+    ``peak_memory_bytes``: the most its processes held at once, where the
+    program ran in a cgroup leaf (``cgroup.py``), else None.
     """
 
     status: str
@@ -69,6 +71,8 @@ class SandboxResult:
     duration_s: float
     isolation: str
     truncated: bool = False
+    # the most memory the program's processes held at once, where a cgroup leaf counted it (None: no leaf)
+    peak_memory_bytes: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -181,7 +181,7 @@ class _Program:
     def __init__(self, level: str, limits: SandboxLimits) -> None:
         self.leaf = _cgroup.create(limits)
         self.reaper = self.leaf is None and level == _isolation.LIMITS_ONLY
-        self.pid: int | None = None
+        self.proc: subprocess.Popen | None = None  # its first process, once started
 
     def argv(self, argv: list[str]) -> list[str]:
         if self.reaper:
@@ -192,16 +192,15 @@ class _Program:
 
     def stop(self) -> None:
         """Kill the program and everything it made (the first process too, once the reaper is done)."""
-        if self.reaper and self.pid is not None:
+        if self.proc is None:
+            return
+        if self.reaper and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the reaper kills the program's whole tree, then exits
             try:
-                os.kill(self.pid, signal.SIGTERM)  # the reaper kills the program's whole tree, then exits
-                deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline and _alive(self.pid):
-                    time.sleep(0.005)
-            except (ProcessLookupError, PermissionError):
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
                 pass
-        if self.pid is not None:
-            _kill_group(self.pid)
+        _kill_group(self.proc.pid)
         if self.leaf is not None:
             self.leaf.kill_all()
 
@@ -217,15 +216,6 @@ class _Program:
         if self.leaf is not None:
             self.leaf.kill_all()
             self.leaf.remove()
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` (a child of this process) has yet to exit: it stays a zombie until reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _sandbox_error(level: str, message: str, started: float) -> SandboxResult:
@@ -278,11 +268,13 @@ def _start(program: _Program, spec, level: str, stdin: bytes | None, limits: San
             os.close(fd)
         if status_write is not None:
             os.close(status_write)
-    program.pid = proc.pid
+    program.proc = proc
     result = _supervise(proc, program, level, stdin, limits, started, status_read)
     note = program.memory_note(limits)
     if note is not None and result.status in (OK, ERROR, KILLED):  # killed for the memory of all its processes
         result = dataclasses.replace(result, status=MEMORY, stderr=result.stderr + ("\n" if result.stderr else "") + note)
+    if program.leaf is not None:
+        result = dataclasses.replace(result, peak_memory_bytes=program.leaf.peak_bytes())
     return result
 
 
