@@ -207,6 +207,22 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the run: steps, checkpoints, launch, logging
     cost_model: RoleConfig | None = None  # Safe-RLHF: a reward model scoring cost (instead of safe_rlhf_cost_fn)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
+    # The sections of registered roles (controller.rl.role_registry), each under its role's name in YAML
+    roles: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def split_section(cls, value: dict[str, Any], where: str, build: Callable[[Any, Any, str], Any]) -> dict[str, Any]:
+        """The top-level mapping with each registered role's section (a key named as the role) typed into
+        ``roles``; other keys as they are."""
+        from controller.rl.role_registry import ROLE_TYPES
+
+        own = [k for k in value if k in ROLE_TYPES]
+        if not own and not value.get("roles"):
+            return value
+        given = {**(value.get("roles") or {}), **{k: value[k] for k in own}}  # roles: {name: section} too
+        roles = {k: build(ROLE_TYPES[k].section, v, k) if k in ROLE_TYPES and isinstance(v, dict) else v
+                 for k, v in given.items()}
+        return {**{k: v for k, v in value.items() if k not in own}, "roles": roles}
 
 
 # ------------------------------------------------------------------ dict <-> typed tree (controller.typed_tree)

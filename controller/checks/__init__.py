@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from controller.checks import (algorithm, data, layouts, lora, placement, reward, router_replay, sandbox, schedule,
-                               serving, trainer)
+from controller.checks import (algorithm, data, layouts, lora, placement, reward, roles, router_replay, sandbox,
+                               schedule, serving, trainer)
 from controller.checks.facts import JobFacts
 
 __all__ = ["CHECKS", "JobFacts", "register_check", "run_checks"]
@@ -31,6 +31,7 @@ CHECKS: list[Check] = [
     sandbox.sandbox_problems,
     serving.server_port_problems,
     layouts.layout_problems,
+    roles.role_problems,
 ]
 
 

@@ -18,7 +18,7 @@ def job_pools(trainer) -> dict[str, PoolShape]:
     """
     pools = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
     for role, value in trainer.placement.items():
-        if role not in PLACEABLE_ROLES:
+        if role not in PLACEABLE_ROLES and role not in _registered_roles():
             raise PlacementError(f"trainer.placement: {role!r} is not a placeable role; valid: {PLACEABLE_ROLES}")
         if not isinstance(value, str):
             pools[role] = pool_shape(role, value, f"trainer.placement.{role}")
@@ -57,3 +57,10 @@ def placement_problems(job: JobFacts) -> list[str]:
         except PlacementError as exc:
             problems.append(f"trainer.placement / trainer.nnodes x nproc do not fit the Ray cluster: {exc}")
     return problems
+
+
+def _registered_roles() -> tuple[str, ...]:
+    """Roles registered beside the built-in ones (controller.rl.role_registry), placeable like them."""
+    from controller.rl.role_registry import ROLE_TYPES
+
+    return tuple(ROLE_TYPES)

@@ -27,6 +27,7 @@ from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
+from controller.rl.role_registry import ROLE_TYPES
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
@@ -188,7 +189,7 @@ class JobAssembly:
         if "critic" in self.specs:  # a critic on a causal LM: the LM's body and a new value head
             self.specs["critic"] = critic_from_causal_lm(self.specs["critic"], self._work_dir(),
                                                          self.config.critic_ppo.value_head_init)
-        for role in ROLE_ORDER:
+        for role in [*ROLE_ORDER, *(r for r in self.specs if r not in ROLE_ORDER)]:  # registered roles last
             if role in self.specs:
                 spec, pool = self.specs[role], self.pools[self.placement[role]]
                 kwargs = spec.kwargs
@@ -270,7 +271,8 @@ class JobAssembly:
             shape = self.pool_shapes[pool]
             if role == "rollout" and not self.rollout_on_its_own_pool:
                 continue  # it follows the actor
-            if pool != "default" and role in PLACEABLE_ROLES:  # the pool's first role holds it, the others share it
+            if pool != "default" and (role in PLACEABLE_ROLES or role in ROLE_TYPES):  # the pool's first role holds
+                # it, the others share it
                 if pool in owner:
                     placement[role] = owner[pool]
                 else:

@@ -18,6 +18,7 @@ from controller.config import RoleConfig, config_to_dict
 from controller.errors import ConfigError
 from controller.rl.role_assembly import assemble_roles
 from controller.rl.role_defaults import reading_policy_ids
+from controller.rl.role_registry import ROLE_TYPES
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 from workers.import_path import import_object
@@ -125,12 +126,16 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
     if config.cost_model is not None:
         cost_model = reading_policy_ids(_reward_model(config.cost_model, config.cost_model.model_path), actor_path)
     alg = config.algorithm
-    return assemble_roles(
+    specs = assemble_roles(
         algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
         reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None,
         reward_options={"max_concurrency": reward.max_concurrency, "timeout_s": reward.timeout_s, **sandbox},
         reward_worker=reward_worker, cost_fn=alg.safe_rlhf_cost_fn, cost_model=cost_model,
         kl_loss_fn=kl_loss_function(alg.kl_loss_fn))
+    for name, section in config.roles.items():  # the registered roles the config holds (role_registry)
+        if name in ROLE_TYPES:
+            specs[name] = ROLE_TYPES[name].spec(section, policy_path)
+    return specs
 
 
 def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_parallel: int | None):

@@ -33,6 +33,7 @@ from controller.config import RLConfig
 from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import reference_role
+from controller.rl.role_registry import roles_at
 from controller.rl.job_assembly import JobAssembly
 from controller.rl.role_specs import kl_loss_function, with_resolved_paths
 from controller.rl.rollout_dump import RolloutDump
@@ -219,6 +220,8 @@ class RLTrainer:
                 cost_scores = cost.batch["scores"]
             scores = scores.union(DataProto({"cost_token_level_scores": cost.batch["token_level_scores"],
                                              "cost_scores": cost_scores}))
+        for role in roles_at("score", self.groups):  # registered roles scoring beside the reward
+            scores = role.call(self.groups[role.name], batch, scores)
         return scores
 
     def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:
