@@ -12,7 +12,7 @@ from workers.policy_losses import masked_mean, zero_padding
 if TYPE_CHECKING:
     from controller.algorithms.algorithm import StepState
 
-__all__ = ["ROLLOUT_METRICS", "batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "record_rollout_metrics",
+__all__ = ["ROLLOUT_METRICS", "actor_update_metrics", "batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "record_rollout_metrics",
            "reduce_update_metrics"]
 
 # |kl_div| below this is rounding noise: the ratio loss / kl_div would be too (the unit probe is exact)
@@ -137,3 +137,18 @@ def record_rollout_metrics(state: StepState, metrics: dict[str, Any]) -> None:
         summed = key.startswith("timing_s/") or key.endswith(("bytes", "bytes_received"))
         previous = state.rollout_metrics.get(key, 0.0) if summed else 0.0
         state.rollout_metrics[key] = previous + float(metrics[key])
+
+
+def actor_update_metrics(metrics: dict[str, float], old_log_probs_from_update: bool) -> dict[str, float]:
+    """The actor's update metrics under the step's names: the rollout correction's as ``rollout_corr/...``; and,
+    where the update's own forward gave the old log-probs, the agreement the skipped pass would have measured
+    (``rollout/logprob_diff_*``) and the routers' (``router_replay/...``: its one pass is at the rollout's weights)."""
+    metrics = dict(metrics)
+    for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:
+        metrics[key.removeprefix("actor/")] = metrics.pop(key)
+    if old_log_probs_from_update:
+        for stat in ("max", "mean"):
+            metrics[f"rollout/logprob_diff_{stat}"] = metrics.pop(f"actor/rollout_logprob_diff_{stat}")
+        for key in [k for k in metrics if k.startswith("actor/router_replay/")]:
+            metrics[key.removeprefix("actor/")] = metrics.pop(key)
+    return metrics

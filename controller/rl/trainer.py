@@ -1,22 +1,14 @@
 """RLTrainer: the RL loop over worker groups, in one screen.
 
-    trainer = RLTrainer(
-        actor=Actor.from_pretrained(path, tensor_parallel=2, pipeline_parallel=2, optim={"lr": 1e-4}),
-        rollout=Rollout.from_pretrained(path, tensor_parallel=1, sampling={"max_new_tokens": 8}),
-        critic=Critic.from_pretrained(value_path, tensor_parallel=2),
-        reward_fn="arithmetic_shaped",
-        algorithm="ppo", train_data=arithmetic_prompts(512, seed=0), batch_size=16,
-    )
+    trainer = RLTrainer(actor=Actor.from_pretrained(path, tensor_parallel=2), reward_fn="arithmetic_shaped",
+                        algorithm="ppo", train_data=arithmetic_prompts(512, seed=0), batch_size=16)
     metrics = trainer.step()         # one full PPO step on the real worker groups
     trainer.fit(total_steps=20)
 
-A step's phases: generate (the actor's weights resharded into the rollout at the boundary) and
-score -> old and reference log-probs, values -> advantages -> critic update -> actor update ->
-metrics. What differs between algorithms hangs off the algorithm object's hooks
-(``controller.algorithms.RLAlgorithm``): ReMax's greedy baseline and DAPO's dynamic sampling after
-scoring, Safe-RLHF's cost advantages, the policy objective and the rollout correction as the
-update's loss terms. Every role lives on one resource pool (colocated, the hybrid engine's
-setting) unless ``register_placement`` puts it elsewhere.
+A step's phases: generate (the actor's weights resharded into the rollout at the boundary) and score ->
+old and reference log-probs, values -> advantages -> critic update -> actor update -> metrics. What differs
+between algorithms hangs off the algorithm object's hooks (``controller.algorithms.RLAlgorithm``). The job
+it runs on (roles, placement, pools, groups, loaders, schedule, rollout client) is its ``JobAssembly``'s.
 """
 
 from __future__ import annotations
@@ -26,29 +18,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from controller.algorithms import SafeRLHF, StepContext, StepState, build_algorithm
+from controller.algorithms import StepContext, StepState
 from controller.config import RLConfig
 from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.role_assembly import reference_role
 from controller.rl.role_registry import roles_at
 from controller.rl.job_assembly import JobAssembly
-from controller.rl.role_specs import kl_loss_function, with_resolved_paths
+from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_source import RolloutSource
 from controller.rl.routes import routes_for_actor, without_routes
 from controller.rl.schedules import generation_seed
-from controller.rl.step_metrics import (batch_metrics, kl_metrics, nothing_to_train, phase_lines, record_rollout_metrics,
-                                        reduce_update_metrics)
-from controller.rl.trainer_builder import config_from_keywords
+from controller.rl.step_metrics import (actor_update_metrics, batch_metrics, kl_metrics, nothing_to_train, phase_lines,
+                                        record_rollout_metrics, reduce_update_metrics)
 from controller.rl.trainer_checkpoint import TrainerCheckpoint
-from controller.rl.trainer_inputs import TrainerInputs
+from controller.rl.validation import validate
+from controller.rl.trainer_inputs import job_algorithm, trainer_arguments
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
 from workers.actor import PolicyUpdateTerms
-from workers.keywords import check_keywords
 from workers.rollout.agreement import logprob_agreement, old_log_probs_from_update, use_old_log_probs
 from workers.user_kl import UserKLTerm
 
@@ -65,49 +54,16 @@ _FROM_JOB = frozenset({
 
 class RLTrainer:
     def __init__(self, config: RLConfig | None = None, /, **keywords: Any) -> None:
-        """``RLTrainer(config, train_data=..., val_data=..., algorithm=..., pool=..., logger=...)``: the job
-        a typed config (``controller.config.RLConfig``) describes, with the inputs that are objects
-        (``controller.rl.trainer_inputs.TrainerInputs``; None: what the config describes).
-
-        ``RLTrainer(actor=..., train_data=..., batch_size=..., ...)``: the researcher's keyword form, which
-        ``controller.rl.trainer_builder.config_from_keywords`` turns into that config, keyword by keyword.
-        ``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``:
-        "sync"; "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains);
-        or "async" (it generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None:
-        whole responses, with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound
-        allows). Samples more than ``max_staleness`` updates stale are not trained on; see
-        ``controller.rl.schedules``. ``rollout_data_dir``: each step's samples, with the per-token
-        advantages they trained on, as ``{dir}/{step}.jsonl`` (``controller.rl.rollout_dump``).
-        ``rollout`` None: generation from the actor's model, in vLLM where it is installed (megatron
-        otherwise), laid out by ``device_map="auto"``'s rule. ``lr``: the actor's (and critic's) learning
-        rate, where their own ``optim`` does not set one. ``rollout_proto``: a schema
-        (``DataProto(field="name", ...)``) of the fields the rollout must produce, checked now and on the
-        first batch. ``verbose``: one console line per phase of each step.
-
-        Every keyword is checked now: an unknown one, or a value of the wrong kind, raises before any
-        process starts; the checks across fields (``controller.config.check_config``) run at ``build``.
+        """``RLTrainer(config, train_data=..., algorithm=..., pool=..., logger=...)``: the job a typed config
+        describes, with the inputs that are objects (``TrainerInputs``; None: what the config describes). Or
+        ``RLTrainer(actor=..., train_data=..., batch_size=..., ...)``, the researcher's keyword form
+        (``controller.rl.trainer_builder.config_from_keywords``: ``algorithm``, ``mode``, ``rollout``, ``lr``,
+        ``rollout_proto``, ``rollout_data_dir``, ``verbose`` ... as documented there). Every keyword is
+        checked now, before any process starts; the checks across fields run at ``build``.
         """
-        if config is None:
-            missing = [key for key in ("actor", "train_data", "batch_size") if key not in keywords]
-            if missing:
-                raise TypeError(f"RLTrainer takes a config, RLTrainer(config), or the keywords actor=, train_data= "
-                                f"and batch_size= (with the rest of the job); missing: {missing}")
-            check_keywords("RLTrainer", config_from_keywords, keywords)
-            config, inputs = config_from_keywords(**keywords)
-        else:
-            if not isinstance(config, RLConfig):
-                raise TypeError(f"RLTrainer(config): config must be an RLConfig (controller.config.load_config), "
-                                f"got {type(config).__name__}")
-            check_keywords("RLTrainer(config, ...)", TrainerInputs, keywords)
-            inputs = TrainerInputs(**keywords)
-            config = with_resolved_paths(config)  # hub ids: their cached snapshots (the keyword form's are)
+        config, inputs = trainer_arguments(config, keywords)
         train_data, val_data = inputs.train_data, inputs.val_data
-        algorithm = inputs.algorithm
-        safe_rlhf = config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
-        if algorithm is None:
-            algorithm = build_algorithm(config.algorithm, safe_rlhf=safe_rlhf)
-        elif safe_rlhf and not isinstance(algorithm, SafeRLHF):  # a cost is scored: its hooks wrap the object's
-            algorithm = SafeRLHF(algorithm)
+        algorithm = job_algorithm(config, inputs.algorithm)
         self.inputs, self.algorithm, self.ppo = inputs, algorithm, config.ppo
         self.kl_loss_fn = kl_loss_function(config.algorithm.kl_loss_fn)  # imported and its signature checked
         self.job = JobAssembly(config, algorithm, train_data, val_data, inputs.pool)  # roles, placement, groups
@@ -142,11 +98,6 @@ class RLTrainer:
         if job is not None and name in _FROM_JOB:
             return getattr(job, name)
         raise AttributeError(f"'RLTrainer' object has no attribute {name!r}")
-
-    @property
-    def kl_ctrl(self):
-        """The algorithm's KL coefficient controller (the KL penalty in the reward)."""
-        return self.algorithm.kl_ctrl
 
     # --------------------------------------------------------------------- step
     def step(self, step: int | None = None) -> dict[str, float]:
@@ -263,22 +214,12 @@ class RLTrainer:
             metrics = reduce_update_metrics(g["actor"].update_actor(batch, terms, self.old_log_probs_from_update))
         if self.rollout_link is not None:
             self.rollout_link.mark_stale()
-        for key in [k for k in metrics if k.startswith("actor/rollout_corr/")]:
-            metrics[key.removeprefix("actor/")] = metrics.pop(key)
-        if self.old_log_probs_from_update:  # the agreement the skipped pass would have measured
-            for stat in ("max", "mean"):
-                metrics[f"rollout/logprob_diff_{stat}"] = metrics.pop(f"actor/rollout_logprob_diff_{stat}")
-            for key in [k for k in metrics if k.startswith("actor/router_replay/")]:  # its one pass: the rollout's weights
-                metrics[key.removeprefix("actor/")] = metrics.pop(key)
+        metrics = actor_update_metrics(metrics, self.old_log_probs_from_update)
         metrics.update(kl_metrics(metrics, user_fn=self.kl_loss_fn is not None, ppo=self.ppo,
                                   reward_beta=self.algorithm.kl_ctrl.value if self.algorithm.config.kl_in_reward else None))
         state.metrics.update(metrics)
-        self.count_bad_step(state)
-
-    def count_bad_step(self, state: StepState) -> None:
-        """A step whose actor or critic skipped an optimizer step (a NaN or Inf loss or gradient: the update
-        left their weights and optimizer state as they were) is said and counted; ``trainer.max_bad_steps``
-        of them in a row stop the run, naming the first."""
+        # A role that skipped its optimizer step (a NaN or Inf loss or gradient) is said and counted;
+        # trainer.max_bad_steps of them in a row stop the run, naming the first.
         skipped = [role for role in ("critic", "actor") if state.metrics.get(f"{role}/skipped", 0.0) > 0]
         in_row = self.bad_steps.count(state.step + 1, skipped)  # as the console and the metrics number it
         if in_row is not None:
@@ -307,23 +248,10 @@ class RLTrainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every held-out prompt: mean reward and response length."""
+        """Greedy responses to every held-out prompt: mean reward and response length (``rl.validation``)."""
         self.build()
-        if self.val_loader is None:
-            return {}
-        scores, lengths, calls = [], [], []
-        self.rollout_client.weights_for_validation(self.global_step)  # a served stream: taken in flight
-        for prompts in self.val_loader.all_batches():
-            out = self.rollout_client.responses(prompts, {"greedy": True, "n": 1, "seed": None}, training=False)
-            scores.append(self.score(out).batch["scores"])
-            lengths.append(out.batch["response_mask"].sum(-1).float())
-            if "agent_tool_calls" in out.non_tensor_batch:  # an agent rollout: the tool calls of each sample
-                calls += [float(c) for c in out.non_tensor_batch["agent_tool_calls"]]
-        result = {"val/reward/mean": float(torch.cat(scores).mean()),
-                  "val/response_length/mean": float(torch.cat(lengths).mean())}
-        if calls:
-            result["val/agent/tool_calls/mean"] = sum(calls) / len(calls)
-        return result
+        return {} if self.val_loader is None else validate(self.rollout_client, self.val_loader, self.score,
+                                                           self.global_step)
 
     def fit(self, total_steps: int) -> list[dict[str, float]]:
         history = []

@@ -77,7 +77,20 @@ def config_from_keywords(
     rollout_data_dir: str | Path | None = None,
     verbose: bool = False,
 ) -> tuple[RLConfig, TrainerInputs]:
-    """The config and inputs that ``RLTrainer(**keywords)`` runs from (the keywords: ``RLTrainer``'s)."""
+    """The config and inputs that ``RLTrainer(**keywords)`` runs from (the keywords: ``RLTrainer``'s).
+
+    ``algorithm``: a name, an AlgorithmConfig (or its dict), or an RLAlgorithm object. ``mode``: "sync";
+    "one_step_off" (the rollout on a pool of its own generates step k+1 while step k trains); or "async" (it
+    generates a stream of samples, ``partial_rollout_tokens`` per sample per call, None: whole responses,
+    with at most ``max_in_flight`` prompt groups at once, None: as the staleness bound allows). Samples more
+    than ``max_staleness`` updates stale are not trained on; see ``controller.rl.schedules``.
+    ``rollout_data_dir``: each step's samples, with the per-token advantages they trained on, as
+    ``{dir}/{step}.jsonl`` (``controller.rl.rollout_dump``). ``rollout`` None: generation from the actor's
+    model, in vLLM where it is installed (megatron otherwise), laid out by ``device_map="auto"``'s rule.
+    ``lr``: the actor's (and critic's) learning rate, where their own ``optim`` does not set one.
+    ``rollout_proto``: a schema (``DataProto(field="name", ...)``) of the fields the rollout must produce,
+    checked now and on the first batch. ``verbose``: one console line per phase of each step.
+    """
     check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
                          reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
     check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn, cost_model)  # before they fill one section

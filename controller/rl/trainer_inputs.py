@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TrainerInputs"]
+__all__ = ["TrainerInputs", "job_algorithm", "trainer_arguments"]
 
 
 @dataclass(frozen=True)
@@ -22,3 +22,37 @@ class TrainerInputs:
     algorithm: Any = None  # an RLAlgorithm object; None: built from config.algorithm
     pool: Any = None  # the default ResourcePool, already started; None: one of trainer.nnodes x nproc
     logger: Any = None  # a MetricsLogger (anything with log(step, metrics)); None: no logging
+
+
+def trainer_arguments(config, keywords: dict[str, Any]):
+    """``RLTrainer``'s arguments as (the typed config, TrainerInputs): the config given (its hub ids resolved)
+    with the object inputs by name, or the researcher's keyword form turned into that config
+    (``controller.rl.trainer_builder.config_from_keywords``). Every keyword is checked now."""
+    from controller.config import RLConfig
+    from controller.rl.role_specs import with_resolved_paths
+    from controller.rl.trainer_builder import config_from_keywords
+    from workers.keywords import check_keywords
+
+    if config is None:
+        missing = [key for key in ("actor", "train_data", "batch_size") if key not in keywords]
+        if missing:
+            raise TypeError(f"RLTrainer takes a config, RLTrainer(config), or the keywords actor=, train_data= "
+                            f"and batch_size= (with the rest of the job); missing: {missing}")
+        check_keywords("RLTrainer", config_from_keywords, keywords)
+        return config_from_keywords(**keywords)
+    if not isinstance(config, RLConfig):
+        raise TypeError(f"RLTrainer(config): config must be an RLConfig (controller.config.load_config), "
+                        f"got {type(config).__name__}")
+    check_keywords("RLTrainer(config, ...)", TrainerInputs, keywords)
+    return with_resolved_paths(config), TrainerInputs(**keywords)  # hub ids: their cached snapshots
+
+
+def job_algorithm(config, given: Any = None):
+    """The job's RLAlgorithm: ``given`` (an object) or built from ``config.algorithm``; wrapped in Safe-RLHF's
+    hooks where a cost is scored."""
+    from controller.algorithms import SafeRLHF, build_algorithm
+
+    safe_rlhf = config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
+    if given is None:
+        return build_algorithm(config.algorithm, safe_rlhf=safe_rlhf)
+    return SafeRLHF(given) if safe_rlhf and not isinstance(given, SafeRLHF) else given
