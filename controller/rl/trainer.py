@@ -32,7 +32,7 @@ from controller.rl.routes import routes_for_actor, without_routes
 from controller.rl.schedules import generation_seed
 from controller.rl.step_metrics import (actor_update_metrics, batch_metrics, kl_metrics, nothing_to_train, phase_lines,
                                         record_rollout_metrics, reduce_update_metrics)
-from controller.rl.trainer_checkpoint import TrainerCheckpoint
+from controller.rl.trainer_checkpoint import TrainerCheckpoint, TrainingState
 from controller.rl.validation import validate
 from controller.rl.trainer_inputs import job_algorithm, trainer_arguments
 from workers.data_proto import DataProto
@@ -91,9 +91,8 @@ class RLTrainer:
         self.bad_steps = BadSteps(trainer.max_bad_steps)  # steps in a row that skipped an optimizer step
 
     def __getattr__(self, name: str) -> Any:
-        """What the job's assembly owns (``controller.rl.job_assembly``): the config, the roles, their placement,
-        pools and groups, the loaders, the schedule, the rollout client, and the declarations made before the
-        first step (``register_placement``, ``register_parallelism``, ``build``, ``check``, ...)."""
+        """What the job's assembly owns (``controller.rl.job_assembly``): the config, roles, placement, pools, groups,
+        loaders, schedule, rollout client, and the declarations (``register_placement``, ``build``, ...)."""
         job = self.__dict__.get("job")
         if job is not None and name in _FROM_JOB:
             return getattr(job, name)
@@ -265,22 +264,24 @@ class RLTrainer:
             self.save_checkpoint()
         return history
 
-    # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """The actor (and critic), then the trainer's own state last: the commit point of the step."""
-        return self.checkpoints.save(self)
+        return self.checkpoints.save(self._state())
 
     def resume(self) -> int:
         """Continue from the newest complete checkpoint under run_dir; returns its step (0: none)."""
         self.build()
-        step = self.checkpoints.resume(self)
+        step = self.checkpoints.resume(self._state())
+        self.global_step = step or self.global_step
         if self.rollout_link is not None:
             self.rollout_link.mark_stale()
         return step
 
+    def _state(self) -> TrainingState:  # what a checkpoint holds of the run
+        return TrainingState(self.global_step, self.groups, self.loader, self.schedule, self.algorithm, self.bad_steps)
+
     def export_hf(self, path: str | Path, precision: str | None = None) -> Path:
-        """The actor's current weights (and the tokenizer) as an HF checkpoint directory, in ``precision``
-        ("bf16" / "fp32"; None: the actor's)."""
+        """The actor's weights and the tokenizer as an HF checkpoint, in ``precision`` (None: the actor's)."""
         from transformers import AutoTokenizer
 
         self.build()
@@ -289,8 +290,7 @@ class RLTrainer:
         return Path(path)
 
     def export_peft(self, path: str | Path) -> Path:
-        """A LoRA actor's adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, path)``
-        loads it onto the base model; ``export_hf`` writes them merged)."""
+        """A LoRA actor's adapters as a PEFT adapter directory (``export_hf`` writes them merged)."""
         self.build()
         self.groups["actor"].save_peft(str(path))
         return Path(path)

@@ -23,20 +23,32 @@ import os
 import shutil
 import sys
 from contextlib import contextmanager
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from controller.errors import CallTimeoutError, ConfigError, TrainingStoppedError, WorkerDiedError
 from controller.rl.checkpoint_integrity import checksums, verify
 from controller.runtime.hang_watch import HangError
 
-if TYPE_CHECKING:
-    from controller.rl.trainer import RLTrainer
-
-__all__ = ["CheckpointWriteError", "TrainerCheckpoint", "commit_trainer_state", "latest_trainer_state", "saving"]
+__all__ = ["CheckpointWriteError", "TrainerCheckpoint", "TrainingState", "commit_trainer_state", "latest_trainer_state", "saving"]
 
 TRAINED_ROLES = ("actor", "critic")
 FULL_DISK_BYTES = 1 << 20  # free space below this after a failed save: the filesystem is full
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds of a run, and restores into: the step, the trained roles' groups, the prompt
+    loader's position, the schedule's samples ahead, the algorithm's state and the bad steps in a row."""
+
+    step: int
+    groups: Mapping[str, Any]
+    loader: Any
+    schedule: Any
+    algorithm: Any
+    bad_steps: Any
 
 
 class TrainerCheckpoint:
@@ -49,38 +61,37 @@ class TrainerCheckpoint:
             raise ConfigError("checkpoints need a run_dir")
         return self.run_dir / "checkpoints"
 
-    def save(self, trainer: RLTrainer) -> Path:
-        """The trained roles at ``trainer.global_step``, then the trainer's state; returns the latter's path."""
-        step = trainer.global_step
-        roles = [role for role in TRAINED_ROLES if role in trainer.groups]
+    def save(self, state: TrainingState) -> Path:
+        """The trained roles at ``state.step``, then the trainer's state; returns the latter's path."""
+        step = state.step
+        roles = [role for role in TRAINED_ROLES if role in state.groups]
         trainer_dir = self.root / "trainer"
         schedule_path = trainer_dir / f"step_{step:08d}.schedule.pt"
         with saving(self.root, step):
             for role in roles:
-                trainer.groups[role].save_checkpoint(str(self.root / role), step)
+                state.groups[role].save_checkpoint(str(self.root / role), step)
             trainer_dir.mkdir(parents=True, exist_ok=True)
             # One-step-off's batch generated ahead, async's stream (before the commit point: part of this step).
-            schedule = trainer.schedule.state_dict(schedule_path)
-            state = {"step": step, "loader": trainer.loader.state_dict(), "schedule": schedule,
-                     "bad_steps": trainer.bad_steps.steps, **trainer.algorithm.state_dict()}
-            return commit_trainer_state(self.root, state, [self.root / role / f"step_{step:08d}" for role in roles]
+            schedule = state.schedule.state_dict(schedule_path)
+            record = {"step": step, "loader": state.loader.state_dict(), "schedule": schedule,
+                      "bad_steps": state.bad_steps.steps, **state.algorithm.state_dict()}
+            return commit_trainer_state(self.root, record, [self.root / role / f"step_{step:08d}" for role in roles]
                                         + [schedule_path])
 
-    def resume(self, trainer: RLTrainer) -> int:
-        """Restore the newest complete checkpoint that verifies into ``trainer`` (built); returns its step
+    def resume(self, state: TrainingState) -> int:
+        """Restore the newest complete checkpoint that verifies into ``state`` (a built job's); returns its step
         (0: none)."""
-        state = latest_trainer_state(self.root)
-        if state is None:
+        record = latest_trainer_state(self.root)
+        if record is None:
             return 0
-        step = int(state["step"])
+        step = int(record["step"])
         for role in TRAINED_ROLES:
-            if role in trainer.groups:
-                trainer.groups[role].load_checkpoint(str(self.root / role / f"step_{step:08d}"))
-        trainer.loader.load_state_dict(state["loader"])
-        trainer.schedule.load_state_dict(state.get("schedule", {}), self.root / "trainer")
-        trainer.algorithm.load_state_dict(state)
-        trainer.bad_steps.steps = list(state.get("bad_steps", []))  # a resumed run counts on in a row
-        trainer.global_step = step
+            if role in state.groups:
+                state.groups[role].load_checkpoint(str(self.root / role / f"step_{step:08d}"))
+        state.loader.load_state_dict(record["loader"])
+        state.schedule.load_state_dict(record.get("schedule", {}), self.root / "trainer")
+        state.algorithm.load_state_dict(record)
+        state.bad_steps.steps = list(record.get("bad_steps", []))  # a resumed run counts on in a row
         return step
 
 
