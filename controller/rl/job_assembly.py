@@ -144,7 +144,6 @@ class JobAssembly:
         if role == "rollout":
             self.rollout_on_its_own_pool = True
 
-
     def register_parallelism(self, role: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> None:
         """Set a megatron role's TP/PP (the rollout's generation TP/PP), in the config. Before the first step."""
         self._before_build("register_parallelism")
@@ -155,11 +154,9 @@ class JobAssembly:
         self.config = with_parallelism(self.config, role, tensor_parallel, pipeline_parallel)
         self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
 
-
     def _before_build(self, what: str) -> None:
         if self.groups:
             raise RuntimeError(f"{what} must come before the first step: the worker groups already exist")
-
 
     def build(self) -> None:
         """The checks across the whole config (with the placement as declared), then the pools and groups."""
@@ -214,7 +211,6 @@ class JobAssembly:
                                                   self.pools[self.placement["rollout"]].controller_address())
         self.rollout_client = rollout_client(self.groups["rollout"], self.rollout_link, served, stream)
 
-
     def lay_out(self) -> None:
         """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
         (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
@@ -229,7 +225,6 @@ class JobAssembly:
         for role, (tp, pp) in layouts.items():
             self.config = with_parallelism(self.config, role, tp, pp)
         self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
-
 
     def choose_lora_sync(self) -> None:
         """``rollout.lora_sync: auto``: how a LoRA actor's adapters reach the rollout, merged or served, as the
@@ -253,7 +248,6 @@ class JobAssembly:
         if choice is not None:
             print(f"[hybridflow] rollout.lora_sync auto -> {choice.mode}: {choice.reason}", file=sys.stderr, flush=True)
 
-
     def _job_cluster(self):
         """The job's devices as the planner sees them (``controller.planner.device_map.job_cluster``)."""
         from controller.planner.device_map import job_cluster
@@ -262,7 +256,6 @@ class JobAssembly:
         shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
         return job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
                            sum(s.world_size for s in shapes), device_memory_bytes())
-
 
     def placed_config(self):
         """The config with its pools as declared (``register_placement`` included) in ``trainer.placement``."""
@@ -280,7 +273,6 @@ class JobAssembly:
                     placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
         return replace(self.config, trainer=replace(self.config.trainer, placement=placement))
 
-
     def check(self) -> None:
         """ConfigError listing every problem of the config, its pools as declared (``register_placement``
         included), the policy's and the reward model's checkpoints; nothing starts."""
@@ -293,7 +285,6 @@ class JobAssembly:
         reward = self.config.reward.model_path
         check_config(config, policy, reward_spec=megatron_spec_or_none(reward) if reward is not None else None)
 
-
     def _work_dir(self) -> Path:
         """Where the trainer writes what it derives (a critic's value-head model): the run directory, else
         a temporary directory of this trainer's."""
@@ -302,7 +293,6 @@ class JobAssembly:
         if self._scratch is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="hybridflow-")
         return Path(self._scratch.name)
-
 
     def shutdown(self) -> None:
         """The rollout client (a served stream's sessions and replicas first), the weights' link, the pools."""
