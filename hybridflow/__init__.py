@@ -18,6 +18,7 @@ from controller.algorithms import (
     register_advantage_estimator,
     register_algorithm,
 )
+from controller.checks import register_check
 from controller.config import RLConfig, load_config
 from controller.data import (
     PromptDataset,
@@ -30,6 +31,7 @@ from controller.dataflow.graph import DataFlow, Node
 from controller.dataflow.declarations import register_parallelism, register_placement, register_protocol
 from controller.models.builtin import resolve_model_path, value_model_from_policy
 from controller.runtime.resource_pool import ResourcePool
+from controller.rl.role_registry import RoleType, register_role
 from controller.rl.trainer import RLTrainer
 from controller.runtime.worker_group import WorkerGroup
 from workers.actor import Actor, ReferencePolicy
@@ -44,6 +46,7 @@ from workers.reward.rule_reward import last_token_scores
 from workers.role_spec import RoleSpec
 from workers.node_worker import node_context
 from workers.rollout import Rollout
+from workers.rollout.generator import GeneratorTraits, register_generator
 
 __all__ = [
     # the RL loop and its roles
@@ -58,6 +61,8 @@ __all__ = [
     "REWARD_FUNCTIONS", "resolve_reward_fn", "score_by_data_source", "last_token_scores",
     "register_advantage_estimator", "AdvantageConfig", "AdvantageInputs", "group_rows", "kl_penalty",
     "RLAlgorithm", "StepContext", "StepState", "register_algorithm",
+    # extending the job: roles, engines, checks
+    "RoleType", "register_role", "GeneratorTraits", "register_generator", "register_check",
     # models and configs
     "resolve_model_path", "value_model_from_policy", "RLConfig", "load_config",
 ]
