@@ -11,8 +11,10 @@ program of many processes could hold ``memory x processes`` in all. Where this p
   ``memory.memsw.limit_in_bytes`` where swap is accounted) and one in the ``pids`` hierarchy (``pids.max``),
   each under this process's cgroup of that hierarchy.
 
-The program's first process joins the leaves before it runs anything (``join_argv``), so every process
-it ever makes is inside, setsid or not. The kernel then counts all of them together: past the memory bound
+The program's first process joins the leaves before it runs anything (``join_argv``): a shell writes ``0``
+(itself) into each leaf's ``tasks`` (v2: ``cgroup.procs``), then execs the launch chain, so every process the
+program ever makes is inside, setsid or not. (A single thread moving itself skips the kernel's global cgroup
+lock; writing a process's pid takes it, about 6 ms a write on this machine.) The kernel then counts all of them together: past the memory bound
 it kills one (the OOM killer, status "memory" with the reason); past the process bound a fork fails with
 EAGAIN. At the end ``kill_all`` kills every process still in the leaves, and ``remove`` deletes them.
 
@@ -37,9 +39,10 @@ __all__ = ["CgroupLeaf", "JOIN_FAILED", "available", "create", "join_argv", "mem
 
 ROOT = Path("/sys/fs/cgroup")
 JOIN_FAILED = "hybridflow-sandbox: cannot join the program's cgroup"
-# The first process writes its pid into each leaf's cgroup.procs, then becomes the launch chain.
-_JOIN = ('while [ "$1" != "--" ]; do echo $$ > "$1" 2>/dev/null || { echo "' + JOIN_FAILED + ' $1" >&2; exit 125; }; '
+# The first process (one thread) moves itself into each leaf, then becomes the launch chain.
+_JOIN = ('while [ "$1" != "--" ]; do echo 0 > "$1" 2>/dev/null || { echo "' + JOIN_FAILED + ' $1" >&2; exit 125; }; '
          'shift; done; shift; exec "$@"')
+
 
 
 def _own_paths() -> dict[str, str]:
@@ -119,6 +122,11 @@ class CgroupLeaf:
     @property
     def procs_files(self) -> list[str]:
         return [str(path / "cgroup.procs") for path in self.dirs.values()]
+
+    @property
+    def join_files(self) -> list[str]:
+        """Where a process moves itself in: v1's ``tasks`` (one thread, no global lock), v2's ``cgroup.procs``."""
+        return [str(path / ("cgroup.procs" if self.version == 2 else "tasks")) for path in self.dirs.values()]
 
     def pids(self) -> set[int]:
         found: set[int] = set()
@@ -229,7 +237,7 @@ def create(limits: SandboxLimits) -> CgroupLeaf | None:
 
 def join_argv(leaf: CgroupLeaf, argv: list[str]) -> list[str]:
     """``argv`` started inside ``leaf``: its first process joins, then execs ``argv``."""
-    return ["/bin/sh", "-c", _JOIN, "sh", *leaf.procs_files, "--", *argv]
+    return ["/bin/sh", "-c", _JOIN, "sh", *leaf.join_files, "--", *argv]
 
 
 def memory_bound(limits: SandboxLimits) -> int:
