@@ -44,7 +44,6 @@ _JOIN = ('while [ "$1" != "--" ]; do echo 0 > "$1" 2>/dev/null || { echo "' + JO
          'shift; done; shift; exec "$@"')
 
 
-
 def _own_paths() -> dict[str, str]:
     """This process's cgroup per hierarchy: {"": path} on v2, {"memory": path, "pids": path, ...} on v1."""
     paths = {}
