@@ -22,9 +22,9 @@ from controller.algorithms import StepContext, StepState
 from controller.config import RLConfig
 from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
+from controller.rl.job_assembly import JobAssembly
 from controller.rl.role_assembly import reference_role
 from controller.rl.role_registry import roles_at
-from controller.rl.job_assembly import JobAssembly
 from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_source import RolloutSource
@@ -33,8 +33,8 @@ from controller.rl.schedules import generation_seed
 from controller.rl.step_metrics import (actor_update_metrics, batch_metrics, kl_metrics, nothing_to_train, phase_lines,
                                         record_rollout_metrics, reduce_update_metrics)
 from controller.rl.trainer_checkpoint import TrainerCheckpoint, TrainingState
-from controller.rl.validation import validate
 from controller.rl.trainer_inputs import job_algorithm, trainer_arguments
+from controller.rl.validation import validate
 from workers.data_proto import DataProto
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
 from workers.actor import PolicyUpdateTerms
@@ -47,10 +47,9 @@ __all__ = ["RLTrainer"]
 _FROM_JOB = frozenset({
     "config", "specs", "policy_path", "placement", "pool_shapes", "pool_sizes", "rollout_on_its_own_pool", "backend",
     "ray_address", "groups", "pools", "loader", "val_loader", "pad_token_id", "schedule", "mode", "rollout_link",
-    "rollout_client", "run_dir", "batch_size", "shuffle", "seed", "train_data", "val_data", "watch",
-    "lora_sync_choice", "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out",
-    "choose_lora_sync",
-})
+    "rollout_client", "run_dir", "batch_size", "shuffle", "seed", "train_data", "val_data", "watch", "lora_sync_choice",
+    "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out", "choose_lora_sync"})
+
 
 class RLTrainer:
     def __init__(self, config: RLConfig | None = None, /, **keywords: Any) -> None:
