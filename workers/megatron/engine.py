@@ -44,10 +44,10 @@ from workers.megatron.micro_batches import (
     split_to_count,
     token_budget_groups,
 )
+from workers.megatron.moe_padding import MoEPadding, padding_mask
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 from workers.megatron.routing_monitor import RoutingMonitor
-from workers.megatron.moe_padding import MoEPadding, padding_mask
 from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
