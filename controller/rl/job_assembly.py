@@ -28,6 +28,7 @@ from controller.models.builtin import resolve_model_path
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.role_registry import ROLE_TYPES
+from controller.rl.resolve import auto_layout, lora_sync, resolve
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
@@ -162,8 +163,10 @@ class JobAssembly:
         """The checks across the whole config (with the placement as declared), then the pools and groups."""
         if self.groups:
             return
-        self.lay_out()
-        self.choose_lora_sync()
+        resolved = resolve(self.placed_config(), self.algorithm, self.policy_path, self._job_cluster,
+                           accelerator_count() > 0)  # device_map: auto, lora_sync: auto: the planner's choices
+        self.lora_sync_choice = resolved.lora_sync
+        self._settled(resolved.config, *resolved.notes)
         from controller.planner.prelaunch import check_before_launch
 
         check_before_launch(self.placed_config())  # a GPU job that will not fit, refused before any worker
@@ -213,40 +216,23 @@ class JobAssembly:
 
     def lay_out(self) -> None:
         """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
-        (``controller.planner.device_map``), written into the config as if the user had set it; nothing starts."""
-        from controller.planner.device_map import auto_layouts
-
-        auto = {role for role, spec in self.specs.items()
-                if spec.device_map == "auto" and not spec.explicit_parallelism}
-        if not auto:
-            return
-        cluster, efficiency = self._job_cluster()
-        layouts = auto_layouts(self.placed_config(), auto, cluster, efficiency, flash_attention=accelerator_count() > 0)
-        for role, (tp, pp) in layouts.items():
-            self.config = with_parallelism(self.config, role, tp, pp)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+        (``controller.rl.resolve.auto_layout``), written into the config as if the user had set it."""
+        self._settled(auto_layout(self.placed_config(), self.specs, self._job_cluster, accelerator_count() > 0))
 
     def choose_lora_sync(self) -> None:
         """``rollout.lora_sync: auto``: how a LoRA actor's adapters reach the rollout, merged or served, as the
-        planner scores the job on its devices (``controller.planner.lora_choice``); said on the console."""
-        if self.config.rollout.lora_sync != "auto":
-            return
-        from controller.planner.lora_choice import resolve_lora_sync
+        planner scores the job on its devices (``controller.rl.resolve.lora_sync``); said on the console."""
+        config, self.lora_sync_choice, note = lora_sync(self.placed_config(), self.policy_path, self._job_cluster,
+                                                        accelerator_count() > 0)
+        self._settled(config, note)
 
-        cluster, efficiency = self._job_cluster() if self.config.actor.lora.enabled else (None, None)
-        try:
-            placed, choice = resolve_lora_sync(replace(self.placed_config(), model_path=self.policy_path), cluster,
-                                               efficiency, flash_attention=accelerator_count() > 0)
-            rollout = placed.rollout
-        except ValueError as exc:  # a model the planner cannot read: the mode that runs on every engine
-            rollout, choice = replace(self.config.rollout, lora_sync="merge"), None
-            print(f"[hybridflow] rollout.lora_sync auto -> merge: the planner could not score the job ({exc})",
-                  file=sys.stderr, flush=True)
-        self.config = replace(self.config, rollout=rollout)
+    def _settled(self, placed, *notes: str | None) -> None:
+        """The config as resolved (its placement kept where this assembly keeps it), the roles declared again."""
+        self.config = replace(placed, trainer=self.config.trainer)
         self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
-        self.lora_sync_choice = choice
-        if choice is not None:
-            print(f"[hybridflow] rollout.lora_sync auto -> {choice.mode}: {choice.reason}", file=sys.stderr, flush=True)
+        for note in notes:
+            if note:
+                print(f"[hybridflow] {note}", file=sys.stderr, flush=True)
 
     def _job_cluster(self):
         """The job's devices as the planner sees them (``controller.planner.device_map.job_cluster``)."""

@@ -150,3 +150,26 @@ def test_the_search_chooses_the_mode_and_writes_it():
     assert f"rollout.lora_sync={generating.lora_sync}" in overrides
     pinned = search(replace(workload, lora_sync="merge"), cluster, top=1).plans
     assert all(o.lora_sync in (None, "merge") for p in pinned for s in p.sets for o in s.options)
+
+
+def test_the_jobs_resolve_applies_the_planners_choices_to_a_config_and_nothing_else():
+    """controller.rl.resolve: the same choice as resolve_lora_sync, on a config it does not change; the cluster
+    asked for only where a choice needs it; a config with nothing to choose comes back as it was."""
+    from controller.algorithms import build_algorithm
+    from controller.rl.resolve import resolve
+
+    cluster, asked = parse_cluster("1xA100-40GB"), []
+
+    def cluster_of():
+        asked.append(1)
+        return cluster, Efficiency()
+
+    config = _config()
+    resolved = resolve(config, build_algorithm(config.algorithm), config.model_path, cluster_of, flash_attention=True)
+    direct, choice = resolve_lora_sync(config, cluster)
+    assert resolved.config.rollout == direct.rollout and resolved.lora_sync.mode == choice.mode == "adapter"
+    assert resolved.notes == (f"rollout.lora_sync auto -> adapter: {choice.reason}",)
+    assert config.rollout.lora_sync == "auto" and asked == [1]  # the input untouched; one look at the cluster
+    settled = _config("rollout.lora_sync=merge")
+    again = resolve(settled, build_algorithm(settled.algorithm), settled.model_path, cluster_of, flash_attention=True)
+    assert again.config == settled and again.lora_sync is None and again.notes == () and asked == [1]
