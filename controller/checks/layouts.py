@@ -89,12 +89,12 @@ def _generation_layout(job: JobFacts, actor_layout) -> list[str]:
     from hybridengine.reshard.expert_plan import check_expert_split
     from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, plan_reshard
     from hybridengine.reshard.weight_plan import plan_weights, refuse_routed_experts
-    from workers.rollout.generator import GeneratorTraits, generator_traits, registered_generators
+    from workers.rollout.generator import generator_traits
 
     if actor_layout is None:
         return []
     config, spec, pools, rollout = job.config, job.model_spec, job.pools, job.config.rollout
-    traits = generator_traits(rollout.engine) if rollout.engine in registered_generators() else GeneratorTraits()
+    traits = generator_traits(rollout.engine, strict=False)
     gen = GenerationLayout(rollout.tensor_parallel, rollout.pipeline_parallel, rollout.expert_parallel)
     if "rollout" in pools:  # its own pool, fed across pools by the actor
         world, mp = pools["rollout"].world_size, gen.tensor_parallel * gen.pipeline_parallel

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.checks.facts import JobFacts
-from workers.rollout.generator import GeneratorTraits, generator_traits, registered_generators
+from workers.rollout.generator import generator_traits
 
 __all__ = ["lora_problems", "lora_sync_problems"]
 
@@ -17,7 +17,7 @@ def lora_sync_problems(job: JobFacts) -> list[str]:
     config, rollout, problems = job.config, job.config.rollout, []
     if rollout.lora_sync == "adapter" and not config.actor.lora.enabled:
         problems.append("rollout.lora_sync 'adapter' serves a LoRA actor's adapters, and actor.lora.rank is 0")
-    traits = generator_traits(rollout.engine) if rollout.engine in registered_generators() else GeneratorTraits()
+    traits = generator_traits(rollout.engine, strict=False)
     if rollout.lora_sync == "adapter" and traits.serves_adapters:
         if config.actor.lora.rank > traits.max_adapter_rank:
             problems.append(f"rollout.lora_sync 'adapter': {rollout.engine} serves LoRA ranks up to "

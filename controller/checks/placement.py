@@ -5,7 +5,7 @@ from __future__ import annotations
 from controller.checks.facts import JobFacts
 from controller.runtime.placement import PlacementError, PoolShape, fit_pools, pool_shape
 
-__all__ = ["PLACEABLE_ROLES", "distinct_pools", "job_pools", "placement_problems"]
+__all__ = ["PLACEABLE_ROLES", "distinct_pools", "job_pools", "placeable_roles", "placement_problems"]
 
 PLACEABLE_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "reward")
 
@@ -18,7 +18,7 @@ def job_pools(trainer) -> dict[str, PoolShape]:
     """
     pools = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
     for role, value in trainer.placement.items():
-        if role not in PLACEABLE_ROLES and role not in _registered_roles():
+        if role not in placeable_roles():
             raise PlacementError(f"trainer.placement: {role!r} is not a placeable role; valid: {PLACEABLE_ROLES}")
         if not isinstance(value, str):
             pools[role] = pool_shape(role, value, f"trainer.placement.{role}")
@@ -59,8 +59,9 @@ def placement_problems(job: JobFacts) -> list[str]:
     return problems
 
 
-def _registered_roles() -> tuple[str, ...]:
-    """Roles registered beside the built-in ones (controller.rl.role_registry), placeable like them."""
+def placeable_roles() -> tuple[str, ...]:
+    """The roles a pool may be given to: the built-in ones, and those registered beside them
+    (``controller.rl.role_registry``)."""
     from controller.rl.role_registry import ROLE_TYPES
 
-    return tuple(ROLE_TYPES)
+    return (*PLACEABLE_ROLES, *ROLE_TYPES)

@@ -20,14 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from controller.checks.placement import PLACEABLE_ROLES, job_pools
+from controller.checks.placement import job_pools, placeable_roles
 from controller.config import RLConfig, check_config
 from controller.data import PromptLoader
 from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
-from controller.rl.role_registry import ROLE_TYPES
 from controller.rl.resolve import auto_layout, lora_sync, resolve
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
@@ -250,8 +249,7 @@ class JobAssembly:
             shape = self.pool_shapes[pool]
             if role == "rollout" and not self.rollout_on_its_own_pool:
                 continue  # it follows the actor
-            if pool != "default" and (role in PLACEABLE_ROLES or role in ROLE_TYPES):  # the pool's first role holds
-                # it, the others share it
+            if pool != "default" and role in placeable_roles():  # the pool's first role holds it, the others share it
                 if pool in owner:
                     placement[role] = owner[pool]
                 else:

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import urllib.request
+from types import SimpleNamespace
 
 import torch
 
@@ -16,11 +17,11 @@ from controller import ResourcePool, WorkerGroup
 from controller.runtime.process_exit import exit_process
 from controller.runtime.torchrun_backend import TorchrunRuntime
 from workers.actor import Actor
-from workers.data_proto import DataProto
 from workers.megatron.lora import LoRAConfig
 from workers.rollout import Rollout
-from workers.rollout.batch import sequence_tensors
 from workers.rollout.serving.api_key import bearer, new_api_key
+
+from serving_program import log_probs_of  # noqa: E402  (the tests folder is on the path under torchrun)
 
 KEY = new_api_key()
 PROMPT = [5, 9, 33, 7, 100, 4]
@@ -31,15 +32,6 @@ def post(address: str, path: str, body: dict) -> dict:
     request = urllib.request.Request(address + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", **bearer(KEY)})
     return json.loads(urllib.request.urlopen(request, timeout=120).read())
-
-
-def batch_of(ids: list[int]) -> DataProto:
-    """One row: PROMPT then ``ids`` as the response."""
-    prompts, responses = torch.tensor([PROMPT]), torch.tensor([ids])
-    ones = torch.ones_like(responses)
-    tensors = sequence_tensors(prompts, torch.ones_like(prompts), responses, ones, ones,
-                               torch.zeros(1, len(ids)))
-    return DataProto(tensors, meta_info={"temperature": 1.0})
 
 
 def main() -> None:
@@ -69,8 +61,9 @@ def main() -> None:
     second = post(address, "/generate", request)
     post(address, "/stop", {})
     serving.result()
-    now = {name: actor.compute_log_prob(batch_of(reply["token_ids"])).batch["old_log_probs"][0]
-           for name, reply in (("first", first), ("second", second))}
+    replies = [SimpleNamespace(prompt_ids=PROMPT, response_ids=r["token_ids"], response_mask=[1] * len(r["token_ids"]))
+               for r in (first, second)]
+    now = dict(zip(("first", "second"), log_probs_of(actor, replies, pad=0)))  # the actor's, as the server test's
     torch.save({"first": first, "second": second, "update": update, "now": now},
                os.path.join(args.out, "lora_serving.pt"))
 

@@ -88,8 +88,8 @@ class RolloutConfig:
             problems.append(f"truncation {self.truncation!r} is not one of {TRUNCATION_MODES}")
         if self.lora_sync not in LORA_SYNC_MODES:
             problems.append(f"lora_sync {self.lora_sync!r} is not one of {LORA_SYNC_MODES}")
-        traits = generator_traits(self.engine) if self.engine in registered_generators() else None
-        if self.lora_sync == "adapter" and traits is not None and not traits.serves_adapters:
+        traits = generator_traits(self.engine, strict=False)  # an unknown engine: reported above
+        if self.lora_sync == "adapter" and self.engine in registered_generators() and not traits.serves_adapters:
             problems.append(f"lora_sync 'adapter' serves LoRA adapters with vLLM's LoRA kernels; the {self.engine!r} "
                             f"engine takes them merged (lora_sync: merge)")
         if self.reshard_method not in RESHARD_METHODS:
@@ -98,7 +98,7 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
-        if traits is not None and not traits.pipeline_parallel and self.pipeline_parallel != 1:
+        if self.engine in registered_generators() and not traits.pipeline_parallel and self.pipeline_parallel != 1:
             problems.append(f"the {self.engine} engine runs pipeline_parallel=1 only, got {self.pipeline_parallel}; "
                             f"use engine='megatron' for pipelined generation")
         if self.agent is not None and self.agent.entrypoint is not None and not self.server:
@@ -122,7 +122,7 @@ class RolloutConfig:
                             f"agents")
         if self.server_update not in SERVER_UPDATE_POLICIES:
             problems.append(f"server_update {self.server_update!r} is not one of {SERVER_UPDATE_POLICIES}")
-        if self.server and traits is not None and not traits.serves_requests:
+        if self.server and self.engine in registered_generators() and not traits.serves_requests:
             problems.append(f"server: true serves requests one by one with vLLM's engine; the {self.engine!r} engine "
                             f"generates batches")
         if self.agent is not None and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):

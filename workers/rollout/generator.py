@@ -172,9 +172,12 @@ def registered_generators() -> tuple[str, ...]:
     return tuple(_ENGINES)
 
 
-def generator_traits(name: str) -> GeneratorTraits:
-    """What the engine registered as ``name`` can do (imports nothing of it)."""
+def generator_traits(name: str, strict: bool = True) -> GeneratorTraits:
+    """What the engine registered as ``name`` can do (imports nothing of it). An unknown name raises, or with
+    ``strict=False`` (a check that another check reports the name in) gives ``GeneratorTraits()``."""
     if name not in _TRAITS:
+        if not strict:
+            return GeneratorTraits()
         raise ValueError(f"rollout engine {name!r} is not one of {registered_generators()} "
                          f"(register one with workers.rollout.generator.register_generator)")
     return _TRAITS[name]
