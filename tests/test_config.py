@@ -187,8 +187,8 @@ def test_trainer_placement_and_parallelism_by_declaration():
     trainer.register_parallelism("rollout", tensor_parallel=2)
     trainer.register_placement("critic", devices=4)
     trainer.register_placement("actor", devices=2, pool="policy")
-    assert trainer.specs["critic"].kwargs["engine"]["pipeline_parallel"] == 2
-    assert trainer.specs["rollout"].kwargs["config"]["tensor_parallel"] == 2
+    assert trainer.specs["critic"].kwargs["engine"].pipeline_parallel == 2
+    assert trainer.specs["rollout"].kwargs["config"].tensor_parallel == 2
     assert trainer.placement == {"actor": "policy", "rollout": "policy", "critic": "critic", "reward": "default"}
     assert trainer.pool_sizes == {"default": 1, "critic": 4, "policy": 2}
     with pytest.raises(ConfigError, match=r"register_placement\('rollout', pool='policy'\): that is the actor's pool"):

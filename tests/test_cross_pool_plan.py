@@ -136,6 +136,7 @@ def test_the_experts_cross_pools_at_their_bound_from_every_holder():
     from hybridengine.model.spec import ModelSpec
     from hybridengine.reshard.expert_plan import held_units
     from controller.rl.rollout_pool import separate_rollout_kwargs
+    from workers.megatron.config import EngineConfig
     from test_moe_layout import QWEN3_MOE
 
     spec = ModelSpec.from_hf_config(QWEN3_MOE)  # 8 experts, expert FFN 32
@@ -166,7 +167,7 @@ def test_the_experts_cross_pools_at_their_bound_from_every_holder():
             at = train.expert_coordinate(rank)
             holders.setdefault((at.pp_rank, at.ep_rank, at.etp_rank), []).append(load[rank])
         assert all(max(sent) - min(sent) <= 32 for sent in holders.values()), holders
-    kwargs = separate_rollout_kwargs({"model_path": "m"}, {"tensor_parallel": 2, "expert_parallel": 2,
-                                                          "expert_tensor_parallel": 1}, 8)
+    kwargs = separate_rollout_kwargs({"model_path": "m"}, EngineConfig(tensor_parallel=2, expert_parallel=2,
+                                                                       expert_tensor_parallel=1), 8)
     training = kwargs["training"]
-    assert (training["data_parallel"], training["expert_parallel"], training["expert_tensor_parallel"]) == (4, 2, 1)
+    assert (training.data_parallel, training.expert_parallel, training.expert_tensor_parallel) == (4, 2, 1)

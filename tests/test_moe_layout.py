@@ -170,7 +170,8 @@ def test_router_replay_settings_are_checked_before_launch():
         spec_in = RoleSpec(Rollout, {"model_path": "m", "config": config})
         out = _returning_routes(spec_in).kwargs["config"]
         assert (out["return_routed_experts"] if isinstance(out, dict) else out.return_routed_experts) is True
-        assert spec_in.kwargs["config"] == config  # the user's spec untouched
+        typed = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)  # (a RoleSpec types a dict)
+        assert spec_in.kwargs["config"] == typed  # the user's spec untouched
 
 
 def test_the_actor_alone_sees_the_rollout_routes_under_the_key_of_the_mode():

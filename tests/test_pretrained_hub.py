@@ -86,7 +86,7 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_and_roles_hold_that_directory(
     for role in (Actor, ReferencePolicy, Critic, Rollout):
         assert same(role.from_pretrained("org/name").model_path, snapshot), role
     spec = Actor.from_pretrained("org/name", tensor_parallel=2)
-    assert spec.kwargs["engine"]["tensor_parallel"] == 2  # the other arguments as before
+    assert spec.kwargs["engine"].tensor_parallel == 2  # the other arguments as before
 
     canonical = cache_model(hub_cache, "tinyname", tiny_model)  # an id without an org (like "gpt2")
     assert same(resolve_pretrained("tinyname"), canonical)

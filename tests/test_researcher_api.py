@@ -152,7 +152,7 @@ def test_the_trainer_writes_device_map_auto_layouts_into_its_config_before_the_c
         assert layout == expected[role], (role, layout)
         assert role == "ref_policy" or layout[0] * layout[1] >= 2  # a trained role's DP splits its mini-batch of 2
         assert section.device_map is None
-    assert auto.specs["ref_policy"].kwargs["engine"]["tensor_parallel"] == config.ref_policy.engine.tensor_parallel
+    assert auto.specs["ref_policy"].kwargs["engine"].tensor_parallel == config.ref_policy.engine.tensor_parallel
     auto.check()
 
     by_hand = job({"device_map": "auto", "tensor_parallel": 2, "pipeline_parallel": 2})

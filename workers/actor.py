@@ -17,7 +17,7 @@ import torch
 from hybridengine.reshard.plan import GenerationLayout
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
-from workers.megatron.config import EngineConfig, OptimConfig, as_config
+from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.megatron.lora import LoRAConfig
@@ -130,7 +130,7 @@ class _LogProbRole(EngineRole):
 
 
 class ReferencePolicy(_LogProbRole):
-    def __init__(self, model_path: str, engine: EngineConfig | dict | None = None) -> None:
+    def __init__(self, model_path: str, engine: EngineConfig | None = None) -> None:
         self._build_engine(model_path, engine, optim=None)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
@@ -143,14 +143,15 @@ class Actor(_LogProbRole):
     def __init__(
         self,
         model_path: str,
-        engine: EngineConfig | dict | None = None,
-        optim: OptimConfig | dict | None = None,
-        ppo: PPOActorConfig | dict | None = None,
-        lora: LoRAConfig | dict | None = None,
+        engine: EngineConfig | None = None,
+        optim: OptimConfig | None = None,
+        ppo: PPOActorConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
-        """``lora``: train LoRA adapters on the frozen base (rank 0 or None: every weight trains)."""
-        self.ppo = as_config(PPOActorConfig, ppo)
-        self._build_engine(model_path, engine, as_config(OptimConfig, optim), lora=lora)
+        """Each section typed (a ``RoleSpec`` or ``WorkerGroup`` builds one given as a dict); None: its
+        defaults. ``lora``: train LoRA adapters on the frozen base (rank 0 or None: every weight trains)."""
+        self.ppo = ppo or PPOActorConfig()
+        self._build_engine(model_path, engine, optim or OptimConfig(), lora=lora)
         self.hybrid = HybridBridge(self.engine)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)

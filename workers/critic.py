@@ -10,7 +10,7 @@ import torch
 
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
-from workers.megatron.config import EngineConfig, OptimConfig, as_config
+from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.lora import LoRAConfig
 from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
@@ -43,17 +43,27 @@ class CriticConfig:
 
 
 class Critic(EngineRole):
+    @classmethod
+    def declared_in_code(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A critic declared with ``from_pretrained`` whose ``critic`` section names no ``value_head_init``
+        starts its value head as verl does, "normal" (the config file's default is "zeros")."""
+        given = kwargs.get("critic")
+        if given is None or (isinstance(given, dict) and "value_head_init" not in given):
+            return {**kwargs, "critic": {**(given or {}), "value_head_init": "normal"}}
+        return kwargs
+
     def __init__(
         self,
         model_path: str,
-        engine: EngineConfig | dict | None = None,
-        optim: OptimConfig | dict | None = None,
-        critic: CriticConfig | dict | None = None,
-        lora: LoRAConfig | dict | None = None,
+        engine: EngineConfig | None = None,
+        optim: OptimConfig | None = None,
+        critic: CriticConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
-        """``lora``: LoRA adapters on the frozen base, the value head trained whole beside them."""
-        self.critic = as_config(CriticConfig, critic)
-        self._build_engine(model_path, engine, as_config(OptimConfig, optim), value_model=True, lora=lora)
+        """Each section typed, None: its defaults. ``lora``: LoRA adapters on the frozen base, the value head
+        trained whole beside them."""
+        self.critic = critic or CriticConfig()
+        self._build_engine(model_path, engine, optim or OptimConfig(), value_model=True, lora=lora)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:

@@ -2,8 +2,9 @@
 
 ``check_keywords(owner, fn, kwargs)`` refuses a keyword ``fn`` does not take; ``check_constructor(cls,
 kwargs)`` also builds each config section given as a dict (a parameter annotated with a dataclass, such
-as ``engine: EngineConfig | dict``) so that its keys and values are checked too. Both run before any
-process starts: ``X.from_pretrained(...)`` and ``RLTrainer(...)`` call them.
+as ``engine: EngineConfig``) and returns the keywords typed, so that a section's keys and values are
+checked where they are written and a worker's constructor takes its typed config as it is. Both run
+before any process starts: a ``RoleSpec``, a ``WorkerGroup`` and ``RLTrainer(...)`` call them.
 """
 
 from __future__ import annotations
@@ -70,27 +71,36 @@ def _config_class(annotation: Any) -> type | None:
     return None
 
 
-def check_constructor(cls: type, kwargs: dict[str, Any], owner: str | None = None) -> None:
-    """Refuse keywords ``cls(...)`` does not take, and build every dict given for a dataclass-typed
-    parameter (its unknown keys and bad values raise here, naming the section)."""
+def check_constructor(cls: type, kwargs: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
+    """``kwargs`` for ``cls(...)`` with every dict given for a dataclass-typed parameter built into that
+    dataclass; a keyword ``cls`` does not take, a section's unknown key or a bad value raises here, naming
+    the section. A section given typed, and every other keyword, is passed as it is."""
     owner = owner or cls.__name__
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # unresolvable annotations: the names are checked, the worker checks the values
+    hints = _constructor_hints(cls)
+    if hints is None:  # unresolvable annotations: the names are checked, the worker checks the values
         check_keywords(owner, cls.__init__, kwargs)
-        return
+        return dict(kwargs)
     sections = {name: {f.name for f in dataclasses.fields(config_cls) if f.init}
                 for name, annotation in hints.items() if (config_cls := _config_class(annotation)) is not None}
     check_keywords(owner, cls.__init__, kwargs, sections=sections)
+    typed = dict(kwargs)
     for key, value in kwargs.items():
         config_cls = _config_class(hints.get(key))
         if config_cls is None or not isinstance(value, dict):
             continue
-        fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
         for name in value:
-            if name not in fields:
-                raise unknown_keyword_error(f"{owner}({key}=...)", name, fields)
+            if name not in sections[key]:
+                raise unknown_keyword_error(f"{owner}({key}=...)", name, sections[key])
         try:
-            config_cls(**value)
+            typed[key] = config_cls(**value)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{owner}({key}=...): {exc}") from None
+    return typed
+
+
+@functools.lru_cache(maxsize=None)
+def _constructor_hints(cls: type) -> dict[str, Any] | None:
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:
+        return None

@@ -50,10 +50,8 @@ def assemble_roles(
         rollout = _returning_routes(rollout)
     if lora_actor(actor):  # the rollout learns the adapters' shape (an engine serving them unmerged needs it)
         lora = actor.kwargs["lora"]
-        lora = lora if isinstance(lora, dict) else dataclasses.asdict(lora)
-        targets = LoRAConfig(**{k: v for k, v in lora.items() if k != "adapter_path"}).targets
-        rollout = _with_rollout_config(rollout, lora_adapter={"rank": lora["rank"], "alpha": lora.get("alpha", 16.0),
-                                                              "targets": list(targets)})
+        rollout = _with_rollout_config(rollout, lora_adapter=LoRAConfig(rank=lora.rank, alpha=lora.alpha,
+                                                                        target_modules=lora.targets))
     specs: dict[str, RoleSpec] = {"actor": actor, "rollout": rollout}
     if critic is not None:
         specs["critic"] = critic
@@ -85,8 +83,8 @@ def needs_reference(config, ppo, kl_loss_fn=None) -> bool:
 def lora_actor(actor: RoleSpec) -> bool:
     """The actor trains LoRA adapters: its frozen base, the adapters off, is the reference policy, so a job
     declares no reference of its own (``Actor.compute_ref_log_prob``)."""
-    lora = actor.kwargs.get("lora") or {}
-    return bool(lora.rank if hasattr(lora, "rank") else lora.get("rank", 0))
+    lora = actor.kwargs.get("lora")
+    return lora is not None and lora.enabled
 
 
 def reference_role(specs: dict[str, RoleSpec], config, ppo, kl_loss_fn=None) -> str | None:
@@ -111,11 +109,10 @@ def _returning_routes(rollout: RoleSpec) -> RoleSpec:
 
 
 def _with_rollout_config(rollout: RoleSpec, **fields: Any) -> RoleSpec:
-    """``rollout`` with ``fields`` set in its config (a RolloutConfig or its dict)."""
+    """``rollout`` with ``fields`` set in its typed config."""
     from workers.rollout.config import RolloutConfig
 
-    config = rollout.kwargs.get("config")
-    config = dataclasses.replace(config, **fields) if isinstance(config, RolloutConfig) else {**(config or {}), **fields}
+    config = dataclasses.replace(rollout.kwargs.get("config") or RolloutConfig(), **fields)
     return dataclasses.replace(rollout, kwargs={**rollout.kwargs, "config": config})
 
 

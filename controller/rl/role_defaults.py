@@ -18,6 +18,7 @@ from pathlib import Path
 from controller.errors import ConfigError
 from controller.models.builtin import value_model_from_policy
 from hybridengine.model.spec import ModelSpec
+from workers.megatron.config import OptimConfig
 from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
 
@@ -58,13 +59,10 @@ def with_learning_rate(spec: RoleSpec | None, lr: float, role: str) -> RoleSpec 
         return None
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
         raise ConfigError(f"lr must be a number > 0, got {lr!r}")
-    optim = spec.kwargs.get("optim") or {}
-    if dataclasses.is_dataclass(optim):
-        optim = dataclasses.asdict(optim)
-    own = optim.get("lr")
-    if own is not None and own != lr:
-        raise ConfigError(f"RLTrainer(lr={lr}) and {role}'s optim lr {own} disagree; set one of them")
-    return dataclasses.replace(spec, kwargs={**spec.kwargs, "optim": {**optim, "lr": float(lr)}})
+    optim = spec.kwargs.get("optim") or OptimConfig()
+    if optim.lr not in (OptimConfig.lr, lr):  # the role's own lr, other than the default and this one
+        raise ConfigError(f"RLTrainer(lr={lr}) and {role}'s optim lr {optim.lr} disagree; set one of them")
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, "optim": dataclasses.replace(optim, lr=float(lr))})
 
 
 def reading_policy_ids(spec: RoleSpec | None, policy_path: str) -> RoleSpec | None:

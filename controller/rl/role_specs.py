@@ -9,12 +9,11 @@ A ``worker`` given as ``"package.module:Class"`` is imported now.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from controller.config import RoleConfig, config_to_dict
+from controller.config import RoleConfig
 from controller.errors import ConfigError
 from controller.rl.role_assembly import assemble_roles
 from controller.rl.role_defaults import reading_policy_ids
@@ -51,23 +50,19 @@ def kl_loss_function(value: str | Callable | None) -> Callable | None:
 
 
 def _engine_role(cls: type, path: str, role_cfg, **kwargs: Any) -> RoleSpec:
+    """A megatron role on its config section: the typed sections go to the worker as they are."""
     engine = role_cfg.engine
     if role_cfg.lora.enabled:  # a trained role's adapters (check_config refuses them on the others)
-        kwargs["lora"] = _fields(role_cfg.lora)
-    return RoleSpec(cls, {"model_path": path, "engine": _fields(engine), **kwargs},
+        kwargs["lora"] = role_cfg.lora
+    return RoleSpec(cls, {"model_path": path, "engine": engine, **kwargs},
                     device_map=role_cfg.device_map,
                     explicit_parallelism=(engine.tensor_parallel, engine.pipeline_parallel) != (1, 1))
-
-
-def _fields(section) -> dict:
-    """A config section's fields, one level deep (the worker builds its typed config from them)."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
 def _reward_model(role_cfg, model_path: str, max_length: int | None = None) -> RoleSpec:
     engine = role_cfg.engine
     return RewardModel.from_pretrained(
-        model_path, engine=_fields(engine), tensor_parallel=engine.tensor_parallel,
+        model_path, engine=engine, tensor_parallel=engine.tensor_parallel,
         pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
         device_map=role_cfg.device_map, **({"max_length": max_length} if max_length is not None else {}))
 
@@ -97,7 +92,7 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
     isolation = config.sandbox.isolation
     sandbox = {"sandbox_isolation": isolation} if isolation != "auto" else {}  # the workers' default otherwise
     rollout = RoleSpec(Rollout, {"model_path": policy_path, "actor_role": "actor",
-                                 "config": config_to_dict(rollout_cfg), **sandbox},
+                                 "config": rollout_cfg, **sandbox},
                        device_map=rollout_cfg.device_map,
                        explicit_parallelism=(rollout_cfg.tensor_parallel, rollout_cfg.pipeline_parallel) != (1, 1))
     critic = None

@@ -15,23 +15,18 @@ from collections.abc import Callable
 from typing import Any
 
 from controller.runtime.worker_group import WorkerGroup
+from workers.megatron.config import EngineConfig
+from workers.rollout.training_layout import TrainingLayout
 
 __all__ = ["RolloutWeightLink", "separate_rollout_kwargs"]
 
 
-def separate_rollout_kwargs(rollout_kwargs: dict[str, Any], actor_engine: dict[str, Any] | None,
+def separate_rollout_kwargs(rollout_kwargs: dict[str, Any], actor_engine: EngineConfig | None,
                             actor_world_size: int) -> dict[str, Any]:
-    """The rollout's constructor arguments for a pool of its own: no colocated actor, and the actor's split,
-    by which the shards it will receive are cut."""
-    from workers.megatron.config import EngineConfig, as_config
-
-    engine = as_config(EngineConfig, actor_engine)
-    model_parallel = engine.tensor_parallel * engine.pipeline_parallel
-    return {**rollout_kwargs, "actor_role": None, "training": {
-        "tensor_parallel": engine.tensor_parallel, "pipeline_parallel": engine.pipeline_parallel,
-        "data_parallel": actor_world_size // model_parallel,
-        "make_vocab_size_divisible_by": engine.make_vocab_size_divisible_by, "precision": engine.precision,
-        "expert_parallel": engine.expert_parallel, "expert_tensor_parallel": engine.expert_tensor_parallel}}
+    """The rollout's constructor arguments for a pool of its own: no colocated actor, and the actor's
+    ``TrainingLayout``, by which the shards it will receive are cut."""
+    return {**rollout_kwargs, "actor_role": None,
+            "training": TrainingLayout.of_actor(actor_engine or EngineConfig(), actor_world_size)}
 
 
 class RolloutWeightLink:

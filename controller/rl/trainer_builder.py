@@ -30,7 +30,7 @@ from controller.runtime.torchrun_backend import under_torchrun
 from workers.actor import Actor, PPOActorConfig, ReferencePolicy
 from workers.critic import Critic, CriticConfig
 from workers.data_schema import ROLLOUT_FIELDS, DataSchema
-from workers.megatron.config import EngineConfig, OptimConfig, as_config
+from workers.megatron.config import EngineConfig, OptimConfig
 from workers.reward import RewardModel
 from workers.reward.hf_reward_model import HFRewardModel
 from workers.role_spec import RoleSpec
@@ -117,7 +117,7 @@ def config_from_keywords(
 
     policy_path = actor.model_path
     actor_kwargs = dict(actor.kwargs)
-    ppo = as_config(PPOActorConfig, actor_kwargs.pop("ppo", None))
+    ppo = actor_kwargs.pop("ppo", None) or PPOActorConfig()
     config = RLConfig(
         model_path=policy_path,
         actor=_role_config(actor, actor_kwargs, Actor, "actor", model_path=None),
@@ -141,10 +141,7 @@ def config_from_keywords(
     )
     if critic is not None:
         critic_kwargs = dict(critic.kwargs)
-        given = critic_kwargs.pop("critic", None)
-        critic_ppo = as_config(CriticConfig, given)
-        if not (isinstance(given, dict) and "value_head_init" in given) and not isinstance(given, CriticConfig):
-            critic_ppo = dataclasses.replace(critic_ppo, value_head_init="normal")  # verl's start
+        critic_ppo = critic_kwargs.pop("critic", None) or CriticConfig(value_head_init="normal")  # (from_pretrained's)
         config = dataclasses.replace(config, critic=_role_config(critic, critic_kwargs, Critic, "critic"),
                                      critic_ppo=critic_ppo)
     return config, TrainerInputs(train_data=train_data, val_data=val_data, algorithm=algorithm_object, pool=pool,
@@ -176,8 +173,7 @@ def _processes(processes: int | None, pool) -> int:
 
 
 def _engine(kwargs: dict[str, Any]) -> EngineConfig:
-    engine = kwargs.pop("engine", None)
-    return engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
+    return kwargs.pop("engine", None) or EngineConfig()
 
 
 def _device_map(spec: RoleSpec) -> str | None:
@@ -191,7 +187,7 @@ def _role_config(spec: RoleSpec, kwargs: dict[str, Any], base: type, role: str, 
         raise ConfigError(f"{role}=... declares {spec.worker_cls.__name__}, which is not a {base.__name__}")
     model_path = kwargs.pop("model_path")
     engine = _engine(kwargs)
-    optim = as_config(OptimConfig, kwargs.pop("optim", None))
+    optim = kwargs.pop("optim", None) or OptimConfig()
     if kwargs:
         raise ConfigError(f"{role}: keyword(s) {sorted(kwargs)} have no place in the {role}'s config")
     return RoleConfig(**{"model_path": model_path, **fields}, engine=engine, optim=optim, device_map=_device_map(spec),
@@ -208,8 +204,7 @@ def _rollout_config(spec: RoleSpec, policy_path: str) -> RolloutConfig:
     if spec.kwargs.get("actor_role", "actor") != "actor":
         raise ConfigError("rollout=...: actor_role is the trainer's to set (a rollout on a pool of its own: "
                           "register_placement('rollout', n))")
-    return RolloutConfig(**{**RolloutConfig.from_value(spec.kwargs.get("config")).__dict__,
-                            "device_map": _device_map(spec)})
+    return dataclasses.replace(spec.kwargs.get("config") or RolloutConfig(), device_map=_device_map(spec))
 
 
 def _reward_config(fn, kwargs, model: RoleSpec | None, worker: RoleSpec | None) -> RewardConfig:

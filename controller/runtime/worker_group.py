@@ -114,8 +114,9 @@ class WorkerGroup:
         stack (``controller.runtime.hang_watch``)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
             raise TypeError(f"worker class must subclass workers.BaseWorker, got {worker_cls!r}")
-        # A keyword the worker does not take, or a bad config section, fails here, not in every worker process.
-        check_constructor(worker_cls, dict(kwargs or {}))
+        # A keyword the worker does not take, or a bad config section, fails here, not in every worker process;
+        # a section given as a dict reaches the workers built (the constructor takes its typed config as it is).
+        kwargs = check_constructor(worker_cls, dict(kwargs or {}))
         self.pool = pool
         self.worker_cls = worker_cls
         self.role = role or worker_cls.__name__
@@ -126,7 +127,7 @@ class WorkerGroup:
         self._methods = registered_methods(worker_cls)
         pool.claim_role(self.role)
         hosts = pool.hosts
-        shared = (self.role, worker_cls, tuple(args), dict(kwargs or {}))
+        shared = (self.role, worker_cls, tuple(args), kwargs)
         calls = hosts.submit_calls("create_worker", {
             rank: (*shared, rank, tuple(hosts.global_ranks), pool.process_group_key) for rank in range(self.world_size)
         })

@@ -85,7 +85,7 @@ def _fine_tune(config: SFTConfig, model: str, data: SFTData, pool, fields: dict[
     model_path = config.actor.model_path or model
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor = Actor.from_pretrained(model_path, engine=engine.__dict__, tensor_parallel=engine.tensor_parallel,
+    actor = Actor.from_pretrained(model_path, engine=engine, tensor_parallel=engine.tensor_parallel,
                                   pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
                                   optim=config.actor.optim,
                                   **({"lora": config.actor.lora} if config.actor.lora.enabled else {}))

@@ -107,6 +107,7 @@ def _cross_pool(rank, world_size, path, port):
     from hybridengine.parallel.layout import ParallelLayout
     from hybridengine.reshard.plan import GenerationLayout
     from workers.megatron.hybrid_bridge import HybridBridge
+    from workers.rollout.training_layout import TrainingLayout
     from workers.rollout.weight_sync import CrossPoolSync, weight_sync_for
 
     spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1), GenerationLayout(1, 1)
@@ -119,8 +120,7 @@ def _cross_pool(rank, world_size, path, port):
             assert bridge.send_to_generation_pool()["weight_transfer/bytes_sent"] > 0
         bridge.cross_pool.close()
         return
-    training = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
-                "make_vocab_size_divisible_by": None, "precision": "fp32"}
+    training = TrainingLayout(tensor_parallel=2, pipeline_parallel=1, data_parallel=1, precision="fp32")
     sync = weight_sync_for(None, training, spec=spec, gen=gen, gen_dp=2, rank=rank - 2, dtype=torch.float32,
                            device="cpu")
     assert isinstance(sync, CrossPoolSync) and sync.pushed
@@ -158,6 +158,8 @@ def _cross_pool_lora(rank, world_size, path, port, reference):
     from workers.megatron.hybrid_bridge import HybridBridge
     from workers.megatron.lora_generation import adapter_layout, flatten_adapters
     from workers.rollout.weight_sync import weight_sync_for
+    from workers.megatron.lora import LoRAConfig
+    from workers.rollout.training_layout import TrainingLayout
 
     ref = torch.load(reference, weights_only=False)
     spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1), GenerationLayout(1, 1)
@@ -182,10 +184,9 @@ def _cross_pool_lora(rank, world_size, path, port, reference):
             assert transfer.bytes_sent - before == (2 * whole_bytes if rank == 0 else 0)  # to each generation rank
         transfer.close()
         return
-    training = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
-                "make_vocab_size_divisible_by": None, "precision": "fp32"}
+    training = TrainingLayout(tensor_parallel=2, pipeline_parallel=1, data_parallel=1, precision="fp32")
     sync = weight_sync_for(None, training, spec=spec, gen=gen, gen_dp=2, rank=rank - 2, dtype=torch.float32,
-                           device="cpu", lora={"rank": 4, "alpha": 8.0, "targets": list(targets)})
+                           device="cpu", lora=LoRAConfig(rank=4, alpha=8.0, target_modules=tuple(targets)))
     sync.connect("127.0.0.1", port, "auto", timeout_s=60)
     generator = _recording_generator(False)
     generator.accepts_partial_weights = True

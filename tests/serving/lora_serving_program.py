@@ -45,7 +45,7 @@ def main() -> None:
     rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
         "engine": "vllm", "server": True, "lora_sync": "adapter", "max_prompt_length": 8,
         "sampling": {"max_new_tokens": 8},
-        "lora_adapter": {**LORA, "targets": list(LoRAConfig(rank=4).targets)}}))
+        "lora_adapter": LoRAConfig(**LORA)}))
     (started,) = rollout.start_serving(KEY)
     serving = rollout.serve.submit()
     address = started["address"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES", "as_config",
+__all__ = ["EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES",
            "check_precision"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -146,8 +146,3 @@ def check_precision(value: Any) -> str:
     if value not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {value!r}")
     return value
-
-
-def as_config(cls, value: Any):
-    """A typed config from an instance, a dict of its fields, or None (defaults)."""
-    return value if isinstance(value, cls) else cls(**(value or {}))

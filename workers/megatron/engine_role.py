@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hybridengine.model.spec import ModelSpec
 from workers.base_worker import BaseWorker
 from workers.dispatch import Dispatch
 from workers.megatron.checkpoint import load_checkpoint, save_checkpoint
-from workers.megatron.config import EngineConfig, OptimConfig, as_config
+from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.engine import MegatronEngine
 from workers.megatron.lora import LoRAConfig, check_lora
 from workers.keywords import check_constructor
@@ -35,24 +36,33 @@ class EngineRole(BaseWorker):
         the fastest TP x PP that fits the job's devices (``controller.planner.device_map``) unless ``tensor_parallel`` /
         ``pipeline_parallel`` are given; without it they default to 1.
         """
-        engine = {**(kwargs.pop("engine", None) or {}), "tensor_parallel": tensor_parallel or 1,
-                  "pipeline_parallel": pipeline_parallel or 1, "micro_batch_size": micro_batch_size}
-        check_constructor(cls, {"model_path": model_path, "engine": engine, **kwargs}, f"{cls.__name__}.from_pretrained")
-        model_path = resolve_pretrained(model_path, missing_ok=True)  # a hub id: its cached snapshot, found now
-        return RoleSpec(cls, {"model_path": model_path, "engine": engine, **kwargs}, device_map=device_map,
+        kwargs = cls.declared_in_code(kwargs)
+        given = kwargs.pop("engine", None)  # a dict of EngineConfig fields or an EngineConfig
+        sizes = {"tensor_parallel": tensor_parallel or 1, "pipeline_parallel": pipeline_parallel or 1,
+                 "micro_batch_size": micro_batch_size}
+        engine = dataclasses.replace(given, **sizes) if isinstance(given, EngineConfig) else {**(given or {}), **sizes}
+        typed = check_constructor(cls, {"model_path": model_path, "engine": engine, **kwargs},
+                                  f"{cls.__name__}.from_pretrained")
+        typed["model_path"] = resolve_pretrained(model_path, missing_ok=True)  # a hub id: its cached snapshot, now
+        return RoleSpec(cls, typed, device_map=device_map,
                         explicit_parallelism=tensor_parallel is not None or pipeline_parallel is not None)
 
+    @classmethod
+    def declared_in_code(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``from_pretrained``'s keywords with the role's defaults for a declaration in code (none here)."""
+        return kwargs
+
     def _build_engine(
-        self, model_path: str, engine: EngineConfig | dict | None, optim: OptimConfig | None, value_model: bool = False,
-        lora: LoRAConfig | dict | None = None,
+        self, model_path: str, engine: EngineConfig | None, optim: OptimConfig | None, value_model: bool = False,
+        lora: LoRAConfig | None = None,
     ) -> None:
         spec = ModelSpec.from_pretrained(model_path)  # checked before any megatron group forms
         if spec.is_value_model != value_model:
             wanted = "a sequence-classification checkpoint with a value head" if value_model else "a causal LM checkpoint"
             raise ValueError(f"{type(self).__name__} needs {wanted}; {model_path} is a {spec.architecture}")
-        lora = as_config(LoRAConfig, lora)
+        lora = lora or LoRAConfig()
         check_lora(spec, lora)  # named problems (targets, rank) before any megatron group forms
-        self.engine = MegatronEngine(model_path, as_config(EngineConfig, engine), self.world_size, optim,
+        self.engine = MegatronEngine(model_path, engine or EngineConfig(), self.world_size, optim,
                                      self.process_group, lora)
         self.set_layout(self.engine.layout)
 

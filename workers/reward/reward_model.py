@@ -22,7 +22,7 @@ import torch
 from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.data_proto import DataProto
 from workers.dispatch import Dispatch
-from workers.megatron.config import EngineConfig, as_config
+from workers.megatron.config import EngineConfig
 from workers.megatron.micro_batches import MicroBatch
 from workers.megatron.engine_role import EngineRole
 from workers.pretrained import resolve_pretrained
@@ -128,13 +128,13 @@ class RewardModel(EngineRole):
                                  f"has num_labels={spec.num_labels}")
             if "score_key" in kwargs:
                 check_reward_options(score_key=kwargs["score_key"])
-            as_config(EngineConfig, {**engine, **{k: kwargs[k] for k in ("tensor_parallel", "pipeline_parallel",
-                                                                         "micro_batch_size") if k in kwargs}})
+            EngineConfig(**{**engine, **{k: kwargs[k] for k in ("tensor_parallel", "pipeline_parallel",
+                                                                "micro_batch_size") if k in kwargs}})  # checked now
             explicit = "tensor_parallel" in kwargs or "pipeline_parallel" in kwargs
             role = super().from_pretrained(model_path, engine=engine or None, **kwargs)
             return dataclasses.replace(role, device_map=device_map, explicit_parallelism=explicit) if device_map else role
 
-        config = as_config(EngineConfig, engine)  # the same checks the megatron path would make of it
+        config = EngineConfig(**engine)  # the same checks the megatron path would make of it
         micro_batch_size = kwargs.get("micro_batch_size",
                                       engine.get("micro_batch_size", HF_DEFAULT_MICRO_BATCH_SIZE))
         hf_kwargs = {"model_path": model_path, "tokenizer_path": tokenizer_path, "precision": config.precision,
@@ -145,7 +145,7 @@ class RewardModel(EngineRole):
         return RoleSpec(HFRewardModel, hf_kwargs)
 
     def __init__(
-        self, model_path: str, engine: EngineConfig | dict | None = None, score_key: str = "rm_scores"
+        self, model_path: str, engine: EngineConfig | None = None, score_key: str = "rm_scores"
     ) -> None:
         if not isinstance(score_key, str) or not score_key or score_key == "token_level_scores":
             raise ValueError(f"score_key must be a non-empty name other than 'token_level_scores', got {score_key!r}")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hybridengine.reshard.baselines import RESHARD_METHODS
+from workers.megatron.lora import LoRAConfig
 from workers.rollout.agent.config import AgentConfig
 from workers.rollout.batch import TRUNCATION_MODES
 from workers.rollout.generator import generator_traits, registered_generators
@@ -38,7 +38,7 @@ class RolloutConfig:
     # LoRA kernels on the frozen base, loaded once) or "auto" (the planner's choice on the job's devices, by
     # memory then step time: controller.planner.lora_choice). lora_adapter is set by the job from actor.lora.
     lora_sync: str = "auto"
-    lora_adapter: dict[str, Any] | None = None  # {rank, alpha, targets} of the actor's adapters; None: no LoRA
+    lora_adapter: LoRAConfig | None = None  # the actor's adapters (rank, alpha, targets); None: no LoRA
     max_prompt_length: int = 64  # prompt tokens at most (longer ones: see truncation)
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields
@@ -79,6 +79,8 @@ class RolloutConfig:
             object.__setattr__(self, "sampling", SamplingConfig(**self.sampling))
         if isinstance(self.agent, dict):
             object.__setattr__(self, "agent", AgentConfig(**self.agent))
+        if isinstance(self.lora_adapter, dict):
+            object.__setattr__(self, "lora_adapter", LoRAConfig(**self.lora_adapter))
         problems = []
         if self.device_map not in (None, "auto"):
             problems.append(f"device_map {self.device_map!r} is not one of ('auto', None)")
@@ -147,6 +149,3 @@ class RolloutConfig:
     def max_model_len(self) -> int:
         return self.max_prompt_length + self.max_response_length
 
-    @classmethod
-    def from_value(cls, value: "RolloutConfig | dict[str, Any] | None") -> "RolloutConfig":
-        return value if isinstance(value, cls) else cls(**(value or {}))

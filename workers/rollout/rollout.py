@@ -46,6 +46,7 @@ from workers.rollout.batch import (
 )
 from workers.megatron.config import PRECISIONS
 from workers.rollout.config import RolloutConfig
+from workers.rollout.training_layout import TrainingLayout
 from workers.rollout.generator import GeneratorContext, RequestServing, build_generator
 from workers.rollout.weight_sync import CheckpointWeights, CrossPoolSync, weight_sync_for
 
@@ -53,26 +54,26 @@ __all__ = ["Rollout"]
 
 
 class Rollout(BaseWorker):
-    def __init__(self, model_path: str, config: RolloutConfig | dict | None = None, actor_role: str | None = "actor",
-                 training: dict[str, Any] | None = None, sandbox_isolation: str | None = None) -> None:
-        """``training``: set when the rollout has a pool of its own and the actor sends it weights
-        (``receive_weights``): the actor's tensor_parallel, pipeline_parallel, data_parallel,
-        make_vocab_size_divisible_by and precision, which its shards are cut by. ``sandbox_isolation``:
-        the job's ``sandbox.isolation``, this process's default for the agent tools that run code."""
+    def __init__(self, model_path: str, config: RolloutConfig | None = None, actor_role: str | None = "actor",
+                 training: TrainingLayout | None = None, sandbox_isolation: str | None = None) -> None:
+        """``config``: the typed rollout section (None: its defaults). ``training``: set when the rollout has a
+        pool of its own and the actor sends it weights (``receive_weights``): the actor's layout, vocabulary
+        padding and precision, which its shards are cut by. ``sandbox_isolation``: the job's
+        ``sandbox.isolation``, this process's default for the agent tools that run code."""
         from transformers import AutoTokenizer
 
         from workers.sandbox import set_default_isolation
 
         set_default_isolation(sandbox_isolation)
 
-        self.config = cfg = RolloutConfig.from_value(config)
+        self.config = cfg = config or RolloutConfig()
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         if spec.is_value_model:
             raise ValueError(f"{model_path} is a {spec.architecture} (a value head); rollout needs a causal LM")
         if training is not None and actor_role is not None:
             raise ValueError("a rollout on its own pool (training=...) takes its weights from the actor's pool, "
                              "not from a colocated actor: give actor_role=None")
-        self.training = dict(training) if training is not None else None
+        self.training = training
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.tokenizer.pad_token_id
         self.eos_token_id = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -84,10 +85,10 @@ class Rollout(BaseWorker):
             train, dtype = source.layout, source.dtype
         else:  # standalone or fed across pools: the generation grid is the whole pool, each rank its own shard
             if self.training is not None:  # the shards that arrive are padded as the actor's engine pads them
-                self.spec = spec = spec.with_padded_vocab(self.training["make_vocab_size_divisible_by"],
-                                                          self.training["tensor_parallel"])
+                self.spec = spec = spec.with_padded_vocab(self.training.make_vocab_size_divisible_by,
+                                                          self.training.tensor_parallel)
             train = ParallelLayout.for_world(self.world_size, cfg.tensor_parallel, cfg.pipeline_parallel)
-            dtype = PRECISIONS[self.training["precision"]] if self.training is not None else torch.float32
+            dtype = PRECISIONS[self.training.precision] if self.training is not None else torch.float32
         if source is not None or self.training is not None:  # (a checkpoint served as loaded: its engine pads it)
             spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         self.dtype = dtype

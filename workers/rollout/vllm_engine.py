@@ -30,6 +30,7 @@ from hybridengine.reshard.expert_plan import expert_placement
 from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
+from workers.megatron.lora import LoRAConfig
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.engine_traits import VLLM_TRAITS
 from workers.rollout.generator import GeneratorBase, GeneratorContext
@@ -95,11 +96,11 @@ def _cpu_scheduling(max_num_seqs: int, max_model_len: int | None) -> dict:
 VLLM_MAX_LORA_RANK = VLLM_TRAITS.max_adapter_rank  # vLLM's max_lora_rank choices: its traits' adapter ranks
 
 
-def _lora_options(lora: dict) -> dict:
-    """vLLM's engine options to serve one LoRA of ``lora["rank"]`` at a time."""
-    fits = VLLM_TRAITS.adapter_rank_for(lora["rank"])
+def _lora_options(lora: LoRAConfig) -> dict:
+    """vLLM's engine options to serve one LoRA of ``lora.rank`` at a time."""
+    fits = VLLM_TRAITS.adapter_rank_for(lora.rank)
     if fits is None:
-        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}; the actor's is {lora['rank']}: "
+        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}; the actor's is {lora.rank}: "
                          f"use rollout.lora_sync: merge")
     return {"enable_lora": True, "max_lora_rank": fits, "max_loras": 1}
 
@@ -147,9 +148,9 @@ class VLLMGenerator(GeneratorBase):
         enforce_eager: bool = True,
         sleep_between_rollouts: bool = True,
         return_routed_experts: bool = False,
-        lora_adapter: dict | None = None,
+        lora_adapter: LoRAConfig | None = None,
     ) -> None:
-        """``lora_adapter`` ({rank, alpha, targets}): serve a LoRA actor's adapters with vLLM's LoRA kernels on
+        """``lora_adapter`` (the actor's LoRA section: rank, alpha, targets): serve a LoRA actor's adapters with vLLM's LoRA kernels on
         the frozen base (``update_adapters``) instead of taking them merged."""
         from vllm import LLM
 
@@ -232,7 +233,6 @@ class VLLMGenerator(GeneratorBase):
 
         from vllm.lora.request import LoRARequest
 
-        from workers.megatron.lora import LoRAConfig
         from workers.megatron.lora_peft import save_peft_adapter
 
         start = time.perf_counter()
@@ -242,8 +242,7 @@ class VLLMGenerator(GeneratorBase):
         previous = self.lora_request
         serial = previous.lora_int_id + 1 if previous is not None else 1
         folder = f"{self._lora_dir}/{serial}"
-        save_peft_adapter(tensors, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"],
-                                              target_modules=tuple(lora["targets"])), folder)
+        save_peft_adapter(tensors, LoRAConfig(rank=lora.rank, alpha=lora.alpha, target_modules=lora.targets), folder)
         self.lora_request = LoRARequest(f"policy-{serial}", serial, folder)
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)

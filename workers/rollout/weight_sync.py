@@ -32,7 +32,9 @@ import torch
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.plan import GenerationLayout
+from workers.megatron.lora import LoRAConfig
 from workers.rollout.generator import Generator, serves_adapters
+from workers.rollout.training_layout import TrainingLayout
 
 __all__ = ["CheckpointWeights", "ColocatedSync", "CrossPoolSync", "WeightSource", "WeightSync", "weight_sync_for"]
 
@@ -110,14 +112,12 @@ class CrossPoolSync(WeightSync):
     pushed = True
 
     def __init__(self, spec: ModelSpec, gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype,
-                 device: torch.device | str, training: dict[str, Any], lora: dict[str, Any] | None = None) -> None:
-        """``lora`` ({rank, alpha, targets}): the actor trains LoRA adapters; its frozen base arrives once and is
+                 device: torch.device | str, training: TrainingLayout, lora: LoRAConfig | None = None) -> None:
+        """``lora`` (the actor's LoRA section: rank, alpha, targets): the actor trains LoRA adapters; its frozen base arrives once and is
         kept, then every update brings the adapters whole, merged here (or served, by an engine that can)."""
         self.spec, self.gen, self.gen_dp, self.rank, self.dtype, self.device = spec, gen, gen_dp, rank, dtype, device
         self.lora, self.base, self.merged, self._layout = lora, None, {}, None
-        self.train = ParallelLayout(training["tensor_parallel"], training["pipeline_parallel"],
-                                    training["data_parallel"], training.get("expert_parallel", 1),
-                                    training.get("expert_tensor_parallel"))
+        self.train = training.layout
         self.transfer = None
 
     def connect(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
@@ -157,7 +157,7 @@ class CrossPoolSync(WeightSync):
         if first:  # the base stays in the transfer's buffer: it is never released
             self.base = self.transfer.receive(self.rank, self.dtype, self.device)
         if self._layout is None:  # the adapters' flat message, the same at every update
-            self._layout = adapter_layout(self.spec, self.lora["rank"], tuple(self.lora["targets"]))
+            self._layout = adapter_layout(self.spec, self.lora.rank, self.lora.targets)
         numel = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in self._layout)
         adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), self._layout)
         received = self.transfer.bytes_received - before
@@ -169,7 +169,7 @@ class CrossPoolSync(WeightSync):
         else:
             coord = self.transfer.plan.gen_coordinate(self.rank)
             merge_into(self.base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank,
-                       self.lora["alpha"] / self.lora["rank"], self.merged)
+                       self.lora.alpha / self.lora.rank, self.merged)
             partial = not first and generator.accepts_partial_weights
             metrics.update(generator.update_weights(dict(self.merged) if partial else {**self.base, **self.merged}))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
@@ -192,10 +192,10 @@ class CheckpointWeights(WeightSync):
                            "training pool to connect to")
 
 
-def weight_sync_for(source: WeightSource | None, training: dict[str, Any] | None, *, spec: ModelSpec,
+def weight_sync_for(source: WeightSource | None, training: TrainingLayout | None, *, spec: ModelSpec,
                     gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype, device: torch.device | str,
                     method: str = "micro_dp", release_training: bool = True,
-                    lora: dict[str, Any] | None = None) -> WeightSync:
+                    lora: LoRAConfig | None = None) -> WeightSync:
     """The way weights reach this rollout: from a colocated actor's ``source``, across pools from the
     actor's pool described by ``training``, or none (the engine's own checkpoint)."""
     if source is not None and training is not None:
