@@ -18,6 +18,7 @@ from controller.algorithms import (
     register_advantage_estimator,
     register_algorithm,
 )
+from controller.algorithms.algorithm_roles import AlgorithmRole
 from controller.checks import register_check
 from controller.config import RLConfig, load_config
 from controller.data import (
@@ -62,7 +63,7 @@ __all__ = [
     "register_advantage_estimator", "AdvantageConfig", "AdvantageInputs", "group_rows", "kl_penalty",
     "RLAlgorithm", "StepContext", "StepState", "register_algorithm",
     # extending the job: roles, engines, checks
-    "RoleType", "register_role", "GeneratorTraits", "register_generator", "register_check",
+    "RoleType", "register_role", "AlgorithmRole", "GeneratorTraits", "register_generator", "register_check",
     # models and configs
     "resolve_model_path", "value_model_from_policy", "RLConfig", "load_config",
 ]

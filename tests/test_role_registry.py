@@ -46,3 +46,41 @@ def test_a_role_in_one_file_is_declared_placed_built_and_called_by_the_step(tmp_
         torch.testing.assert_close(scored.batch["token_level_scores"].sum(-1), rule + 0.5 * lengths)
     finally:
         trainer.shutdown()
+
+
+def test_an_algorithm_adds_a_role_of_its_own_through_its_roles_hook(tmp_path):
+    """``RLAlgorithm.roles``: the role is declared beside the job's own with its call at its phase, after the
+    algorithm's inner roles (Safe-RLHF's cost, by the hook too); a name the job already has is refused. No
+    process starts: the declaration is pure (the step's call is covered by the Safe-RLHF runs)."""
+    from length_bonus_role import LengthBonus, add_bonus
+
+    from controller.algorithms import RLAlgorithm, SafeRLHF, build_algorithm
+    from controller.algorithms.algorithm_roles import AlgorithmRole
+    from controller.config import ConfigError, load_config
+    from controller.models.builtin import resolve_model_path
+    from controller.rl.role_specs import declare_roles
+    from workers.reward import RuleReward
+    from workers.role_spec import RoleSpec
+
+    class WithBonus(RLAlgorithm):
+        preset = "grpo"
+        name = "bonus"
+
+        def roles(self, job):
+            return {self.name: AlgorithmRole(RoleSpec(LengthBonus, {"weight": 0.25}), "score", add_bonus)}
+
+    model = str(resolve_model_path("builtin:tiny-arithmetic", tmp_path))
+    config = load_config(ROOT / "examples" / "ppo_tiny.yaml", [f"model_path={model}", *RUN,
+                                                               "algorithm.safe_rlhf_cost_fn=format_check"])
+    mine = WithBonus(config.algorithm, build_algorithm(config.algorithm).defaults)
+    declared = declare_roles(config, SafeRLHF(mine), model)
+    assert declared.specs["bonus"].worker_cls is LengthBonus and declared.specs["bonus"].kwargs == {"weight": 0.25}
+    cost = declared.specs["cost"]
+    assert cost.worker_cls is RuleReward and cost.kwargs["reward_fn"] == "format_check"
+    assert [name for name, _ in declared.calls["score"]] == ["bonus", "cost"]
+    assert declared.calls["score"][0][1] is add_bonus
+    with pytest.raises(ConfigError, match=r"WithBonus.roles\(\): role 'reward' is already one of the job's roles"):
+        mine.name = "reward"
+        declare_roles(config, mine, model)
+    with pytest.raises(ValueError, match="AlgorithmRole.phase 'later' is not one of"):
+        AlgorithmRole(RoleSpec(LengthBonus, {"weight": 0.25}), "later", add_bonus)

@@ -11,6 +11,8 @@ update, metrics) and calls the algorithm object at five points:
                                                         objective and the rollout correction
     after_update(ctx, state, batch) -> None             e.g. the adaptive KL coefficient
 
+and may add roles of its own to the job (``roles(job)``: Safe-RLHF's cost scorer).
+
 ``ctx`` is the step's ``StepContext`` (``controller.algorithms.step_context``), not the trainer: a
 hook may generate and score more (``ctx.generate_and_score``), draw prompts (``ctx.loader``), call
 the roles (``ctx.groups``), read the step's settings, and report metrics into ``state.metrics``.
@@ -57,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controller.algorithms.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
+from controller.algorithms.algorithm_roles import AlgorithmRole, RoleContext
 from controller.algorithms.kl_control import KLController, apply_kl_penalty, make_kl_controller
 from controller.algorithms.presets import PRESETS, AlgorithmPreset
 from workers.actor import PolicyUpdateTerms
@@ -165,6 +168,13 @@ class RLAlgorithm:
     def after_update(self, ctx: StepContext, state: StepState, batch: DataProto) -> None:
         if self.config.kl_in_reward:
             self.kl_ctrl.update(state.metrics.get("actor/reward_kl_penalty", 0.0), n_steps=len(state.prompts))
+
+    # ---------------------------------------------------------------- roles
+    def roles(self, job: RoleContext) -> dict[str, AlgorithmRole]:
+        """Roles this algorithm adds to the job beside the built-in ones, by name: each declared with them before
+        any process starts, built as a worker group, and called by the step at its phase
+        (``controller.algorithms.algorithm_roles``). Safe-RLHF's cost scorer is one; none here."""
+        return {}
 
     # ----------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

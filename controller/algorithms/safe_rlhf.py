@@ -9,20 +9,52 @@ ascent on lambda along the constraint violation J_c - limit.
 computes the cost's with the same estimator (ReMax's greedy cost baseline
 included), combines the two under the multiplier, and steps the multiplier after
 the update; the multiplier is part of the checkpoint.
+
+Everything Safe-RLHF adds to a job is here: its role (``roles``: the cost scorer, a rule
+``algorithm.safe_rlhf_cost_fn`` or a reward model ``cost_model:``, called in the score phase by
+``score_cost``), whether a job has it (``costed``), and its hooks. Its settings keep their spellings
+(``algorithm.safe_rlhf_cost_limit``, ``..._lambda_init``, ``..._lambda_lr``).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 
 from controller.algorithms.advantages import AdvantageInputs, compute_advantages
 from controller.algorithms.algorithm import RLAlgorithm, StepState
+from controller.algorithms.algorithm_roles import AlgorithmRole, RoleContext
+from controller.errors import ConfigError
 from workers.data_proto import DataProto
 
-__all__ = ["LagrangeMultiplier", "SafeRLHF", "combine_advantages"]
+__all__ = ["LagrangeMultiplier", "SafeRLHF", "check_cost_sources", "combine_advantages", "costed", "score_cost"]
+
+
+def costed(config) -> bool:
+    """Whether a job (an RLConfig) scores a cost, which turns Safe-RLHF on."""
+    return config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
+
+
+def check_cost_sources(cost_fn, cost_model) -> None:
+    """ConfigError unless at most one cost source is given."""
+    if cost_fn is not None and cost_model is not None:
+        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
+
+
+def score_cost(group, batch: DataProto, scores: DataProto, score_key: str = "rm_scores") -> DataProto:
+    """``scores`` with the cost of each response (``cost_token_level_scores``, ``cost_scores``) from the cost
+    role's worker group: a reward model's ``score_key``, or a rule's ``scores``."""
+    if hasattr(group, "compute_rm_score"):
+        cost = group.compute_rm_score(batch)
+        cost_scores = cost.batch[score_key]
+    else:
+        cost = group.compute_reward(batch)
+        cost_scores = cost.batch["scores"]
+    return scores.union(DataProto({"cost_token_level_scores": cost.batch["token_level_scores"],
+                                   "cost_scores": cost_scores}))
 
 
 def _finite(owner: str, name: str, value: Any, minimum: float | None = None, strict: bool = False) -> float:
@@ -111,6 +143,21 @@ class SafeRLHF(RLAlgorithm):
     @property
     def estimator(self) -> str:
         return self.inner.estimator
+
+    def roles(self, job: RoleContext) -> dict[str, AlgorithmRole]:
+        """The inner algorithm's roles and the cost scorer: ``algorithm.safe_rlhf_cost_fn`` (a rule) or
+        ``cost_model:`` (a reward model), scoring every batch beside the reward."""
+        cost_fn, cost_model = job.config.algorithm.safe_rlhf_cost_fn, job.config.cost_model
+        check_cost_sources(cost_fn, cost_model)
+        if cost_fn is None and cost_model is None:
+            raise ConfigError("Safe-RLHF scores a cost: set algorithm.safe_rlhf_cost_fn (a rule) or cost_model "
+                              "(a reward model)")
+        if self.needs_critic:
+            raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, "
+                              f"reinforce_plus_plus); {self.config.name} would need a cost critic")
+        spec = job.rule(cost_fn) if cost_fn is not None else job.reward_model(cost_model)
+        call = partial(score_cost, score_key=spec.kwargs.get("score_key", "rm_scores"))
+        return {**self.inner.roles(job), "cost": AlgorithmRole(spec, "score", call)}
 
     def before_generation(self, ctx, state: StepState, prompts: DataProto) -> DataProto:
         return self.inner.before_generation(ctx, state, prompts)

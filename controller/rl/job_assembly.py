@@ -54,7 +54,7 @@ class JobAssembly:
         self._scratch: tempfile.TemporaryDirectory | None = None
         self.policy_path = (resolve_model_path(config.model_path, self._work_dir())
                             if config.model_path.startswith("builtin:") else config.model_path)
-        self.specs = declare_roles(config, algorithm, self.policy_path)
+        self._declare(config)
         self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
         self.placement = {role: "default" for role in self.specs}
         self.rollout_on_its_own_pool = False
@@ -152,7 +152,16 @@ class JobAssembly:
         if role != "rollout" and "engine" not in self.specs[role].kwargs:
             raise ConfigError(f"role {role!r} ({self.specs[role].worker_cls.__name__}) has no model parallelism to set")
         self.config = with_parallelism(self.config, role, tensor_parallel, pipeline_parallel)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+        self._declare(self.config)
+
+    def _declare(self, config: RLConfig) -> None:
+        declared = declare_roles(config, self.algorithm, self.policy_path)
+        self.specs, self.role_calls = declared.specs, declared.calls
+
+    def calls_at(self, phase: str) -> list[tuple[str, Any]]:
+        """(role, call) of each role the step calls at ``phase`` besides the built-in ones: the algorithm's
+        own roles (``RLAlgorithm.roles``), then the registered ones (``controller.rl.role_registry``)."""
+        return self.role_calls.get(phase, [])
 
     def _before_build(self, what: str) -> None:
         if self.groups:
@@ -228,7 +237,7 @@ class JobAssembly:
     def _settled(self, placed, *notes: str | None) -> None:
         """The config as resolved (its placement kept where this assembly keeps it), the roles declared again."""
         self.config = replace(placed, trainer=self.config.trainer)
-        self.specs = declare_roles(self.config, self.algorithm, self.policy_path)
+        self._declare(self.config)
         for note in notes:
             if note:
                 print(f"[hybridflow] {note}", file=sys.stderr, flush=True)

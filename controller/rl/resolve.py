@@ -69,6 +69,6 @@ def lora_sync(config: RLConfig, policy_path: str, cluster_of: ClusterOf, flash_a
 def resolve(config: RLConfig, algorithm: Any, policy_path: str, cluster_of: ClusterOf,
             flash_attention: bool) -> Resolved:
     """The layouts, then lora_sync, as above."""
-    config = auto_layout(config, declare_roles(config, algorithm, policy_path), cluster_of, flash_attention)
+    config = auto_layout(config, declare_roles(config, algorithm, policy_path).specs, cluster_of, flash_attention)
     config, choice, note = lora_sync(config, policy_path, cluster_of, flash_attention)
     return Resolved(config, choice, (note,) if note else ())

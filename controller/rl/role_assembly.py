@@ -1,9 +1,9 @@
-"""The roles an RL job needs, from what the user declared: actor, rollout, critic, reference, reward, cost.
+"""The roles an RL job needs, from what the user declared: actor, rollout, critic, reference, reward.
 
 ``assemble_roles`` checks that the declared roles fit the algorithm (one reward source; a critic
-where the estimator is GAE; Safe-RLHF only with critic-free estimators), adds the roles the
-algorithm implies (a reference policy where a KL term reads one, the rule-reward and cost workers),
-and returns them by name, in the order the trainer builds them.
+where the estimator is GAE), adds the roles the algorithm implies (a reference policy where a KL term
+reads one, the rule-reward worker), and returns them by name, in the order the trainer builds them.
+An algorithm's own roles (Safe-RLHF's cost) come from its ``roles`` hook (``controller.rl.role_specs``).
 """
 
 from __future__ import annotations
@@ -35,17 +35,12 @@ def assemble_roles(
     reward_kwargs: dict[str, Any] | None = None,
     reward_options: dict[str, Any] | None = None,  # RuleReward's max_concurrency, timeout_s, sandbox_isolation
     reward_worker: RoleSpec | None = None,
-    cost_fn: str | Callable | None = None,
-    cost_model: RoleSpec | None = None,
     kl_loss_fn: Callable | None = None,
 ) -> dict[str, RoleSpec]:
     config = algorithm.config
-    check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn, cost_model)
+    check_reward_sources(reward_fn, reward_model, reward_worker)
     if algorithm.needs_critic and critic is None:
         raise ConfigError(f"{config.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
-    if (cost_fn is not None or cost_model is not None) and algorithm.needs_critic:
-        raise ConfigError("Safe-RLHF costs here use a critic-free estimator (grpo, rloo, remax, reinforce_plus_plus); "
-                          f"{config.name} would need a cost critic")
     if config.router_replay != "off":  # the rollout reports the experts it routed each token to
         rollout = _returning_routes(rollout)
     if lora_actor(actor):  # the rollout learns the adapters' shape (an engine serving them unmerged needs it)
@@ -66,11 +61,6 @@ def assemble_roles(
                                                 "reward_kwargs": reward_kwargs, **(reward_options or {})})
     if reward_worker is not None:
         specs["reward"] = reward_worker
-    if cost_fn is not None:
-        specs["cost"] = RoleSpec(RuleReward, {"tokenizer_path": actor.model_path, "reward_fn": cost_fn,
-                                              **(reward_options or {})})
-    if cost_model is not None:  # a RewardModel beside the reward model, scoring cost
-        specs["cost"] = cost_model
     return specs
 
 
@@ -94,13 +84,11 @@ def reference_role(specs: dict[str, RoleSpec], config, ppo, kl_loss_fn=None) -> 
     return "actor" if lora_actor(specs["actor"]) and needs_reference(config, ppo, kl_loss_fn) else None
 
 
-def check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn=None, cost_model=None) -> None:
-    """ConfigError unless exactly one reward source is given, and at most one cost source."""
+def check_reward_sources(reward_fn, reward_model, reward_worker) -> None:
+    """ConfigError unless exactly one reward source is given."""
     if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
         raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
                           "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
-    if cost_fn is not None and cost_model is not None:
-        raise ConfigError("give cost_fn (a rule) or cost_model (a RewardModel spec), not both")
 
 
 def _returning_routes(rollout: RoleSpec) -> RoleSpec:

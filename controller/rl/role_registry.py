@@ -31,7 +31,7 @@ from typing import Any
 
 from workers.role_spec import RoleSpec
 
-__all__ = ["PHASES", "ROLE_TYPES", "RoleType", "register_role", "roles_at"]
+__all__ = ["PHASES", "ROLE_TYPES", "RoleType", "register_role"]
 
 PHASES = ("score",)
 
@@ -70,7 +70,3 @@ def register_role(role: RoleType, override: bool = False) -> RoleType:
     ROLE_TYPES[role.name] = role
     return role
 
-
-def roles_at(phase: str, present) -> list[RoleType]:
-    """The registered roles of a job (``present``: its role names) that its step calls at ``phase``."""
-    return [role for name, role in ROLE_TYPES.items() if role.phase == phase and name in present]

@@ -2,15 +2,15 @@
 
 ``declare_roles(config, algorithm, policy_path)`` reads the tree (``controller.config.RLConfig``) and gives the
 actor, the rollout, the critic where the estimator needs one, the reference where a KL term reads
-it, and the reward (a rule, a reward model or the user's worker) and Safe-RLHF's cost, through
-``assemble_roles``. Every role's worker and keywords are checked here, before any process starts.
+it, and the reward (a rule, a reward model or the user's worker), through ``assemble_roles``; then the
+algorithm's own roles (its ``roles`` hook: Safe-RLHF's cost) and the registered ones the config holds. Every role's worker and keywords are checked here, before any process starts.
 A ``worker`` given as ``"package.module:Class"`` is imported now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.config import RoleConfig
@@ -23,12 +23,12 @@ from workers.critic import Critic
 from workers.import_path import import_object
 from workers.keywords import check_constructor
 from workers.pretrained import resolve_pretrained
-from workers.reward import RewardModel
+from workers.reward import RewardModel, RuleReward
 from workers.role_spec import RoleSpec
 from workers.rollout import Rollout
 from workers.user_kl import check_kl_loss_fn
 
-__all__ = ["declare_roles", "kl_loss_function", "with_parallelism", "with_resolved_paths", "worker_class"]
+__all__ = ["DeclaredRoles", "declare_roles", "kl_loss_function", "with_parallelism", "with_resolved_paths", "worker_class"]
 
 
 def worker_class(value: str | type | None, base: type, key: str) -> type:
@@ -81,10 +81,37 @@ def with_resolved_paths(config):
                    ref_policy=resolved(config.ref_policy), cost_model=resolved(config.cost_model))
 
 
-def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
-    """The job's roles by name (``controller.rl.role_assembly.ROLE_ORDER``), from ``config`` (an RLConfig)
-    for ``algorithm`` (the RLAlgorithm), with ``policy_path`` the policy checkpoint (``config.model_path``
-    resolved). ConfigError (or the worker's TypeError / ValueError) on a role that cannot be declared."""
+@dataclass(frozen=True)
+class DeclaredRoles:
+    """A job's roles: each one's RoleSpec by name, and the calls the step makes at each phase on the roles
+    that are not built in (the algorithm's own, then the registered ones): ``calls[phase]`` is a list of
+    (role, call)."""
+
+    specs: dict[str, RoleSpec]
+    calls: dict[str, list[tuple[str, Callable]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _JobRoles:
+    """The job's way of declaring a scorer, for an algorithm's ``roles`` hook (its ``RoleContext``)."""
+
+    config: Any
+    policy_path: str
+    actor_path: str
+    reward_options: dict[str, Any]
+
+    def rule(self, fn) -> RoleSpec:
+        return RoleSpec(RuleReward, {"tokenizer_path": self.actor_path, "reward_fn": fn, **self.reward_options})
+
+    def reward_model(self, section) -> RoleSpec:
+        return reading_policy_ids(_reward_model(section, section.model_path), self.actor_path)
+
+
+def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
+    """The job's roles by name (``controller.rl.role_assembly.ROLE_ORDER``, then the algorithm's own and the
+    registered ones), from ``config`` (an RLConfig) for ``algorithm`` (the RLAlgorithm), with ``policy_path``
+    the policy checkpoint (``config.model_path`` resolved). ConfigError (or the worker's TypeError /
+    ValueError) on a role that cannot be declared."""
     actor_path = config.actor.model_path or policy_path
     actor = _engine_role(worker_class(config.actor.worker, Actor, "actor.worker"), actor_path, config.actor,
                          optim=config.actor.optim, ppo=config.ppo)
@@ -117,20 +144,24 @@ def declare_roles(config, algorithm, policy_path: str) -> dict[str, RoleSpec]:
         reward_model = reading_policy_ids(_reward_model(reward, reward.model_path, reward.max_length), actor_path)
     else:
         reward_fn = reward.fn
-    cost_model = None
-    if config.cost_model is not None:
-        cost_model = reading_policy_ids(_reward_model(config.cost_model, config.cost_model.model_path), actor_path)
-    alg = config.algorithm
+    options = {"max_concurrency": reward.max_concurrency, "timeout_s": reward.timeout_s, **sandbox}
     specs = assemble_roles(
         algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
-        reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None,
-        reward_options={"max_concurrency": reward.max_concurrency, "timeout_s": reward.timeout_s, **sandbox},
-        reward_worker=reward_worker, cost_fn=alg.safe_rlhf_cost_fn, cost_model=cost_model,
-        kl_loss_fn=kl_loss_function(alg.kl_loss_fn))
+        reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None, reward_options=options,
+        reward_worker=reward_worker, kl_loss_fn=kl_loss_function(config.algorithm.kl_loss_fn))
+    calls: dict[str, list[tuple[str, Callable]]] = {}
+    for name, role in algorithm.roles(_JobRoles(config, policy_path, actor_path, options)).items():
+        if name in specs:
+            raise ConfigError(f"{type(algorithm).__name__}.roles(): role {name!r} is already one of the job's "
+                              f"roles {sorted(specs)}")
+        specs[name] = role.spec
+        calls.setdefault(role.phase, []).append((name, role.call))
     for name, section in config.roles.items():  # the registered roles the config holds (role_registry)
         if name in ROLE_TYPES:
-            specs[name] = ROLE_TYPES[name].spec(section, policy_path)
-    return specs
+            role_type = ROLE_TYPES[name]
+            specs[name] = role_type.spec(section, policy_path)
+            calls.setdefault(role_type.phase, []).append((name, role_type.call))
+    return DeclaredRoles(specs, calls)
 
 
 def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_parallel: int | None):

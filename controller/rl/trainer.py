@@ -24,7 +24,6 @@ from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.job_assembly import JobAssembly
 from controller.rl.role_assembly import reference_role
-from controller.rl.role_registry import roles_at
 from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_source import RolloutSource
@@ -48,7 +47,8 @@ _FROM_JOB = frozenset({
     "config", "specs", "policy_path", "placement", "pool_shapes", "pool_sizes", "rollout_on_its_own_pool", "backend",
     "ray_address", "groups", "pools", "loader", "val_loader", "pad_token_id", "schedule", "mode", "rollout_link",
     "rollout_client", "run_dir", "batch_size", "shuffle", "seed", "train_data", "val_data", "watch", "lora_sync_choice",
-    "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out", "choose_lora_sync"})
+    "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out", "choose_lora_sync",
+    "calls_at"})
 
 
 class RLTrainer:
@@ -152,7 +152,8 @@ class RLTrainer:
         return out
 
     def score(self, batch: DataProto) -> DataProto:
-        """``token_level_scores`` and ``scores`` of each response (and its cost under Safe-RLHF)."""
+        """``token_level_scores`` and ``scores`` of each response, and what the other scoring roles add (Safe-RLHF's
+        cost)."""
         if "reward_model" in self.groups:
             out = self.groups["reward_model"].compute_rm_score(batch)
             key = self.specs["reward_model"].kwargs.get("score_key", "rm_scores")
@@ -160,17 +161,8 @@ class RLTrainer:
         else:
             out = self.groups["reward"].compute_reward(batch)
             scores = out.select([k for k in ("token_level_scores", "scores", "reward_timed_out") if k in out.batch])
-        if "cost" in self.groups:
-            if hasattr(self.groups["cost"], "compute_rm_score"):
-                cost = self.groups["cost"].compute_rm_score(batch)
-                cost_scores = cost.batch[self.specs["cost"].kwargs.get("score_key", "rm_scores")]
-            else:
-                cost = self.groups["cost"].compute_reward(batch)
-                cost_scores = cost.batch["scores"]
-            scores = scores.union(DataProto({"cost_token_level_scores": cost.batch["token_level_scores"],
-                                             "cost_scores": cost_scores}))
-        for role in roles_at("score", self.groups):  # registered roles scoring beside the reward
-            scores = role.call(self.groups[role.name], batch, scores)
+        for role, call in self.calls_at("score"):  # the algorithm's roles (Safe-RLHF's cost), registered roles
+            scores = call(self.groups[role], batch, scores)
         return scores
 
     def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:

@@ -21,6 +21,7 @@ from typing import Any
 
 from controller.algorithms import RLAlgorithm
 from controller.algorithms.config import AlgorithmConfig
+from controller.algorithms.safe_rlhf import check_cost_sources
 from controller.config import DataConfig, RewardConfig, RLConfig, RoleConfig, TrainerConfig, build_section
 from controller.errors import ConfigError
 from controller.rl.role_assembly import check_reward_sources
@@ -93,7 +94,8 @@ def config_from_keywords(
     """
     check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
                          reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
-    check_reward_sources(reward_fn, reward_model, reward_worker, cost_fn, cost_model)  # before they fill one section
+    check_reward_sources(reward_fn, reward_model, reward_worker)  # before they fill one section
+    check_cost_sources(cost_fn, cost_model)
     if rollout_proto is not None:
         if not isinstance(rollout_proto, DataSchema):
             raise TypeError(f"rollout_proto takes a schema, DataProto(field='name', ...); got {rollout_proto!r}")

@@ -51,8 +51,9 @@ def job_algorithm(config, given: Any = None):
     """The job's RLAlgorithm: ``given`` (an object) or built from ``config.algorithm``; wrapped in Safe-RLHF's
     hooks where a cost is scored."""
     from controller.algorithms import SafeRLHF, build_algorithm
+    from controller.algorithms.safe_rlhf import costed
 
-    safe_rlhf = config.algorithm.safe_rlhf_cost_fn is not None or config.cost_model is not None
+    safe_rlhf = costed(config)
     if given is None:
         return build_algorithm(config.algorithm, safe_rlhf=safe_rlhf)
     return SafeRLHF(given) if safe_rlhf and not isinstance(given, SafeRLHF) else given
