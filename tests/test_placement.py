@@ -130,3 +130,40 @@ def test_a_job_config_places_roles_on_shared_pools(tmp_path, monkeypatch):
     trainer.check()
     assert seen[0].trainer.placement == {"actor": {"nodes": 2, "processes_per_node": 4}, "critic":
                                          {"nodes": 1, "processes_per_node": 4}, "reward": "actor"}
+
+
+def test_placement_declarations_are_a_value_that_resolve_writes_into_the_config():
+    """RolePlacement: each register_placement gives a new value (the old one unchanged), a config's own pools read
+    back as they were written, and resolve writes the declared pools into trainer.placement, the rest of the
+    config untouched. Pure: no process, no trainer."""
+    from dataclasses import replace
+
+    from controller.algorithms import build_algorithm
+    from controller.rl.resolve import resolve
+    from controller.rl.role_placement import RolePlacement
+
+    config = load_config(None, ["trainer.launcher=ray", "algorithm.name=grpo", "rollout.lora_sync=merge",
+                                "trainer.placement={reward: actor, actor: {nodes: 2, processes_per_node: 4}, critic: 4}"])
+    roles = ("actor", "rollout", "critic", "reward")
+    own = RolePlacement.of(config.trainer, roles)
+    written = own.into(config)  # the config's own pools, read and written back (each pool's size spelled out)
+    assert written.trainer.placement == {"actor": {"nodes": 2, "processes_per_node": 4},
+                                         "critic": {"nodes": 1, "processes_per_node": 4}, "reward": "actor"}
+    assert RolePlacement.of(written.trainer, roles) == own and replace(written, trainer=config.trainer) == config
+    bare = RolePlacement.of(replace(config.trainer, placement={}), roles)
+    placed = bare.placed("actor", nodes=2, processes_per_node=4).placed("reward", pool="actor").placed("critic", 4)
+    assert bare.roles == dict.fromkeys(roles, "default") and not bare.rollout_apart  # unchanged by placed()
+    assert placed.roles == own.roles and placed.pool_sizes == own.pool_sizes == {"default": 4, "actor": 8, "critic": 4}
+    apart = placed.placed("rollout", 2)
+    assert apart.rollout_apart and apart.into(config).trainer.placement["rollout"] == {"nodes": 1, "processes_per_node": 2}
+    with pytest.raises(ConfigError, match="unknown role 'judge'; roles of this trainer"):
+        placed.placed("judge", 1)
+
+    def no_cluster():
+        raise AssertionError("nothing to choose: the cluster is not asked for")
+
+    unplaced = replace(config, trainer=replace(config.trainer, placement={}))
+    resolved = resolve(unplaced, build_algorithm(config.algorithm), "policy", no_cluster, False, apart)
+    assert resolved.config == apart.into(unplaced) and resolved.config.trainer.placement["critic"] == {
+        "nodes": 1, "processes_per_node": 4}
+    assert replace(resolved.config, trainer=unplaced.trainer) == unplaced  # nothing else changed

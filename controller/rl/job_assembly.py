@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from controller.checks.placement import job_pools, placeable_roles
 from controller.config import RLConfig, check_config
 from controller.data import PromptLoader
 from controller.errors import ConfigError
@@ -30,10 +29,11 @@ from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.resolve import auto_layout, lora_sync, resolve
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
+from controller.rl.role_placement import RolePlacement
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.schedules import build_schedule
 from controller.runtime.hang_watch import HangWatch
-from controller.runtime.placement import PlacementError, PoolShape, pool_shape
+from controller.runtime.placement import PoolShape
 from controller.runtime.resource_pool import ResourcePool
 from controller.runtime.worker_group import WorkerGroup
 from hybridengine.device import accelerator_count, device_memory_bytes
@@ -56,14 +56,13 @@ class JobAssembly:
                             if config.model_path.startswith("builtin:") else config.model_path)
         self._declare(config)
         self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
-        self.placement = {role: "default" for role in self.specs}
-        self.rollout_on_its_own_pool = False
+        # where the roles run: the config's own pools, then each register_placement (resolve writes it in)
+        self.declared = RolePlacement.of(trainer, self.specs)
         self.mode = trainer.mode
         self.schedule = build_schedule(trainer.mode, trainer.max_staleness, trainer.partial_rollout_tokens,
                                        trainer.max_in_flight)
         self.rollout_link: RolloutWeightLink | None = None  # the weights' path to a rollout on its own pool
         self.rollout_client: RolloutClient | None = None  # how responses come: the group or the server (build)
-        self.pool_shapes: dict[str, PoolShape] = {"default": PoolShape("default", trainer.nnodes, trainer.nproc)}
         self.backend, self.ray_address = trainer.launcher, trainer.ray_address
         self.batch_size, self.shuffle, self.seed = config.data.batch_size, config.data.shuffle, trainer.seed
         self.groups: dict[str, WorkerGroup] = {}
@@ -73,19 +72,11 @@ class JobAssembly:
         self.loader: PromptLoader | None = None
         self.val_loader: PromptLoader | None = None
         self.pad_token_id: int | None = None
-        pools = job_pools(trainer)  # the config's own placement: the pools' owners first, then the roles sharing them
-        for role, shape in sorted(pools.items(), key=lambda item: item[1].name != item[0]):
-            if role == "default":
-                continue
-            if shape.name == role:
-                self.register_placement(role, nodes=shape.nodes, processes_per_node=shape.processes_per_node)
-            else:
-                self.register_placement(role, pool=shape.name)
 
     @property
     def pool_sizes(self) -> dict[str, int]:
         """Processes of each pool."""
-        return {name: shape.world_size for name, shape in self.pool_shapes.items()}
+        return self.declared.pool_sizes
 
     # ------------------------------------------------------------- declaration
     def register_placement(self, role: str, devices: int | None = None, pool: str | None = None, *,
@@ -107,42 +98,24 @@ class JobAssembly:
 
         Then the actor sends it the weights across pools after each update
         (``controller.rl.rollout_pool``). Under torchrun a megatron role's pool must
-        be the whole world, so split placement is a Ray feature.
+        be the whole world, so split placement is a Ray feature. The declaration is a value
+        (``controller.rl.role_placement.RolePlacement``) that ``resolve`` writes into the config.
         """
         self._before_build("register_placement")
-        if role not in self.specs:
-            raise ConfigError(f"unknown role {role!r}; roles of this trainer: {sorted(self.specs)}")
-        if role == "rollout" and pool is not None and pool == self.placement.get("actor"):
-            raise ConfigError(f"register_placement('rollout', pool={pool!r}): that is the actor's pool, where the "
-                              f"rollout sits by default; give it a pool of its own, or leave it with the actor")
-        if devices is not None and (nodes is not None or processes_per_node is not None):
-            raise ConfigError(f"register_placement({role!r}): give devices (one node) or nodes and "
-                              f"processes_per_node, not both")
-        pool = pool or role
-        shape = None
-        if devices is not None or processes_per_node is not None:
-            value = devices if devices is not None else {"nodes": nodes or 1, "processes_per_node": processes_per_node}
-            try:
-                shape = pool_shape(pool, value, f"register_placement({role!r})")
-            except PlacementError as exc:
-                raise ConfigError(str(exc)) from None
-        elif nodes is not None:
-            raise ConfigError(f"register_placement({role!r}, nodes={nodes}): give processes_per_node too")
-        if pool in self.pool_shapes:
-            known = self.pool_shapes[pool]
-            if shape is not None and known is not None and known.process_on_nodes != shape.process_on_nodes:
-                if known.nodes == shape.nodes == 1:
-                    raise ConfigError(f"pool {pool!r} has {known.world_size} processes, not {shape.world_size}")
-                raise ConfigError(f"pool {pool!r} is {known}, not {shape}")
-        elif shape is None:
-            raise ConfigError(f"pool {pool!r} is new: give its devices (>= 1), or nodes and processes_per_node")
-        else:
-            self.pool_shapes[pool] = shape
-        self.placement[role] = pool
-        if role == "actor" and not self.rollout_on_its_own_pool:
-            self.placement["rollout"] = pool
-        if role == "rollout":
-            self.rollout_on_its_own_pool = True
+        self.declared = self.declared.placed(role, devices, pool, nodes=nodes, processes_per_node=processes_per_node)
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Each role's pool, as declared."""
+        return dict(self.declared.roles)
+
+    @property
+    def pool_shapes(self) -> dict[str, PoolShape]:
+        return dict(self.declared.shapes)
+
+    @property
+    def rollout_on_its_own_pool(self) -> bool:
+        return self.declared.rollout_apart
 
     def register_parallelism(self, role: str, tensor_parallel: int | None = None, pipeline_parallel: int | None = None) -> None:
         """Set a megatron role's TP/PP (the rollout's generation TP/PP), in the config. Before the first step."""
@@ -171,8 +144,8 @@ class JobAssembly:
         """The checks across the whole config (with the placement as declared), then the pools and groups."""
         if self.groups:
             return
-        resolved = resolve(self.placed_config(), self.algorithm, self.policy_path, self._job_cluster,
-                           accelerator_count() > 0)  # device_map: auto, lora_sync: auto: the planner's choices
+        resolved = resolve(self.config, self.algorithm, self.policy_path, self._job_cluster, accelerator_count() > 0,
+                           self.declared)  # the declarations, then the planner's choices
         self.lora_sync_choice = resolved.lora_sync
         self._settled(resolved.config, *resolved.notes)
         from controller.planner.prelaunch import check_before_launch
@@ -246,25 +219,13 @@ class JobAssembly:
         """The job's devices as the planner sees them (``controller.planner.device_map.job_cluster``)."""
         from controller.planner.device_map import job_cluster
 
-        used = {self.placement[role] for role in self.placement}
-        shapes = [shape for name, shape in self.pool_shapes.items() if name in used or name == "default"]
+        shapes = self.declared.used_shapes()
         return job_cluster(sum(s.nodes for s in shapes), self.config.trainer.nproc,
                            sum(s.world_size for s in shapes), device_memory_bytes())
 
     def placed_config(self):
         """The config with its pools as declared (``register_placement`` included) in ``trainer.placement``."""
-        placement, owner = {}, {}
-        for role, pool in self.placement.items():
-            shape = self.pool_shapes[pool]
-            if role == "rollout" and not self.rollout_on_its_own_pool:
-                continue  # it follows the actor
-            if pool != "default" and role in placeable_roles():  # the pool's first role holds it, the others share it
-                if pool in owner:
-                    placement[role] = owner[pool]
-                else:
-                    owner[pool] = role
-                    placement[role] = {"nodes": shape.nodes, "processes_per_node": shape.processes_per_node}
-        return replace(self.config, trainer=replace(self.config.trainer, placement=placement))
+        return self.declared.into(self.config)
 
     def check(self) -> None:
         """ConfigError listing every problem of the config, its pools as declared (``register_placement``

@@ -1,14 +1,14 @@
-"""resolve: the config as the job will run it, settled before any process starts.
+"""resolve: the config as the job will run it, settled once, before any process starts.
 
-    resolved = resolve(placed_config, algorithm, policy_path, cluster_of, flash_attention=False)
-    resolved.config       # every device_map: auto role laid out, rollout.lora_sync: auto chosen
+    resolved = resolve(config, algorithm, policy_path, cluster_of, flash_attention=False, placement=placement)
+    resolved.config       # the declarations written in, every device_map: auto role laid out, lora_sync chosen
     resolved.lora_sync    # the planner's choice of lora_sync, and why (None: not asked, or not scored)
     resolved.notes        # what to say on the console
 
-Its input is a config whose declarations are in it (``register_placement`` and ``register_parallelism``
-write ``trainer.placement`` and the roles' layouts: ``JobAssembly.placed_config``); it applies the planner's
-choices in order: each ``device_map: auto`` role's layout (``controller.planner.device_map``), then how a
-LoRA actor's adapters reach the rollout (``controller.planner.lora_choice``). Nothing else is read or
+It applies, in order: the declarations (``placement``, a ``RolePlacement``: the config's own pools and each
+``register_placement``, written into ``trainer.placement``; ``register_parallelism`` writes the roles' layouts
+into the config when it is called); each ``device_map: auto`` role's layout (``controller.planner.device_map``);
+then how a LoRA actor's adapters reach the rollout (``controller.planner.lora_choice``). Nothing else is read or
 changed: ``cluster_of()`` (the job's devices as the planner sees them) is called only where a choice needs it.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.config import RLConfig
+from controller.rl.role_placement import RolePlacement
 from controller.rl.role_specs import declare_roles, with_parallelism
 
 __all__ = ["Resolved", "auto_layout", "lora_sync", "resolve"]
@@ -66,9 +67,12 @@ def lora_sync(config: RLConfig, policy_path: str, cluster_of: ClusterOf, flash_a
     return dataclasses.replace(config, rollout=placed.rollout), choice, note
 
 
-def resolve(config: RLConfig, algorithm: Any, policy_path: str, cluster_of: ClusterOf,
-            flash_attention: bool) -> Resolved:
-    """The layouts, then lora_sync, as above."""
+def resolve(config: RLConfig, algorithm: Any, policy_path: str, cluster_of: ClusterOf, flash_attention: bool,
+            placement: RolePlacement | None = None) -> Resolved:
+    """The declarations (``placement``; None: the config's own pools, as they are), the layouts, then lora_sync,
+    as above."""
+    if placement is not None:
+        config = placement.into(config)
     config = auto_layout(config, declare_roles(config, algorithm, policy_path).specs, cluster_of, flash_attention)
     config, choice, note = lora_sync(config, policy_path, cluster_of, flash_attention)
     return Resolved(config, choice, (note,) if note else ())
