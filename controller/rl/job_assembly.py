@@ -27,9 +27,9 @@ from controller.models.builtin import resolve_model_path
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
 from controller.rl.resolve import auto_layout, lora_sync, resolve
+from controller.rl.role_placement import RolePlacement
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
-from controller.rl.role_placement import RolePlacement
 from controller.rl.rollout_pool import RolloutWeightLink, separate_rollout_kwargs
 from controller.rl.schedules import build_schedule
 from controller.runtime.hang_watch import HangWatch

@@ -148,4 +148,3 @@ class RolloutConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_prompt_length + self.max_response_length
-
