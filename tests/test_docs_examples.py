@@ -44,13 +44,29 @@ def test_docs_worker_example_is_the_example_file():
 
 
 def test_docs_worker_example_runs_on_ray(tmp_path):
+    """As written, where Ray's temp dir and RAY_ADDRESS name a cluster that is gone (as one left behind here did):
+    the example still gets a private cluster of its own and runs."""
+    from pathlib import Path
+
+    from ray._private.utils import get_ray_address_file
+
     script = tmp_path / "example.py"
     example = (ROOT / "examples" / "custom_worker.py").read_text()
     script.write_text(next(block for block in runnable_python_blocks() if block == example))
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    address_file = Path(get_ray_address_file(None))
+    saved = address_file.read_text() if address_file.exists() else None
+    address_file.parent.mkdir(parents=True, exist_ok=True)
+    address_file.write_text("127.0.0.77:6379")  # nothing listens there
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "127.0.0.77:6379"},
+        )
+    finally:
+        if saved is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(saved)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rewards: [1.0, 0.3333333432674408, 0.3333333432674408]" in proc.stdout
     assert "rows scored, summed over the group: [4, 4]" in proc.stdout
