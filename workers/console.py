@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -164,6 +165,10 @@ def _vllm_logging_config_file() -> str:
     return str(path)
 
 
+# What set_verbosity_warning() and disable_progress_bar() do, as transformers reads it from the environment at import
+_HF_QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "warning", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def configure_console(verbose: bool | None = None) -> None:
     """Quiet this process's third-party output (unless ``verbose``); ``None`` reads HYBRIDFLOW_VERBOSE.
 
@@ -192,6 +197,8 @@ def configure_console(verbose: bool | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, HarmlessRecords) for f in logger.filters):
             logger.addFilter(HarmlessRecords(name))
+    if "transformers" not in sys.modules and all(os.environ.get(k) == v for k, v in _HF_QUIET_ENV.items()):
+        return  # transformers, imported later, reads both from the environment: importing it here costs seconds
     try:  # transformers' own verbosity switch also covers its progress bars
         import transformers.utils.logging as hf_logging
 
