@@ -240,27 +240,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # ------------------------------------------------------------------ cross-field checks (controller.checks)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def check_config(config: RLConfig, model_spec=None, cluster: list[ClusterNode] | None = None,
                  reward_spec=None) -> None:
     """Raise ConfigError listing every problem (each feature's checks: ``controller.checks``, one list).

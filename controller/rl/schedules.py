@@ -85,7 +85,6 @@ def drop_stale(batch: DataProto, now: int, max_staleness: int) -> tuple[DataProt
     return batch[keep], metrics
 
 
-
 def scored_stream_batch(source: RolloutSource, state: StepState, batch: DataProto, version: int, max_staleness: int,
                         dropped_samples: int, stream_metrics: dict[str, float]) -> DataProto:
     """A batch taken from a stream (``policy_version``, ``token_versions``) scored, with the step's staleness
