@@ -186,6 +186,34 @@ def test_keywords_are_refused_where_written():
     assert not math.isnan(0.0)
 
 
+def test_a_role_spec_carries_its_sections_typed_and_the_worker_takes_them_as_they_are():
+    """A section given as a dict is built into its dataclass where the RoleSpec is made (the values checked
+    there, naming the section); one given typed is kept as it is; with_parallelism keeps it typed; and no
+    worker module re-types a section (no as_config, no from_value in workers/)."""
+    import re
+
+    from conftest import ROOT
+    from workers.actor import Actor
+    from workers.megatron.config import EngineConfig, OptimConfig
+    from workers.megatron.lora import LoRAConfig
+    from workers.rollout import Rollout
+    from workers.rollout.config import RolloutConfig
+
+    spec = RoleSpec(Actor, {"model_path": "m", "engine": {"tensor_parallel": 2}, "optim": OptimConfig(lr=3e-4),
+                            "lora": {"rank": 4}})
+    assert spec.kwargs["engine"] == EngineConfig(tensor_parallel=2) and spec.kwargs["optim"] == OptimConfig(lr=3e-4)
+    assert spec.kwargs["lora"] == LoRAConfig(rank=4)
+    wider = spec.with_parallelism(pipeline_parallel=2)
+    assert wider.kwargs["engine"] == EngineConfig(tensor_parallel=2, pipeline_parallel=2) and wider.explicit_parallelism
+    assert RoleSpec(Rollout, {"model_path": "m", "config": {"engine": "megatron"}}).kwargs["config"] == \
+        RolloutConfig(engine="megatron")
+    with pytest.raises(ValueError, match=r"RoleSpec\(Rollout\)\(config=...\): invalid rollout config: engine 'nope'"):
+        RoleSpec(Rollout, {"model_path": "m", "config": {"engine": "nope"}})
+    retyped = [f"{path.relative_to(ROOT)}:{n}" for path in (ROOT / "workers").rglob("*.py")
+               for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\b(as_config|from_value)\(", line)]
+    assert retyped == []
+
+
 def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_path):
     """One test per front door: the roles' from_pretrained, RLTrainer, the config tree, the DataFlow decorators."""
     from controller.config import ConfigError, load_config
