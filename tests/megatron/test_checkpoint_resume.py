@@ -3,7 +3,8 @@
 Every case runs once uninterrupted (three PPO updates, a checkpoint after the
 first) and is resumed from that checkpoint in fresh processes, at the saved
 layout and at another one; the resumed updates are compared with the
-uninterrupted ones. Cases: fp32 / bf16 x the plain / the distributed optimizer.
+uninterrupted ones. Cases: fp32 / bf16 x the plain / the distributed optimizer. Two cases that differ in
+precision alone share their launches (each a worker group of its own on the same processes).
 """
 
 from dataclasses import dataclass, fields
@@ -59,12 +60,22 @@ ALL_CASES = [case_param(name) for name in CASES]
 RESHARDED_CASES = [case_param(name) for name in CASES if CASES[name].other is not None]
 
 
-def run(model, root, out, case: Case, layout, phase):
+def run(model, root, out, case: Case, layout, phase, also: tuple[Case, object, object] | None = None):
+    """One launch of ``case`` at ``layout``; ``also`` (a case, its root, its output dir): a second case at another
+    precision in the same processes, after it. Returns the first case's metrics."""
     tp, pp, nproc = layout
-    proc = run_torchrun(PROGRAM, [str(model), str(root), str(out), *case.args(tp, pp), "--phase", phase], nproc,
+    extra = ["--also-precision", also[0].precision, "--also-root", str(also[1]), "--also-out", str(also[2])] if also else []
+    proc = run_torchrun(PROGRAM, [str(model), str(root), str(out), *case.args(tp, pp), "--phase", phase, *extra], nproc,
                         timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return torch.load(out / f"metrics_{phase}.pt")
+
+
+def partner(name: str) -> str | None:
+    """The case that differs from ``name`` in precision alone (it runs in the same launch), or None."""
+    case = CASES[name]
+    return next((other for other, c in CASES.items() if other != name and HAS_PRECISION and
+                 (c.dist_opt, c.saved_at, c.mini_batch) == (case.dist_opt, case.saved_at, case.mini_batch)), None)
 
 
 def checkpoint_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
@@ -83,13 +94,39 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(model, tmp_path_factory):
-    """name -> (checkpoint root, output dir, metrics of the three updates); each case runs once."""
+    """name -> (checkpoint root, output dir, metrics of the three updates); each case runs once, with the case
+    that differs from it in precision alone, in one launch."""
     done = {}
 
     def get(name):
         if name not in done:
-            root, out = tmp_path_factory.mktemp(f"ckpt-{name}"), tmp_path_factory.mktemp(f"full-{name}")
-            done[name] = root, out, run(model, root, out, CASES[name], CASES[name].saved_at, "full")
+            dirs = {n: (tmp_path_factory.mktemp(f"ckpt-{n}"), tmp_path_factory.mktemp(f"full-{n}"))
+                    for n in filter(None, (name, partner(name)))}
+            other = partner(name)
+            root, out = dirs[name]
+            run(model, root, out, CASES[name], CASES[name].saved_at, "full",
+                also=(CASES[other], *dirs[other]) if other else None)
+            for n, (root, out) in dirs.items():
+                done[n] = root, out, torch.load(out / "metrics_full.pt")
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def resumed_at_saved_layout(model, uninterrupted, tmp_path_factory):
+    """name -> (output dir, metrics of the two resumed updates): each case resumed from its checkpoint at the
+    layout it was saved at, in fresh processes, with its precision partner in the same launch."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            other = partner(name)
+            dirs = {n: tmp_path_factory.mktemp(f"resumed-{n}") for n in filter(None, (name, other))}
+            run(model, uninterrupted(name)[0], dirs[name], CASES[name], CASES[name].saved_at, "resume",
+                also=(CASES[other], uninterrupted(other)[0], dirs[other]) if other else None)
+            for n, out in dirs.items():
+                done[n] = out, torch.load(out / "metrics_resume.pt")
         return done[name]
 
     return get
@@ -102,23 +139,22 @@ def assert_same_checkpoint(saved, resaved):
 
 
 @pytest.mark.parametrize("name", ALL_CASES)
-def test_resume_at_the_same_layout_is_exact(name, model, uninterrupted, tmp_path):
-    case = CASES[name]
+def test_resume_at_the_same_layout_is_exact(name, uninterrupted, resumed_at_saved_layout, tmp_path):
     root, out, full = uninterrupted(name)
     assert (root / "latest").read_text() == "step_00000001"
-    resumed = run(model, root, tmp_path, case, case.saved_at, "resume")
+    target, resumed = resumed_at_saved_layout(name)
     assert len(resumed) == 2
     for got, expected in zip(resumed, full[1:]):  # exact: same layout, same RNG, same order
         for key in STATISTICS:
             assert got[key] == expected[key], key
     assert full[1]["actor/lr"] != full[2]["actor/lr"]  # the schedule moved on and was restored
-    saved, final = all_tensors(out / "weights_final"), all_tensors(tmp_path / "weights_final")
+    saved, final = all_tensors(out / "weights_final"), all_tensors(target / "weights_final")
     assert saved.keys() == final.keys()
     for key in saved:
         assert torch.equal(saved[key], final[key]), key
     # What was loaded, written again, is the checkpoint bit for bit: weights, fp32 master weights, moments.
     assert_same_checkpoint(checkpoint_tensors(root / "step_00000001", tmp_path),
-                           checkpoint_tensors(tmp_path / "resaved" / "step_00000001", tmp_path))
+                           checkpoint_tensors(target / "resaved" / "step_00000001", tmp_path))
 
 
 @pytest.mark.parametrize("name", RESHARDED_CASES)
