@@ -1,9 +1,14 @@
 """Run under torchrun: the Actor (and Critic) on a TP/PP/DP layout, results to a file.
 
     torchrun --nproc-per-node N parity_program.py MODEL_DIR OUT_DIR --tp T --pp P [--agg MODE]
+    torchrun --nproc-per-node N parity_program.py --cases CASES.json     (actors: several runs, one launch)
+
+CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision}, each run in turn with worker
+groups of its own on the same processes.
 """
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -18,8 +23,9 @@ from controller.runtime.process_exit import exit_process
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("out")
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--cases", help="a JSON list of actor runs (see above), instead of MODEL_DIR OUT_DIR")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--agg", default="token-mean")
@@ -31,7 +37,7 @@ def main():
     parser.add_argument("--logits-output", action="store_true",
                         help="the actor keeps megatron's output layer (fused_output_layer: false)")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else None
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     if args.role == "export":
@@ -41,31 +47,44 @@ def main():
             model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
         group.save_hf(str(out / "exported"))
         return
+    if args.cases:
+        for i, case in enumerate(json.loads(Path(args.cases).read_text())):
+            run_actor(pool, case, args.temperature, f"_{i}")
+        return
     inputs = torch.load(out / "inputs.pt", weights_only=False)
     if args.role == "critic":
         return run_critic(args, pool, inputs, out)
+    run_actor(pool, {"model": args.model, "out": args.out, "tp": args.tp, "pp": args.pp, "agg": args.agg,
+                     "dist_opt": args.dist_opt, "logits_output": args.logits_output, "precision": args.precision},
+              args.temperature)
+
+
+def run_actor(pool, case, temperature, suffix=""):
+    """One actor run: log-probs, the reference's, a PPO step, the export and the engines' sizes, to case["out"]."""
+    out = Path(case["out"])
+    inputs = torch.load(out / "inputs.pt", weights_only=False)
+    layout = {"precision": case["precision"], "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"]}
     actor = WorkerGroup(
-        pool, Actor, role="actor",
+        pool, Actor, role=f"actor{suffix}",
         kwargs=dict(
-            model_path=args.model,
-            engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2,
-                    "fused_output_layer": not args.logits_output},
-            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": args.dist_opt},
+            model_path=case["model"],
+            engine={**layout, "micro_batch_size": 2, "fused_output_layer": not case["logits_output"]},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": case["dist_opt"]},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
-                 "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": args.agg},
+                 "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": case["agg"]},
         ),
     )
-    ref = WorkerGroup(pool, ReferencePolicy, role="ref", kwargs=dict(
-        model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 4}))
+    ref = WorkerGroup(pool, ReferencePolicy, role=f"ref{suffix}", kwargs=dict(
+        model_path=case["model"], engine={**layout, "micro_batch_size": 4}))
     batch = inputs["batch"]
-    batch.meta_info["temperature"] = args.temperature
+    batch.meta_info["temperature"] = temperature
     log_probs = actor.compute_log_prob(batch)
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
     torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(),
-                "activations": actor.saved_activation_bytes(batch) if args.pp == 1 else None}, out / "result.pt")
+                "activations": actor.saved_activation_bytes(batch) if case["pp"] == 1 else None}, out / "result.pt")
 
 
 def run_critic(args, pool, inputs, out):

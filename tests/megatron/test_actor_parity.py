@@ -1,11 +1,13 @@
 """The megatron actor at TP1, TP2, PP2, DP2 and TP2xPP2 against HF transformers in one process.
 
-Each layout runs as a real torchrun job on CPU (gloo). The reference is the
+Each layout runs as a real torchrun job on CPU (gloo); the layouts on the same number of processes share one
+launch, each with worker groups of its own. The reference is the
 HF model in fp32 with a PPO loss written out here by hand; in fp32,
 log-probs, entropy, the loss, the gradient norm and the weights after one
 Adam step must agree to 1e-5; in bf16 within the tolerances stated there.
 """
 
+import json
 
 import pytest
 import torch
@@ -94,31 +96,76 @@ def reference_step(model_dir, batch, train, mode):
     }
 
 
-LAYOUTS = [  # (tp, pp, processes)
-    pytest.param(1, 1, 1, id="TP1"),
-    pytest.param(2, 1, 2, id="TP2"),
-    pytest.param(1, 2, 2, id="PP2"),
-    # Data parallelism: the sequence-mean test below (DP2) and the distributed optimizer (TP2 x DP2, token-mean).
-    pytest.param(2, 2, 4, id="TP2xPP2"),
-]
-
-
-@pytest.mark.parametrize("tp,pp,nproc", LAYOUTS)
-def test_actor_matches_hf_reference(model_dir, tmp_path, tp, pp, nproc, mode="token-mean"):
-    run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode)
-
-
-def test_actor_sequence_mean_modes_over_data_parallel_ranks(model_dir, tmp_path):
-    run_and_compare(model_dir, tmp_path, 1, 1, 2, "seq-mean-token-sum")
-
-
-def test_distributed_optimizer_over_tp2_dp2_with_megatrons_output_layer(model_dir, tmp_path):
+# Each run: (model, tp, pp, processes, loss aggregation, the program's extra flags). The runs on the same number
+# of processes share one launch (each its own worker groups on the same processes).
+RUNS = {
+    "TP1": ("llama", 1, 1, 1, "token-mean", ()),
+    "TP2": ("llama", 2, 1, 2, "token-mean", ()),
+    "PP2": ("llama", 1, 2, 2, "token-mean", ()),
+    # Data parallelism: the sequence-mean run (DP2) and the distributed optimizer (TP2 x DP2, token-mean).
+    "TP2xPP2": ("llama", 2, 2, 4, "token-mean", ()),
+    "seq-mean-DP2": ("llama", 1, 1, 2, "seq-mean-token-sum", ()),
     # Also the unfused path: logits from megatron's output layer, then the vocab-parallel log-prob op.
-    run_and_compare(model_dir, tmp_path, 2, 1, 4, "token-mean", extra=["--dist-opt", "--logits-output"])
+    "dist-opt-TP2xDP2": ("llama", 2, 1, 4, "token-mean", ("--dist-opt", "--logits-output")),
+    "qwen2-tied-PP2": ("qwen2", 1, 2, 2, "token-mean", ()),
+    "bf16-TP2xDP2": ("llama", 2, 1, 4, "token-mean", ("--precision", "bf16", "--dist-opt")),
+}
+LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
 
-def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
-    result, batch, ref = run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra)
+@pytest.fixture(scope="module")
+def models(model_dir, tmp_path_factory):
+    # Qwen2-style: QKV bias, and an embedding shared with the output layer across two stages.
+    return {"llama": model_dir, "qwen2": make_llama(tmp_path_factory.mktemp("tiny_qwen2"), tie=True, qkv_bias=True,
+                                                      seed=2)}
+
+
+@pytest.fixture(scope="module")
+def launched(models, tmp_path_factory):
+    """run -> its output directory; the first run asked for on a number of processes launches all of them."""
+    done = {}
+
+    def get(run):
+        if run not in done:
+            nproc = RUNS[run][3]
+            together = [r for r, spec in RUNS.items() if spec[3] == nproc]
+            cases = []
+            for r in together:
+                name, tp, pp, _, mode, extra = RUNS[r]
+                out = tmp_path_factory.mktemp(f"parity-{r}")
+                batch, train = make_inputs(models[name])
+                torch.save({"batch": batch, "train": train}, out / "inputs.pt")
+                cases.append({"model": str(models[name]), "out": str(out), "tp": tp, "pp": pp, "agg": mode,
+                              "dist_opt": "--dist-opt" in extra, "logits_output": "--logits-output" in extra,
+                              "precision": "bf16" if "bf16" in extra else "fp32"})
+                done[r] = out
+            listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
+            listing.write_text(json.dumps(cases))
+            proc = run_torchrun(TESTS / "megatron" / "parity_program.py",
+                                ["--cases", str(listing), "--temperature", str(TEMPERATURE)], nproc, timeout=500)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+        return done[run]
+
+    return get
+
+
+@pytest.mark.parametrize("run", LAYOUTS)
+def test_actor_matches_hf_reference(models, launched, run):
+    run_and_compare(models, launched, run)
+
+
+def test_actor_sequence_mean_modes_over_data_parallel_ranks(models, launched):
+    run_and_compare(models, launched, "seq-mean-DP2")
+
+
+def test_distributed_optimizer_over_tp2_dp2_with_megatrons_output_layer(models, launched):
+    run_and_compare(models, launched, "dist-opt-TP2xDP2")
+
+
+def run_and_compare(models, launched, run):
+    tmp_path = launched(run)
+    model_dir = models[RUNS[run][0]]
+    result, batch, ref = run_parity_program(model_dir, tmp_path, *RUNS[run][1:])
     mask = batch.batch["response_mask"].bool()
     got = result["log_probs"]
     torch.testing.assert_close(got.batch["old_log_probs"][mask], ref["log_probs"][mask], atol=1e-5, rtol=0)
@@ -144,16 +191,10 @@ def run_and_compare(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
 
 
 def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
-    """The parity program's result at a layout, the batch, and the fp32 HF reference step."""
-    batch, train = make_inputs(model_dir)
-    torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
-    proc = run_torchrun(
-        TESTS / "megatron" / "parity_program.py",
-        [str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--agg", mode, "--temperature", str(TEMPERATURE),
-         *extra],
-        nproc, timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    """The parity program's result at a layout (its launch's output directory ``tmp_path``), the batch, and the
+    fp32 HF reference step."""
+    inputs = torch.load(tmp_path / "inputs.pt", weights_only=False)
+    batch, train = inputs["batch"], inputs["train"]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     ref = reference_step(model_dir, batch, train, mode)
     dp = nproc // (tp * pp)
@@ -167,13 +208,12 @@ def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     return result, batch, ref
 
 
-def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(tmp_path_factory, tmp_path):
+def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(models, launched):
     """Qwen2-style model: QKV bias, and an embedding shared with the output layer across two stages."""
-    qwen = make_llama(tmp_path_factory.mktemp("tiny_qwen2"), tie=True, qkv_bias=True, seed=2)
-    run_and_compare(qwen, tmp_path, 1, 2, 2, "token-mean")
+    run_and_compare(models, launched, "qwen2-tied-PP2")
 
 
-def test_bf16_actor_stays_close_to_the_fp32_reference(model_dir, tmp_path):
+def test_bf16_actor_stays_close_to_the_fp32_reference(model_dir, launched):
     """bf16 parameters and activations with fp32 master weights (megatron's mixed-precision optimizer), over
     TP2 x DP2 with the distributed optimizer, against the fp32 HF reference. Tolerances (measured: log-prob
     0.025 max / 0.007 mean, loss 1.4e-3, grad norm 0.14%, KL 2e-3):
@@ -182,7 +222,8 @@ def test_bf16_actor_stays_close_to_the_fp32_reference(model_dir, tmp_path):
       each weight after the Adam step within half a bf16 spacing of its value (2^-8 relative) plus
       2 x lr (Adam's near-sign step may differ for gradients near zero), and the update as a whole
       pointing the reference's way (cosine > 0.95)."""
-    result, batch, ref = run_parity_program(model_dir, tmp_path, 2, 1, 4, "token-mean", ["--precision", "bf16", "--dist-opt"])
+    tmp_path = launched("bf16-TP2xDP2")
+    result, batch, ref = run_parity_program(model_dir, tmp_path, *RUNS["bf16-TP2xDP2"][1:])
     mask = batch.batch["response_mask"].bool()
     got = result["log_probs"].batch
     diff = (got["old_log_probs"] - ref["log_probs"]).abs()[mask]
