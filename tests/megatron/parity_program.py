@@ -1,10 +1,10 @@
 """Run under torchrun: the Actor (and Critic) on a TP/PP/DP layout, results to a file.
 
     torchrun --nproc-per-node N parity_program.py MODEL_DIR OUT_DIR --tp T --pp P [--agg MODE]
-    torchrun --nproc-per-node N parity_program.py --cases CASES.json     (actors: several runs, one launch)
+    torchrun --nproc-per-node N parity_program.py --cases CASES.json [--role export]   (several runs, one launch)
 
-CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision}, each run in turn with worker
-groups of its own on the same processes.
+CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision} (an export's: model, out, tp,
+pp, precision), each run in turn with worker groups of its own on the same processes.
 """
 
 import argparse
@@ -41,11 +41,10 @@ def main():
 
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     if args.role == "export":
-        # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
-        role = Critic if ModelSpec.from_pretrained(args.model).is_value_model else ReferencePolicy
-        group = WorkerGroup(pool, role, role="export", kwargs=dict(
-            model_path=args.model, engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp}))
-        group.save_hf(str(out / "exported"))
+        cases = json.loads(Path(args.cases).read_text()) if args.cases else [
+            {"model": args.model, "out": args.out, "tp": args.tp, "pp": args.pp, "precision": args.precision}]
+        for i, case in enumerate(cases):
+            export(pool, case, f"_{i}" if args.cases else "")
         return
     if args.cases:
         for i, case in enumerate(json.loads(Path(args.cases).read_text())):
@@ -57,6 +56,15 @@ def main():
     run_actor(pool, {"model": args.model, "out": args.out, "tp": args.tp, "pp": args.pp, "agg": args.agg,
                      "dist_opt": args.dist_opt, "logits_output": args.logits_output, "precision": args.precision},
               args.temperature)
+
+
+def export(pool, case, suffix=""):
+    """Import case["model"] at its layout and export it again, to case["out"]/exported."""
+    # A value-head checkpoint goes through the critic, a causal LM through the reference policy.
+    role = Critic if ModelSpec.from_pretrained(case["model"]).is_value_model else ReferencePolicy
+    group = WorkerGroup(pool, role, role=f"export{suffix}", kwargs=dict(model_path=case["model"], engine={
+        "precision": case["precision"], "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"]}))
+    group.save_hf(str(Path(case["out"]) / "exported"))
 
 
 def run_actor(pool, case, temperature, suffix=""):

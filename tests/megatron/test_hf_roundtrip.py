@@ -1,4 +1,5 @@
-"""HF checkpoint -> megatron shards -> HF checkpoint is bit-exact at every layout."""
+"""HF checkpoint -> megatron shards -> HF checkpoint is bit-exact at every layout (the three kinds exported in
+one launch, each by worker groups of its own)."""
 
 import json
 
@@ -9,18 +10,33 @@ from conftest import TESTS, run_torchrun
 from tiny_models import all_tensors, make_llama
 
 
+KINDS = ("llama", "qwen2-tied", "llama-critic")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """kind -> (the source checkpoint, the directory its export went to); one launch exports all three."""
+    dirs, cases = {}, []
+    for kind in KINDS:
+        root = tmp_path_factory.mktemp(kind)
+        source = make_llama(root / "source", tie=kind == "qwen2-tied", qkv_bias=kind == "qwen2-tied",
+                            classification=kind == "llama-critic")
+        dirs[kind] = source, root
+        cases.append({"model": str(source), "out": str(root), "tp": 2, "pp": 2, "precision": "fp32"})
+    listing = tmp_path_factory.mktemp("exports") / "cases.json"
+    listing.write_text(json.dumps(cases))
+    proc = run_torchrun(TESTS / "megatron" / "parity_program.py", ["--role", "export", "--cases", str(listing)], 4)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return dirs
+
+
 @pytest.mark.parametrize(
     "kind,tp,pp,nproc",
     # TP2 x PP2 splits both ways at once; the TP-only and PP-only layouts import the same way (test_actor_parity).
     [("llama", 2, 2, 4), ("qwen2-tied", 2, 2, 4), ("llama-critic", 2, 2, 4)],
 )
-def test_import_then_export_is_bit_exact(tmp_path, kind, tp, pp, nproc):
-    source = make_llama(
-        tmp_path / "source", tie=kind == "qwen2-tied", qkv_bias=kind == "qwen2-tied", classification=kind == "llama-critic"
-    )
-    proc = run_torchrun(TESTS / "megatron" / "parity_program.py",
-                        [str(source), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--role", "export"], nproc)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+def test_import_then_export_is_bit_exact(exported, kind, tp, pp, nproc):
+    source, tmp_path = exported[kind]
     original, exported = all_tensors(source), all_tensors(tmp_path / "exported")
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
