@@ -1,4 +1,7 @@
-"""The hybrid engine on a real megatron actor: generation weights, bytes, and training after return."""
+"""The hybrid engine on a real megatron actor: generation weights, bytes, and training after return (the three
+cases in one launch, each its own actors on the same processes)."""
+
+import json
 
 import pytest
 import torch
@@ -16,14 +19,26 @@ from workers.megatron.hf_checkpoint import HFCheckpointReader
 
 # More training -> generation pairs (PP2 x DP2 among them) are exercised without training in test_resharder.py.
 # In bf16 the engine moves bf16 shards: exactly the lower bound, at 2 bytes an element instead of 4.
-@pytest.mark.parametrize("train,gen,precision", [((2, 1), (1, 1), "fp32"), ((2, 2), (2, 1), "fp32"), ((2, 2), (2, 1), "bf16")],
-                         ids=["TP2xDP2->TP1", "TP2xPP2->TP2", "TP2xPP2->TP2-bf16"])
-def test_actor_reshards_and_trains_on_as_if_it_never_had(tmp_path, train, gen, precision):
-    model = make_llama(tmp_path / "model")
-    proc = run_torchrun(TESTS / "megatron" / "hybrid_program.py",
-                        [str(model), str(tmp_path), "--tp", str(train[0]), "--pp", str(train[1]),
-                         "--gen-tp", str(gen[0]), "--gen-pp", str(gen[1]), "--precision", precision], 4, timeout=400)
+CASES = [((2, 1), (1, 1), "fp32"), ((2, 2), (2, 1), "fp32"), ((2, 2), (2, 1), "bf16")]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """(train, gen, precision) -> its output directory; the three cases run in one launch of 4 processes."""
+    model = make_llama(tmp_path_factory.mktemp("model"))
+    dirs = {case: tmp_path_factory.mktemp("hybrid") for case in CASES}
+    listing = tmp_path_factory.mktemp("cases") / "cases.json"
+    listing.write_text(json.dumps([{"model": str(model), "out": str(out), "tp": train[0], "pp": train[1],
+                                    "gen_tp": gen[0], "gen_pp": gen[1], "precision": precision}
+                                   for (train, gen, precision), out in dirs.items()]))
+    proc = run_torchrun(TESTS / "megatron" / "hybrid_program.py", ["--cases", str(listing)], 4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return dirs
+
+
+@pytest.mark.parametrize("train,gen,precision", CASES, ids=["TP2xDP2->TP1", "TP2xPP2->TP2", "TP2xPP2->TP2-bf16"])
+def test_actor_reshards_and_trains_on_as_if_it_never_had(launched, train, gen, precision):
+    tmp_path = launched[(train, gen, precision)]
     result = torch.load(tmp_path / "hybrid.pt", weights_only=False)
 
     spec = ModelSpec.from_pretrained(tmp_path / "trained")
