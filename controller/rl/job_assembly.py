@@ -26,7 +26,7 @@ from controller.errors import ConfigError
 from controller.models.builtin import resolve_model_path
 from controller.rl.role_assembly import ROLE_ORDER
 from controller.rl.role_defaults import critic_from_causal_lm
-from controller.rl.resolve import auto_layout, lora_sync, resolve
+from controller.rl.resolve import auto_layout, resolve
 from controller.rl.role_placement import RolePlacement
 from controller.rl.role_specs import declare_roles, with_parallelism
 from controller.rl.rollout_client import RolloutClient, rollout_client
@@ -55,7 +55,7 @@ class JobAssembly:
         self.policy_path = (resolve_model_path(config.model_path, self._work_dir())
                             if config.model_path.startswith("builtin:") else config.model_path)
         self._declare(config)
-        self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (choose_lora_sync)
+        self.lora_sync_choice = None  # rollout.lora_sync auto: the planner's choice and why (build, resolve)
         # where the roles run: the config's own pools, then each register_placement (resolve writes it in)
         self.declared = RolePlacement.of(trainer, self.specs)
         self.mode = trainer.mode
@@ -199,13 +199,6 @@ class JobAssembly:
         """Each ``device_map="auto"`` role's layout, the planner's fastest that fits the job's devices
         (``controller.rl.resolve.auto_layout``), written into the config as if the user had set it."""
         self._settled(auto_layout(self.placed_config(), self.specs, self._job_cluster, accelerator_count() > 0))
-
-    def choose_lora_sync(self) -> None:
-        """``rollout.lora_sync: auto``: how a LoRA actor's adapters reach the rollout, merged or served, as the
-        planner scores the job on its devices (``controller.rl.resolve.lora_sync``); said on the console."""
-        config, self.lora_sync_choice, note = lora_sync(self.placed_config(), self.policy_path, self._job_cluster,
-                                                        accelerator_count() > 0)
-        self._settled(config, note)
 
     def _settled(self, placed, *notes: str | None) -> None:
         """The config as resolved (its placement kept where this assembly keeps it), the roles declared again."""

@@ -18,8 +18,9 @@ gets the role: declared with the others, placed like them (``trainer.placement.l
 default pool), built as a worker group of its own, and called by the step at its phase. Nothing else
 changes: not the trainer, not the job's assembly, not the config tree.
 
-Phases (``PHASES``): ``score``, ``call(group, batch, scores) -> scores``, after the reward (and the cost)
-of every batch the step scores, generation rounds and validation included.
+Phases (``PHASES``): ``score``, ``call(group, batch, scores) -> scores``, after the reward and the algorithm's own
+roles (``RLAlgorithm.roles``: Safe-RLHF's cost) of every batch the step scores, generation rounds and validation
+included.
 """
 
 from __future__ import annotations

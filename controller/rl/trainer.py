@@ -47,8 +47,7 @@ _FROM_JOB = frozenset({
     "config", "specs", "policy_path", "placement", "pool_shapes", "pool_sizes", "rollout_on_its_own_pool", "backend",
     "ray_address", "groups", "pools", "loader", "val_loader", "pad_token_id", "schedule", "mode", "rollout_link",
     "rollout_client", "run_dir", "batch_size", "shuffle", "seed", "train_data", "val_data", "watch", "lora_sync_choice",
-    "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out", "choose_lora_sync",
-    "calls_at"})
+    "register_placement", "register_parallelism", "build", "check", "placed_config", "lay_out", "calls_at"})
 
 
 class RLTrainer:
