@@ -14,15 +14,18 @@ os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id resolves from a cache a test fills, or fails at once  # (Ray 2.60 ignores RAY_DISABLE_USAGE_STATS)
 
-# The longest modules (seconds of one worker, measured on 2 cores), started first: `make test` runs the suite
-# on two pytest-xdist workers a module at a time, and a long module started last would leave one worker idle
-# while the other finishes it. The rest keep pytest's order.
+# The longest modules, longest first (seconds of one worker, measured on 2 cores: `--durations`, summed by
+# module), started first: `make test` runs the suite on two pytest-xdist workers a module at a time, and a long
+# module started last would leave one worker idle while the other finishes it. The rest keep pytest's order.
 LONGEST_MODULES = [
-    "test_train_cli.py", "test_ray_multinode.py", "megatron/test_checkpoint_resume.py", "test_algorithm_cli.py",
-    "rollout/test_rollout_engines.py", "rollout/test_family_generation.py", "test_sft_cli.py",
-    "megatron/test_actor_parity.py", "test_examples.py", "test_researcher_api.py", "megatron/test_sft_parity.py",
-    "megatron/test_hybrid_engine.py", "rollout/test_agent_rollout.py", "test_one_step_off.py", "test_ray_groups.py",
-    "test_docs_examples.py", "test_torchrun_groups.py", "test_async_mode.py",
+    "test_train_cli.py", "test_sft_cli.py", "test_ray_multinode.py", "rollout/test_rollout_engines.py",
+    "megatron/test_checkpoint_resume.py", "test_algorithm_cli.py", "faults/test_faults_cli.py",
+    "serving/test_agent_cli.py", "test_one_step_off.py", "test_async_mode.py", "test_docs_examples.py",
+    "test_examples.py", "test_sandbox.py", "megatron/test_sft_parity.py", "rollout/test_agent_rollout.py",
+    "rollout/test_family_generation.py", "test_torchrun_groups.py", "serving/test_rollout_server.py",
+    "megatron/test_critic_parity.py", "test_multinode.py", "test_researcher_api.py", "test_ray_groups.py",
+    "megatron/test_actor_parity.py", "test_placed_dataflow.py", "megatron/test_moe_parity.py",
+    "test_smollm2_pipeline.py", "megatron/test_hybrid_engine.py", "megatron/test_two_grids.py",
 ]
 
 

@@ -125,8 +125,9 @@ def test_a_job_placement_the_cluster_cannot_hold_is_refused_before_any_worker_st
 
 
 def test_without_an_address_a_driver_starts_its_own_cluster_whatever_runs_here(cluster, tmp_path):
-    # RAY_ADDRESS names the running cluster, and cluster_utils left its address file in Ray's temp dir:
-    # the README's own worker example still gets a private cluster and runs.
+    # RAY_ADDRESS names the running cluster, and cluster_utils left its address file in Ray's temp dir: a
+    # driver that names no address still gets a private cluster of one node (the README's worker example runs
+    # this way, its address file pointing at a cluster that is gone: test_docs_examples).
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": cluster.address}
     env.pop("HYBRIDFLOW_NODE_IP")
     probe = ("from controller.runtime.ray_backend import ensure_ray, cluster_nodes\n"
@@ -135,9 +136,6 @@ def test_without_an_address_a_driver_starts_its_own_cluster_whatever_runs_here(c
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NODES ['127.0.0.2']" in proc.stdout, proc.stdout
-    example = subprocess.run([sys.executable, "examples/custom_worker.py"], capture_output=True, text=True, timeout=300,
-                             env=env, cwd=str(ROOT))
-    assert example.returncode == 0, example.stderr[-3000:]
     # With an address, the driver joins and says so.
     joined = subprocess.run([sys.executable, "-c", probe.replace("ensure_ray()", f"ensure_ray({cluster.address!r})")],
                             capture_output=True, text=True, timeout=120, env={**env, "HYBRIDFLOW_NODE_IP": NODES[0]},

@@ -1,9 +1,13 @@
 """Run under torchrun: one supervised step of the Actor on a TP/PP/DP layout, results to a file.
 
     torchrun --nproc-per-node N sft_program.py MODEL_DIR OUT_DIR --tp T --pp P
+    torchrun --nproc-per-node N sft_program.py MODEL_DIR --cases CASES.json   (several layouts, one launch)
+
+CASES.json: a list of {"out": OUT_DIR, "tp": T, "pp": P}, run in turn in the same processes.
 """
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -17,19 +21,27 @@ from controller.runtime.process_exit import exit_process
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("out")
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--cases", help="a JSON list of layouts (see above), instead of OUT_DIR, --tp and --pp")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--lora", help="then a LoRA actor's step, its adapters from this PEFT adapter directory")
     parser.add_argument("--lora-rank", type=int, default=4)
     parser.add_argument("--lora-alpha", type=float, default=8.0)
     args = parser.parse_args()
-    out = Path(args.out)
-    batch = torch.load(out / "inputs.pt", weights_only=False)
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
-    actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
+    cases = json.loads(Path(args.cases).read_text()) if args.cases else [{"out": args.out, "tp": args.tp, "pp": args.pp}]
+    for i, case in enumerate(cases):
+        run_case(pool, args, case, f"_{i}" if args.cases else "")
+
+
+def run_case(pool, args, case, suffix=""):
+    """The full step, then (``--lora``) the LoRA step, at the case's layout, to case["out"]."""
+    out, tp, pp = Path(case["out"]), case["tp"], case["pp"]
+    batch = torch.load(out / "inputs.pt", weights_only=False)
+    actor = WorkerGroup(pool, Actor, role=f"actor{suffix}", kwargs=dict(
         model_path=args.model,
-        engine={"precision": "fp32", "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+        engine={"precision": "fp32", "tensor_parallel": tp, "pipeline_parallel": pp, "micro_batch_size": 2},
         optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
     ))
     before = actor.sft_eval(batch)
@@ -38,9 +50,9 @@ def main():
     torch.save({"eval": before, "metrics": metrics, "layout": str(actor.layout), "state_bytes": actor.state_bytes()},
                out / "result.pt")
     if args.lora:  # the same step on LoRA adapters over the frozen base, in the same processes
-        lora = WorkerGroup(pool, Actor, role="lora_actor", kwargs=dict(
+        lora = WorkerGroup(pool, Actor, role=f"lora_actor{suffix}", kwargs=dict(
             model_path=args.model,
-            engine={"precision": "fp32", "tensor_parallel": args.tp, "pipeline_parallel": args.pp, "micro_batch_size": 2},
+            engine={"precision": "fp32", "tensor_parallel": tp, "pipeline_parallel": pp, "micro_batch_size": 2},
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
             lora={"rank": args.lora_rank, "alpha": args.lora_alpha, "adapter_path": args.lora},
         ))

@@ -78,15 +78,37 @@ def reference_step(model_dir, batch, adapter=None):
             "state": state, "merged": merged}
 
 
-@pytest.mark.parametrize("tp,pp,nproc", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4)],
-                         ids=["TP1", "TP2", "PP2", "TP2xPP2"])
-def test_sft_step_matches_hf_with_the_same_mask(model_dir, adapter_dir, tmp_path, tp, pp, nproc):
+LAYOUTS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4)]
+
+
+@pytest.fixture(scope="module")
+def launched(model_dir, adapter_dir, tmp_path_factory):
+    """(tp, pp) -> its output directory: the layouts of one process count run in one launch (TP2 and PP2 share
+    theirs), each with the same batch."""
+    import json
+
+    outs = {}
+    for nproc in sorted({n for _, _, n in LAYOUTS}):
+        cases = []
+        for tp, pp, n in LAYOUTS:
+            if n == nproc:
+                out = tmp_path_factory.mktemp(f"sft-TP{tp}xPP{pp}")
+                torch.save(sft_batch(), out / "inputs.pt")
+                cases.append({"out": str(out), "tp": tp, "pp": pp})
+                outs[tp, pp] = out
+        listing = tmp_path_factory.mktemp(f"sft-{nproc}-processes") / "cases.json"
+        listing.write_text(json.dumps(cases))
+        proc = run_torchrun(TESTS / "megatron" / "sft_program.py", [
+            str(model_dir), "--cases", str(listing), "--lora", str(adapter_dir), "--lora-rank", str(LORA_RANK),
+            "--lora-alpha", str(LORA_ALPHA)], nproc, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return outs
+
+
+@pytest.mark.parametrize("tp,pp,nproc", LAYOUTS, ids=["TP1", "TP2", "PP2", "TP2xPP2"])
+def test_sft_step_matches_hf_with_the_same_mask(model_dir, adapter_dir, launched, tp, pp, nproc):
     batch = sft_batch()
-    torch.save(batch, tmp_path / "inputs.pt")
-    proc = run_torchrun(TESTS / "megatron" / "sft_program.py", [
-        str(model_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--lora", str(adapter_dir), "--lora-rank",
-        str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA)], nproc, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    tmp_path = launched[tp, pp]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["layout"] == f"TP{tp}xPP{pp}xDP{nproc // (tp * pp)}"
     ref = reference_step(model_dir, batch)
