@@ -132,9 +132,9 @@ def test_the_experts_cross_pools_at_their_bound_from_every_holder():
     """A mixture of experts' experts across pools: every generation rank receives all of its generation experts
     (it holds nothing), each piece from a training rank that holds it, the expert-DP holders sharing the load;
     and the rollout pool learns the actor's expert grid from the same arguments the trainer gives it."""
-    from hybridengine.cross_pool.experts import plan_cross_pool_experts
+    from hybridengine.reshard.expert_group import plan_cross_pool_experts
     from hybridengine.model.spec import ModelSpec
-    from hybridengine.reshard.expert_plan import held_units
+    from hybridengine.reshard.expert_group import held_units
     from controller.rl.rollout_pool import separate_rollout_kwargs
     from workers.megatron.config import EngineConfig
     from test_moe_layout import QWEN3_MOE

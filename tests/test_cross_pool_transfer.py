@@ -109,7 +109,7 @@ def test_the_transfer_over_a_process_group_outside_the_world(models):
 
 
 # A mixture of experts: the dense part by the cross-pool plan, the routed experts point to point from the
-# training ranks holding them (cross_pool.experts). (training t-p-d-EP-ETP, generation t_g-p_g-whole experts, replicas)
+# training ranks holding them (their group's pieces). (training t-p-d-EP-ETP, generation t_g-p_g-whole experts, replicas)
 MOE_CASES = {
     "EP2xDP4->genTP1x2": ((1, 1, 4, 2, 1), (1, 1, False), 2),
     "TP2xDP2xEP2xETP1->genTP2": ((2, 1, 2, 2, 1), (2, 1, False), 1),

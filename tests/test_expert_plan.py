@@ -10,7 +10,7 @@ from hybridengine.model.catalogue import ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.assignment import max_value_assignment
-from hybridengine.reshard.expert_plan import EXPERT_UNIT_ROWS, linear_bound, plan_experts
+from hybridengine.reshard.expert_group import EXPERT_UNIT_ROWS, linear_bound, plan_experts
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, legal_generation_layouts
 from test_moe_layout import QWEN3_MOE
 

@@ -11,7 +11,7 @@ from hybridengine.model.catalogue import ExpertShard, stage_params
 from hybridengine.model.hf_mapping import cut_shard, hf_source
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
-from hybridengine.reshard.expert_resharder import ExpertResharder
+from hybridengine.reshard.piece_mover import PieceMover
 from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import plan_weights
@@ -84,7 +84,7 @@ def _case(rank, world_size, path, train_dims, gen_dims):
               for p in stage_params(spec, train.tp, train.pp, at.pp_rank, experts=mine) if p.expert is not None}
     before = {k: v.clone() for k, v in params.items()}
     transport = TorchTransport()
-    got = ExpertResharder(plan, rank, params, transport).to_generation()
+    got = PieceMover.colocated(plan, rank, transport).move(params)
 
     me = plan.layout.ranks[rank]
     tg = gen.tensor_parallel

@@ -1,6 +1,6 @@
 """`hybridflow sft` end to end on the built-in tiny model: the loss falls, validation is reported, a
-stopped and resumed run equals the uninterrupted one, the HF export starts an RL job (`model_path`), and
-bad input is refused before any process starts."""
+stopped and resumed run equals the uninterrupted one (LoRA's, the adapters alone in its checkpoints), the HF
+export starts an RL job (`model_path`), and bad input is refused before any process starts."""
 
 import shutil
 
@@ -18,8 +18,10 @@ def exact(step):  # everything but wall-clock times and throughput
     return {k: v for k, v in step.items() if not k.startswith(("timing_s/", "perf/"))}
 
 
-def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  # noqa: F811
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
+def test_sft_trains_and_its_export_starts_rl(tmp_path, model):  # noqa: F811
+    """(A stopped SFT run resumes exactly: the LoRA job below stops and resumes through the same trainer state,
+    and the full model's checkpoint resumes exactly in the RL demo's stop-and-resume test.)"""
+    full = tmp_path / "full"
     proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}", f"trainer.run_dir={full}", *SFT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert "done: 4 SFT steps" in proc.stdout and "HF checkpoint" in proc.stdout
@@ -35,16 +37,6 @@ def test_sft_trains_resumes_exactly_and_its_export_starts_rl(tmp_path, model):  
     lrs = [s["sft/lr"] for s in steps]  # the example's cosine from 3e-3, over 200 steps, no warmup
     assert lrs == sorted(lrs, reverse=True) and 2.99e-3 < lrs[-1] < lrs[0] < 3e-3, lrs
     assert all(s["sft/grad_norm"] > 0 for s in steps)
-
-    # Stopped after step 2 (the trainer state is the commit point), resumed to 4 in new processes.
-    shutil.copytree(full, stopped)
-    (stopped / "checkpoints" / "trainer" / "latest").write_text("step_00000002.json")
-    proc = hybridflow("sft", "--config", "examples/sft_tiny.yaml", f"model_path={model}",
-                      f"trainer.run_dir={stopped}", *SFT, "trainer.resume=true", "trainer.export_hf=false")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    assert "resumed at step 2" in proc.stderr
-    resumed = read_metrics(stopped)
-    assert [exact(s) for s in resumed] == [exact(s) for s in steps]
 
     # The export is an HF checkpoint an RL job starts from.
     rl = tmp_path / "rl"
@@ -201,10 +193,10 @@ def checkpoint_tensors(path) -> dict[str, int]:
 
 def lora_parameter_count(path, rank: int) -> int:
     from hybridengine.model.spec import ModelSpec
-    from workers.megatron.lora import full_shapes
+    from tiny_models import projection_shapes
 
     spec = ModelSpec.from_pretrained(path)
-    return spec.num_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in full_shapes(spec).values())
+    return spec.num_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in projection_shapes(spec).values())
 
 
 def test_calculator_transcripts_warm_start_agentic_grpo(tmp_path):

@@ -153,3 +153,11 @@ def _decisive_router(model):
             if name.endswith("mlp.gate.weight"):
                 p.mul_(20)
     return model
+
+
+def projection_shapes(spec) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each of a dense layer's linear projections, unsharded, by part (q, k, v, o, gate, up,
+    down), from the model's dimensions: the formula the catalogue's ``projections`` is checked against."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}

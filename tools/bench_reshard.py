@@ -23,8 +23,8 @@ so the latency can be read as a fraction of what the link allows.
 A mixture of experts ("moe": 8 experts, top-2) takes pairs with its expert grid,
 TxPxDxEPxETP-TGxPG, and "xEP" after the generation size for whole experts per
 generation rank. Its dense part goes through the method, its routed experts
-point to point (``ExpertResharder``); the bound printed is the dense part's
-plus the experts' (``expert_plan``: the units a rank needs and does not hold).
+point to point (their group's pieces, ``PieceMover``); the bound printed is the dense part's
+plus the experts' (``expert_group``: the units a rank needs and does not hold).
 Only the micro_dp methods move experts.
 """
 
@@ -54,7 +54,7 @@ from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts
 from hybridengine.reshard.weight_plan import plan_weights  # noqa: E402
 from hybridengine.reshard.resharder import Resharder  # noqa: E402
 from hybridengine.model.catalogue import ExpertShard, stage_params  # noqa: E402
-from hybridengine.reshard.expert_resharder import ExpertResharder  # noqa: E402
+from hybridengine.reshard.piece_mover import PieceMover  # noqa: E402
 from hybridengine.reshard.transport import TorchTransport  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
@@ -184,9 +184,9 @@ def inner(args) -> None:
                 schedule = {"bucket_bytes": resharder.bucket_bytes, "buffer_elements": resharder.schedule.numel,
                             "units": [u.name for u in resharder.schedule.units]}
             release, keep = method.endswith("release"), method.endswith("keep")
-            moving = ExpertResharder(weights.experts, rank, experts, transport) if experts is not None else None
+            moving = PieceMover.colocated(weights.experts, rank, transport) if experts is not None else None
             runners[method] = (lambda r=resharder, m=moving, release=release: (
-                                   r.to_generation(release_training=release), m.to_generation() if m else None),
+                                   r.to_generation(release_training=release), m.move(experts) if m else None),
                                lambda r=resharder, keep=keep: r.to_training(offload=keep))
         else:
             holder = {}

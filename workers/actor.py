@@ -265,10 +265,11 @@ class Actor(_LogProbRole):
 
     @register(Dispatch.ONE_TO_ALL)
     def connect_generation_pool(self, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,
-                                gen_dp: int, method: str = "auto") -> dict[str, Any]:
-        """Join the weight link to a rollout on a pool of its own (the controller calls the rollout's side at once)."""
+                                gen_dp: int, method: str = "auto", bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Join the weight link to a rollout on a pool of its own (the controller calls the rollout's side at once);
+        ``bucket_bytes``: the rollout's ``weight_bucket_bytes``."""
         return self.hybrid.connect_generation_pool(host, port, GenerationLayout(tensor_parallel, pipeline_parallel),
-                                                   gen_dp, method)
+                                                   gen_dp, method, bucket_bytes=bucket_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
     def disconnect_generation_pool(self) -> None:

@@ -86,7 +86,7 @@ def _mini_batch_problems(job: JobFacts, role: str, eng, mini: int, layout, seque
 def _generation_layout(job: JobFacts, actor_layout) -> list[str]:
     """The actor's weights resharded into the rollout's layout: on its own pool, or colocated."""
     from hybridengine.cross_pool.plan import plan_cross_pool
-    from hybridengine.reshard.expert_plan import check_expert_split
+    from hybridengine.reshard.expert_group import check_expert_split
     from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, plan_reshard
     from hybridengine.reshard.weight_plan import plan_weights, refuse_routed_experts
     from workers.rollout.generator import generator_traits

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, stage_params
+from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, projections, stage_params
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 
@@ -204,14 +204,10 @@ def lora_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int, rank: int, targ
     """(numel, False) of each LoRA adapter parameter (A and B of every targeted part of every layer) that stage
     ``pp_rank`` holds on one TP rank: a column linear's B cut over TP, a row linear's A; and a value model's
     head, which trains beside them (``workers.megatron.lora``)."""
-    from workers.megatron.lora import LORA_TARGETS, full_shapes
-
-    shapes = full_shapes(spec)
+    shapes = projections(spec)
     per_layer = []
     for target in targets:
-        part = LORA_TARGETS[target][1]
-        fan_in, fan_out = shapes[part]
-        row = part in ("o", "down")
+        fan_in, fan_out, row = shapes[target].fan_in, shapes[target].fan_out, shapes[target].row_parallel
         per_layer += [(rank * (fan_in // tp if row else fan_in), False), ((fan_out if row else fan_out // tp) * rank, False)]
     head = ((spec.hidden_size * spec.num_labels, False),) if spec.is_value_model and pp_rank == pp - 1 else ()
     return tuple(per_layer) * len(spec.layers_of_stage(pp_rank, pp)) + head
@@ -228,16 +224,13 @@ def lora_adapter_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, rank: 
 
 def lora_gather_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, rank: int, targets: tuple[str, ...]) -> int:
     """What the rank that receives most gets when a LoRA engine at TP ``tp`` x PP ``pp`` gathers its adapters whole
-    for a sync (``LoRAGenerationWeights.gather_adapters``): the other TP ranks' pieces of its stage's cut sides (a
+    for a sync (their group's pieces, ``hybridengine.reshard.adapter_group``): the other TP ranks' pieces of its stage's cut sides (a
     column linear's B, a row linear's A), and the other stages' adapters whole."""
-    from workers.megatron.lora import LORA_TARGETS, full_shapes
-
-    shapes = full_shapes(spec)
+    shapes = projections(spec)
     cut = whole = 0
     for target in targets:
-        part = LORA_TARGETS[target][1]
-        fan_in, fan_out = shapes[part]
-        cut += rank * (fan_in if part in ("o", "down") else fan_out)
+        fan_in, fan_out = shapes[target].fan_in, shapes[target].fan_out
+        cut += rank * (fan_in if shapes[target].row_parallel else fan_out)
         whole += rank * (fan_in + fan_out)
     layers = [len(spec.layers_of_stage(s, pp)) for s in range(pp)]
     return max(cut * n * (tp - 1) // tp + whole * (sum(layers) - n) for n in layers) * dtype_bytes(precision)
@@ -245,11 +238,9 @@ def lora_gather_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, rank: i
 
 def lora_merged_bytes(spec: ModelSpec, tp: int, pp: int, precision: str, targets: tuple[str, ...]) -> int:
     """The adapted linears of one generation shard (busiest stage, TP ``tp``): what merging the adapters
-    writes every step (``workers.megatron.lora_generation.merge_into``), kept in a buffer of its own."""
-    from workers.megatron.lora import LORA_TARGETS, full_shapes
-
-    shapes = full_shapes(spec)
-    per_layer = sum(shapes[LORA_TARGETS[t][1]][0] * shapes[LORA_TARGETS[t][1]][1] for t in targets) // tp
+    writes every step (``workers.megatron.lora_merge.merge_into``), kept in a buffer of its own."""
+    shapes = projections(spec)
+    per_layer = sum(shapes[t].fan_in * shapes[t].fan_out for t in targets) // tp
     layers = max(len(spec.layers_of_stage(s, pp)) for s in range(pp))
     return per_layer * layers * dtype_bytes(precision)
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from hybridengine.model.spec import ModelConfigError
 from hybridengine.parallel.layout import ParallelLayout, divisors
-from hybridengine.reshard.expert_plan import linear_bound
+from hybridengine.reshard.expert_group import linear_bound
 from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard
 
 from controller.planner.hardware import Cluster
@@ -219,7 +219,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                 reshard = (group - 1) * dense_shard // group
                 times[0] += (all_gather_time(dense_shard, group, links_for(cluster, group), efficiency)
                              + work.spec.num_layers * efficiency.reshard_layer_s)
-            if expert_shard:  # the routed experts point to point, at their bound (hybridengine.reshard.expert_plan)
+            if expert_shard:  # the routed experts point to point, at their bound (hybridengine.reshard.expert_group)
                 received = expert_reshard_bytes(work.spec, ParallelLayout.for_world(n, tp, pp, ep, etp),
                                                 GenerationLayout(gen_tp, gen_pp), workload.generation_precision)
                 reshard += received
@@ -242,7 +242,7 @@ def _lora_generation(work: RoleWork, workload: Workload, cluster: Cluster, effic
     The frozen base reaches the generation layout once and is kept: by the actor's ranks (a copy where a micro-DP
     group gathers it; at the training layout, the training shards themselves; a slice of them, views but for
     fc1, whose gate and up halves are cut apart) or by a rollout pool's. The steady step then moves
-    the adapters alone (``workers.megatron.lora_generation``); ``merge`` rebuilds the adapted linears in a buffer
+    the adapters alone (``workers.megatron.hybrid_bridge``); ``merge`` rebuilds the adapted linears in a buffer
     kept between steps, ``adapter`` has vLLM serve them (their slots beside its weights, its LoRA kernels in every
     generation). The training weights are not released. An engine that sleeps between rollouts takes its whole
     shard each step; one that keeps it takes the merged linears only, or the new adapters."""

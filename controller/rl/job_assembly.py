@@ -192,7 +192,8 @@ class JobAssembly:
                                                       rollout_cfg.server_update)
         if self.rollout_on_its_own_pool:
             self.rollout_link = RolloutWeightLink(self.groups["actor"], self.groups["rollout"],
-                                                  self.pools[self.placement["rollout"]].controller_address())
+                                                  self.pools[self.placement["rollout"]].controller_address(),
+                                                  bucket_bytes=self.config.rollout.weight_bucket_bytes)
         self.rollout_client = rollout_client(self.groups["rollout"], self.rollout_link, served, stream)
 
     def lay_out(self) -> None:

@@ -32,7 +32,9 @@ def separate_rollout_kwargs(rollout_kwargs: dict[str, Any], actor_engine: Engine
 class RolloutWeightLink:
     """The actor's weights -> the separate rollout pool; ``sync`` sends them when the rollout's copy is stale."""
 
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, host: str, method: str = "auto") -> None:
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, host: str, method: str = "auto",
+                 bucket_bytes: int = 256 << 20) -> None:
+        """``bucket_bytes``: the rollout's ``weight_bucket_bytes``, which both sides cut the messages by."""
         import torch.distributed as dist
 
         self.actor, self.rollout = actor, rollout
@@ -40,7 +42,8 @@ class RolloutWeightLink:
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         mesh = rollout.layout
         gen_tp, gen_pp = mesh.gen.tensor_parallel, mesh.gen.pipeline_parallel
-        connecting = [actor.connect_generation_pool.submit(host, self.store.port, gen_tp, gen_pp, mesh.dp, method),
+        connecting = [actor.connect_generation_pool.submit(host, self.store.port, gen_tp, gen_pp, mesh.dp, method,
+                                                           bucket_bytes),
                       rollout.connect_training_pool.submit(host, self.store.port, method)]
         plans = [future.result() for future in connecting]
         self.method = plans[0][0]["method"]

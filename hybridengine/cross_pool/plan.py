@@ -267,7 +267,7 @@ def plan_cross_pool(train: ParallelLayout, gen: GenerationLayout, gen_dp: int, m
 
 def _shard_sources(spec: ModelSpec, plan: CrossPoolPlan, gen_tp: int, gen_pp: int) -> list[GenParamSource]:
     """Generation shard (gen_tp, gen_pp)'s parameters and their pieces, as the colocated plan joins them (a
-    mixture of experts' dense part: its routed experts have a plan of their own, ``cross_pool.experts``)."""
+    mixture of experts' dense part: its routed experts travel as their group's pieces, ``reshard.expert_group``)."""
     return WeightPlan(spec, plan.colocated).sources(plan.colocated_rank(gen_tp, gen_pp))
 
 

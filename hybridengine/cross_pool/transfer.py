@@ -11,10 +11,10 @@ bucket per route. Messages go point-to-point over a process group that spans
 both pools (gloo on CPU, NCCL on GPU): a group of this world (torchrun, one
 world for every pool) or a standalone group of its own (Ray, a world per pool).
 
-A mixture of experts' routed experts travel after the dense buckets, one
-message from each training rank to each generation rank it serves
-(``cross_pool.experts``): a piece of units [a, b) as its gate rows, up rows and
-down-projection columns. They come back as the generation stage's expert
+A mixture of experts' routed experts travel after the dense buckets as their
+group's pieces (``reshard.expert_group``, moved by ``reshard.piece_mover``, the
+colocated path's executor too): one message from each training rank to each
+generation rank it serves. They come back as the generation stage's expert
 tensors (``...local_experts.{k}.linear_fc1.weight`` [gate; up] and
 ``linear_fc2``), beside the flat buffer's dense views.
 
@@ -24,23 +24,29 @@ training parameters are only read.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.cross_pool.experts import CrossPoolExperts, plan_cross_pool_experts
 from hybridengine.cross_pool.plan import Bucket, CrossPoolPlan, Route, shard_buckets
 from hybridengine.model.geometry import split_tp_shard
 from hybridengine.model.spec import ModelSpec
 from hybridengine.ops.copy_blocks import copy_blocks
-from hybridengine.reshard.expert_pieces import assemble, cut_piece, pack, unpack
+from hybridengine.reshard.adapter_group import plan_adapters
+from hybridengine.reshard.expert_group import ExpertPlan, plan_cross_pool_experts
+from hybridengine.reshard.piece_mover import PieceMover
+from hybridengine.reshard.pieces import PiecePlan
 
-__all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink"]
+__all__ = ["CrossPoolTransfer", "GroupLink", "StandaloneLink", "message_bytes"]
 
-_FC1, _FC2 = "linear_fc1.weight", "linear_fc2.weight"
-_EXPERT_TAG = 1 << 24  # the experts' messages, after every dense bucket's tags
-_WHOLE_TAG = 1 << 25  # a tensor every generation rank receives whole (send_whole)
+def message_bytes(bucket_bytes: int) -> int:
+    """The messages' bucket when a generation rank may hold ``bucket_bytes`` beyond its model during a streamed
+    sync (``receive_buckets(keep=False)``): a bucket's messages and the area they are laid into, half each."""
+    return max(bucket_bytes // 2, 1)
+
+
+_PIECE_TAG = 1 << 24  # the piece groups' messages (experts, adapters), after every dense bucket's tags
 
 
 class GroupLink:
@@ -78,7 +84,8 @@ class CrossPoolTransfer:
     """
 
     def __init__(self, spec: ModelSpec, plan: CrossPoolPlan, train_ranks: Sequence[int], gen_ranks: Sequence[int],
-                 link: GroupLink | StandaloneLink | None = None, bucket_bytes: int = 64 << 20) -> None:
+                 link: GroupLink | StandaloneLink | None = None, bucket_bytes: int = 64 << 20,
+                 lora: tuple[int, tuple[str, ...]] | None = None) -> None:
         if len(train_ranks) != plan.train.world_size or len(gen_ranks) != plan.gen_world_size:
             raise ValueError(f"the plan needs {plan.train.world_size} training and {plan.gen_world_size} generation "
                              f"ranks; got {len(train_ranks)} and {len(gen_ranks)}")
@@ -92,7 +99,16 @@ class CrossPoolTransfer:
         self._buckets: dict[tuple[int, int], list[Bucket]] = {}
         self.buffer: torch.Tensor | None = None
         self.weights: dict[str, torch.Tensor] = {}
-        self.experts: CrossPoolExperts | None = plan_cross_pool_experts(spec, plan) if spec.moe is not None else None
+        # the groups that travel as pieces: a mixture of experts' routed experts, a LoRA actor's adapters
+        # (``lora``: their rank and targets), whole on training rank 0 once gathered there
+        self.pieces: dict[str, PiecePlan] = {}
+        if spec.moe is not None:
+            self.pieces["experts"] = plan_cross_pool_experts(spec, plan)
+        if lora is not None:
+            self.pieces["adapters"] = plan_adapters(spec, plan.train, *lora, receivers=plan.gen_world_size,
+                                                    gathered=True)
+        self.experts: ExpertPlan | None = self.pieces.get("experts")
+        self._movers: dict[tuple[str, int | None, int | None], PieceMover] = {}
 
     # ----------------------------------------------------------- shared shape
     def buckets(self, gen_tp: int, gen_pp: int, element_size: int) -> list[Bucket]:
@@ -123,46 +139,32 @@ class CrossPoolTransfer:
                 self.bytes_sent += message.numel() * element
             for work, _ in pending:
                 work.wait()
-        if self.experts is not None:
-            self._send_experts(train_rank, params)
+        if self.experts is not None:  # a bucket of layers at a time, one message to each generation rank it serves
+            mover = self._mover("experts", train_rank, None)
+            before = mover.bytes_sent
+            for _ in mover.move_in_chunks(params, self.bucket_bytes):
+                pass
+            self.bytes_sent += mover.bytes_sent - before
 
-    def _send_experts(self, train_rank: int, params: dict[str, torch.Tensor]) -> None:
-        spec, train = self.spec, self.plan.train
-        at = train.expert_coordinate(train_rank)
-        per_rank = spec.moe.num_experts // train.ep
-        first, offset = at.ep_rank * per_rank, at.etp_rank * (spec.moe.expert_ffn_hidden_size // train.etp)
-        layers = spec.layers_of_stage(at.pp_rank, train.pp)
-        pending = []
-        for gen_rank, pieces in self.experts.sends(train_rank).items():
-            blocks = []
-            for _, piece in pieces:
-                prefix = f"decoder.layers.{layers.index(piece.layer)}.mlp.experts.local_experts.{piece.expert - first}"
-                blocks.append(cut_piece(params[f"{prefix}.{_FC1}"], params[f"{prefix}.{_FC2}"], piece, offset))
-            message = pack(blocks)
-            pending.append((self.link.isend(message, self.gen_ranks[gen_rank], _EXPERT_TAG), message))
-            self.bytes_sent += message.numel() * message.element_size()
-        for work, _ in pending:
-            work.wait()
+    def _mover(self, kind: str, train_rank: int | None, gen_rank: int | None) -> PieceMover:
+        """This rank's side of a group's piece plan (built once); each group's messages have a tag of their own,
+        after every dense bucket's."""
+        key = (kind, train_rank, gen_rank)
+        if key not in self._movers:
+            plan = self.pieces[kind]
+            self._movers[key] = PieceMover(plan, self._exchange(_PIECE_TAG + list(self.pieces).index(kind)),
+                                           train_rank, gen_rank, train_peer=self.train_ranks.__getitem__,
+                                           receiver_peer=self.gen_ranks.__getitem__)
+        return self._movers[key]
 
-    def _receive_experts(self, gen_rank: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        """This generation rank's experts by generation name, one message from each training rank serving it."""
-        hidden = self.spec.hidden_size
-        receives = self.experts.receives(gen_rank)
-        posted = {}
-        for train_rank, pieces in receives.items():
-            flat = torch.empty(3 * hidden * sum(p.size for _, p in pieces), dtype=dtype, device=device)
-            posted[train_rank] = (self.link.irecv(flat, self.train_ranks[train_rank], _EXPERT_TAG), flat)
-        arrived = {}  # id(piece) -> (gate rows, up rows, down columns)
-        for train_rank, (work, flat) in posted.items():
-            work.wait()
-            self.bytes_received += flat.numel() * flat.element_size()
-            arrived.update(unpack(flat, [p for _, p in receives[train_rank]], hidden))
-        weights = {}
-        for need in self.experts.needs[gen_rank]:
-            fc1, fc2 = assemble(need, lambda piece: arrived[id(piece)], hidden, dtype, device)
-            weights[self.experts.generation_name(gen_rank, need, _FC1)] = fc1
-            weights[self.experts.generation_name(gen_rank, need, _FC2)] = fc2
-        return weights
+    def _exchange(self, tag: int):
+        """Point to point over the link: every send and receive posted at once, then waited."""
+        def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+            works = [self.link.isend(t.contiguous(), peer, tag) for peer, t in sorted(sends.items()) if t.numel()]
+            works += [self.link.irecv(t, peer, tag) for peer, t in sorted(receives.items()) if t.numel()]
+            for work in works:
+                work.wait()
+        return exchange
 
     def _segment_message(self, route: Route, bucket: Bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
         seg = self.plan.shard_segments(route.gen_tp, route.gen_pp)[route.position]
@@ -179,27 +181,46 @@ class CrossPoolTransfer:
     def receive(self, gen_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """This generation rank's shard (names local to its generation stage), each a view of one flat buffer;
         collective with the training ranks' ``send`` and, under broadcast, with the rest of the replica chain."""
+        views: dict[str, torch.Tensor] = {}
+        for bucket in self.receive_buckets(gen_rank, dtype, device, keep=True):
+            views.update(bucket)
+        self.weights = views
+        return views
+
+    def receive_buckets(self, gen_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                        keep: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+        """This generation rank's shard bucket by bucket, each as it lands (its parameters views of a buffer),
+        then a mixture of experts' routed experts; collective like ``receive``: consume it to the end.
+
+        ``keep``: the buckets land in one flat buffer of the whole shard (``buffer``), whose views stay valid;
+        else in one buffer of the largest bucket, reused, so a bucket's views are valid until the next is
+        asked for and the rank never holds more than a bucket of the shard."""
         coord = self.plan.gen_coordinate(gen_rank)
         element = torch.empty((), dtype=dtype).element_size()
         buckets = self.buckets(coord.tp_rank, coord.pp_rank, element)
-        sources = [s for bucket in buckets for s in bucket.sources]
-        total = sum(s.param.numel for s in sources)
-        if self.buffer is None or self.buffer.numel() != total or self.buffer.dtype != dtype:
-            self.buffer = torch.empty(total, dtype=dtype, device=device)
-        offset, views = 0, {}
-        for s in sources:
-            views[s.param.name] = self.buffer[offset: offset + s.param.numel].view(s.param.shape)
-            offset += s.param.numel
+        starts, total = [], 0
+        for bucket in buckets:
+            starts.append(total)
+            total += sum(s.param.numel for s in bucket.sources)
+        size = total if keep else max((sum(s.param.numel for s in b.sources) for b in buckets), default=0)
+        if self.buffer is None or self.buffer.numel() != size or self.buffer.dtype != dtype:
+            self.buffer = torch.empty(size, dtype=dtype, device=device)
+        area = self.buffer
+        if not keep:
+            self.buffer = None  # not the shard: the area is this call's alone
         # Earlier chain positions first: a rank's position-p message depends only on position p-1 elsewhere.
         routes = sorted(self.plan.routes_into(gen_rank), key=lambda r: r.chain.index(gen_rank))
-        forwards: list = []
+        # One inbox, reused by every bucket: its messages lie one after another in it, by segment.
+        inbox = torch.empty(max((sum(b.sizes) for b in buckets), default=0), dtype=dtype, device=device)
         for b, bucket in enumerate(buckets):
+            base = starts[b] if not keep else 0  # where the area starts in the shard's flat order
             parts: list[torch.Tensor | None] = [None] * len(bucket.sizes)
-            posted = []
+            posted, forwards = [], []
             for route in routes:  # every receive of the bucket posted at once, then waited in chain order
                 at = route.chain.index(gen_rank)
                 src = self.train_ranks[route.src] if at == 0 else self.gen_ranks[route.chain[at - 1]]
-                part = torch.empty(bucket.sizes[route.position], dtype=dtype, device=device)
+                first = sum(bucket.sizes[:route.position])
+                part = inbox[first: first + bucket.sizes[route.position]]
                 work = self.link.irecv(part, src, self._tag(route, b)) if part.numel() else None
                 posted.append((route, at, part, work))
             for route, at, part, work in posted:
@@ -212,44 +233,54 @@ class CrossPoolTransfer:
                     forwards.append((self.link.isend(part, self.gen_ranks[route.chain[at + 1]], self._tag(route, b)),
                                      part))
                     self.bytes_sent += part.numel() * element
-            copy_blocks(self.buffer, [p if p is not None else self.buffer.new_empty(0) for p in parts],
-                        list(bucket.blocks))
+            blocks = bucket.blocks if not base else [block._replace(dst_offset=block.dst_offset - base)
+                                                      for block in bucket.blocks]
+            copy_blocks(area, [p if p is not None else area.new_empty(0) for p in parts], list(blocks))
             for work, _ in forwards:
                 work.wait()
-            forwards = []
-        if self.experts is not None:  # a mixture of experts' routed experts, beside the dense buffer
-            views.update(self._receive_experts(gen_rank, dtype, device))
-        self.weights = views
-        return views
+            offset, views = starts[b] - base, {}
+            for s in bucket.sources:
+                views[s.param.name] = area[offset: offset + s.param.numel].view(s.param.shape)
+                offset += s.param.numel
+            yield views
+        if self.experts is not None:  # a mixture of experts' routed experts, beside the dense buffer, by buckets
+            mover = self._mover("experts", None, gen_rank)
+            before = mover.bytes_received
+            for chunk in mover.move_in_chunks({}, self.bucket_bytes, dtype, device):
+                self.bytes_received += mover.bytes_received - before
+                before = mover.bytes_received
+                yield chunk
 
-    # ------------------------------------------------ one tensor to every generation rank
-    def send_whole(self, train_rank: int, tensor: torch.Tensor) -> None:
-        """Training rank 0 sends ``tensor`` to every generation rank (e.g. a LoRA actor's adapters, whole); the
-        other training ranks send nothing. Collective with the generation ranks' ``receive_whole``."""
-        if train_rank != 0:
-            return
-        pending = [self.link.isend(tensor, peer, _WHOLE_TAG) for peer in self.gen_ranks]
-        for work in pending:
-            work.wait()
-        self.bytes_sent += tensor.numel() * tensor.element_size() * len(self.gen_ranks)
+    # ------------------------------------------------------------ a LoRA actor's adapters
+    def send_adapters(self, train_rank: int, adapters: dict) -> None:
+        """Training rank 0 sends the adapters whole ((layer, linear, part) -> (A, B), gathered on it) to every
+        generation rank, as their group's pieces; the other training ranks send nothing. Collective with the
+        generation ranks' ``receive_adapters``."""
+        mover = self._mover("adapters", train_rank, None)
+        named = mover.group.named(adapters) if train_rank == 0 else {}
+        before = mover.bytes_sent
+        mover.move(named)
+        self.bytes_sent += mover.bytes_sent - before
 
-    def receive_whole(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The tensor training rank 0 ``send_whole``s, flat."""
-        tensor = torch.empty(numel, dtype=dtype, device=device)
-        self.link.irecv(tensor, self.train_ranks[0], _WHOLE_TAG).wait()
-        self.bytes_received += tensor.numel() * tensor.element_size()
-        return tensor
+    def receive_adapters(self, gen_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
+        """The adapters whole, (layer, linear, part) -> (A, B), as training rank 0 ``send_adapters`` them."""
+        mover = self._mover("adapters", None, gen_rank)
+        before = mover.bytes_received
+        whole = mover.group.whole(mover.move({}, dtype, device))
+        self.bytes_received += mover.bytes_received - before
+        return whole
 
     @classmethod
     def standalone(cls, spec: ModelSpec, plan: CrossPoolPlan, joint_rank: int, host: str, port: int,
-                   timeout_s: float = 600.0, bucket_bytes: int = 64 << 20) -> "CrossPoolTransfer":
+                   timeout_s: float = 600.0, bucket_bytes: int = 64 << 20,
+                   lora: tuple[int, tuple[str, ...]] | None = None) -> "CrossPoolTransfer":
         """A transfer over a process group of its own: ranks 0..T-1 the training pool, T.. the generation pool,
         meeting at the TCP store ``host:port``; collective over both pools."""
         from hybridengine.device import standalone_process_group
 
         t, g = plan.train.world_size, plan.gen_world_size
         group = standalone_process_group(host, port, joint_rank, t + g, timeout_s, "hybridflow-weights")
-        return cls(spec, plan, range(t), range(t, t + g), StandaloneLink(group), bucket_bytes)
+        return cls(spec, plan, range(t), range(t, t + g), StandaloneLink(group), bucket_bytes, lora)
 
     def release(self) -> None:
         """Drop the generation buffer (the generation engine keeps what it copied)."""

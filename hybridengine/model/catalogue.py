@@ -33,6 +33,7 @@ from hybridengine.model.spec import ModelSpec
 __all__ = [
     "ShardKind", "ShardGeometry", "CatalogueEntry", "REPLICATED", "COLUMNS", "FC1", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
     "EMBEDDING", "FINAL_NORM", "OUTPUT_LAYER", "stage_params", "lookup", "ExpertShard", "EXPERT_ENTRIES", "layer_index",
+    "Projection", "projections",
 ]
 
 
@@ -184,6 +185,40 @@ class ExpertShard:
         """The global indices of the experts this rank holds."""
         per_rank = spec.moe.num_experts // self.ep
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+@dataclass(frozen=True)
+class Projection:
+    """One of a decoder layer's HF linear projections (``q_proj`` ... ``down_proj``) as the catalogue places it:
+    the megatron linear that holds it, its part there, its whole (input, output) features, and whether TP
+    cuts its input (a row-parallel linear) rather than its output. What an adapter on it is shaped by."""
+
+    hf_name: str  # "q_proj"
+    linear: str  # megatron's linear, "self_attention.linear_qkv"
+    part: str  # its part of that linear: "q" (the HF name without "_proj")
+    fan_in: int
+    fan_out: int
+    row_parallel: bool
+
+
+def projections(spec: ModelSpec) -> dict[str, Projection]:
+    """The dense decoder layer's linear projections by HF name, from the catalogue's entries: each fused part's
+    output features are its share of the fused rows (the geometry's parts), at TP 1."""
+    out = {}
+    for entry in LAYER_ENTRIES:
+        geometry = entry.geometry(spec)
+        if not entry.present(spec) or geometry.replicated or not entry.suffix.endswith(".weight"):
+            continue
+        rows, cols = entry.shape(spec, 1)
+        linear = entry.suffix.removesuffix(".weight")
+        for hf, size in zip(entry.hf_names, geometry.parts):
+            name = hf.removesuffix(".weight").rsplit(".", 1)[1]
+            if geometry.dim == 0:
+                fan_out = rows // geometry.unit_size * size
+                out[name] = Projection(name, linear, name.removesuffix("_proj"), cols, fan_out, False)
+            else:
+                out[name] = Projection(name, linear, name.removesuffix("_proj"), cols, rows, True)
+    return out
+
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"

@@ -23,7 +23,7 @@ rows (``cut``); the tensors merged back (``merge``); r consecutive shards
 joined into the shard of the TP size r times smaller, as tensors
 (``join_tp_shards``) or as block copies into a flat buffer
 (``join_blocks``), and split back (``split_tp_shard``); and a shard in
-vLLM's per-rank layout (``stacked``). A new kind of shard (experts, adapters,
+vLLM's per-rank layout (``stacked``); and a piece's units of a shard (``unit_blocks``). A new kind of shard (experts, adapters,
 a padded bias) is a new ``ShardGeometry``, not new code.
 """
 
@@ -145,6 +145,21 @@ class ShardGeometry:
             return torch.cat(pieces, self.dim)
         grouped = [p.unflatten(self.dim, (n, size)) for p, size in zip(pieces, self.parts)]
         return torch.cat(grouped, self.dim + 1).flatten(self.dim, self.dim + 1)
+
+    # ------------------------------------------------------------------ pieces
+    def unit_blocks(self, tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+        """Units [start, stop) of ``tensor`` (laid out as this geometry lays out a shard), one view per part
+        where the parts lie apart ([gate; up]: the gate rows, then the up rows), else one view. What a
+        point-to-point piece (``reshard.pieces``) sends, and where it lands."""
+        if self.replicated:
+            return [tensor]
+        if not self.stacks_parts:
+            return [tensor.narrow(self.dim, start * self.unit_size, (stop - start) * self.unit_size)]
+        n, blocks, before = self.units(tensor.shape), [], 0
+        for size in self.parts:
+            blocks.append(tensor.narrow(self.dim, before * n + start * size, (stop - start) * size))
+            before += size
+        return blocks
 
     # -------------------------------------------------------------------- vLLM
     def stacked(self, shard: torch.Tensor, tp_rank: int) -> torch.Tensor:

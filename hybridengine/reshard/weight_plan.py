@@ -23,7 +23,9 @@ from hybridengine.model.catalogue import StageParam, stage_params
 from hybridengine.model.geometry import Piece, join_blocks
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
-from hybridengine.reshard.expert_plan import ExpertPlan, check_expert_split, plan_experts
+from hybridengine.reshard.adapter_group import plan_adapters
+from hybridengine.reshard.expert_group import ExpertPlan, check_expert_split, plan_experts
+from hybridengine.reshard.pieces import PiecePlan
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 from hybridengine.reshard.schedule import GatherSchedule, gather_schedule
 
@@ -99,15 +101,17 @@ def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, eleme
 
 def bucket_sources(sources: Sequence[GenParamSource], element_size: int, bucket_bytes: int) -> list[list[GenParamSource]]:
     """``sources`` in order, cut into buckets of at most ``bucket_bytes`` of generation parameters (a larger
-    parameter alone in its own)."""
-    buckets, current, size = [], [], 0
+    parameter alone in its own); the parameters of one module (a linear's weight and bias) stay together, so an
+    engine that loads a bucket at a time gets each of its layers whole."""
+    buckets, current, size, module = [], [], 0, None
     for s in sources:
         nbytes = s.param.numel * element_size
-        if current and size + nbytes > bucket_bytes:
+        owner = s.param.name.rpartition(".")[0]
+        if current and size + nbytes > bucket_bytes and owner != module:
             buckets.append(current)
             current, size = [], 0
         current.append(s)
-        size += nbytes
+        size, module = size + nbytes, owner
     return buckets + ([current] if current else [])
 
 
@@ -147,8 +151,8 @@ def in_place_min_bytes(profile: CollectiveProfile) -> int:
 @dataclass(frozen=True)
 class WeightPlan:
     """``layout`` (the groups) for the model ``spec``: each rank's generation sources, gather schedule,
-    buckets and expected bytes, computed on first use and kept. A mixture of experts' routed experts are
-    not in them: ``experts`` plans those."""
+    buckets and expected bytes of the dense shard, computed on first use and kept. The parameter groups that
+    travel as pieces (routed experts, adapters) are planned apart: ``piece_plans``."""
 
     spec: ModelSpec
     layout: ReshardPlan
@@ -169,8 +173,18 @@ class WeightPlan:
 
     @cached_property
     def experts(self) -> ExpertPlan | None:
-        """A mixture of experts' routed experts: their own plan (``reshard.expert_plan``); None for a dense model."""
+        """A mixture of experts' routed experts: their group's piece plan (``reshard.expert_group``); None for a dense model."""
         return None if self.spec.moe is None else plan_experts(self.spec, self.train, self.gen)
+
+    def piece_plans(self, lora: tuple[int, tuple[str, ...]] | None = None) -> dict[str, PiecePlan]:
+        """The groups that travel as pieces, by kind: a mixture of experts' routed experts, and (``lora``: the
+        adapters' rank and targets) a LoRA actor's adapters, which every rank receives whole."""
+        plans: dict[str, PiecePlan] = {}
+        if self.experts is not None:
+            plans["experts"] = self.experts
+        if lora is not None:
+            plans["adapters"] = plan_adapters(self.spec, self.train, *lora)
+        return plans
 
     def sources(self, rank: int) -> list[GenParamSource]:
         """For each parameter of ``rank``'s generation shard, which micro-DP members hold its pieces."""

@@ -167,11 +167,11 @@ def _generation_case(rank, world_size, path, reference, tp, gen_tps):
         # linears' buffer, and the base's generation shard, a copy of its own only where a micro-DP group gathers
         # it (at the training layout, the training shards themselves).
         targets = engine.lora.targets
-        kept = bridge.lora.merged[gen]
+        kept = bridge.merged[gen]
         assert sum(t.numel() * t.element_size() for t in kept.values()) == lora_merged_bytes(spec, gen_tp, 1, "fp32",
                                                                                              targets)
         training = [p.data for p in engine.module().parameters()]
-        base = bridge.lora.base[gen].values()
+        base = bridge.base[gen].values()
         copied = sum(t.numel() * t.element_size() for t in base
                      if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in training))
         if gen_tp < tp:  # gathered: all of it
@@ -264,8 +264,9 @@ def test_lora_initialisation_is_the_same_whole_adapter_at_any_tp_size():
 
     for linear, parts, cut_dim in (("mlp.linear_fc1", {"gate": (32, 48), "up": (32, 48)}, None),
                                    ("self_attention.linear_proj", {"o": (64, 32)}, 1)):
-        whole = LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, seed=11)
-        ranks = [LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, tp=2, tp_rank=r, seed=11) for r in (0, 1)]
+        whole = LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, seed=11, row_parallel=cut_dim == 1)
+        ranks = [LoRAAdapter(linear, parts, 4, 2.0, 0.0, None, tp=2, tp_rank=r, seed=11, row_parallel=cut_dim == 1)
+                 for r in (0, 1)]
         for part, (fan_in, fan_out) in parts.items():
             a = whole.lora_A[part]
             assert a.shape == (4, fan_in) and 0.9 / fan_in ** 0.5 < a.abs().max() <= 1 / fan_in ** 0.5

@@ -86,7 +86,7 @@ def test_a_lora_actor_is_its_own_reference_and_holds_state_for_its_adapters_only
     and the actor's gradients and optimizer state are its adapters' (``lora_state``), by the formula."""
     from controller.planner.memory import lora_numels, state_memory
     from controller.planner.workload import job_workload
-    from workers.megatron.lora import full_shapes
+    from tiny_models import projection_shapes
 
     lora = ["actor.lora.rank=16", "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
     full, adapted = (job_workload(load_config(ROOT / "examples/paper_ppo.yaml", [*PAPER_7B, *extra]))
@@ -97,7 +97,7 @@ def test_a_lora_actor_is_its_own_reference_and_holds_state_for_its_adapters_only
     assert actor.forward_passes == full.roles[0].forward_passes + 1
     assert (actor.lora_rank, actor.lora_targets) == (16, ("q_proj", "k_proj", "v_proj", "o_proj"))
     spec = actor.padded(2)
-    shapes = full_shapes(spec)
+    shapes = projection_shapes(spec)
     per_layer = sum(16 * (fan_in + fan_out) for part, (fan_in, fan_out) in shapes.items() if part in "qkvo")
     assert sum(n for n, _ in lora_numels(spec, 1, 1, 0, 16, actor.lora_targets)) == per_layer * spec.num_layers
     whole = state_memory(spec, 2, 1, 4, "bf16", True)

@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--expert-parallel", action="store_true", help="generation: whole experts per TP rank")
     parser.add_argument("--return-routed-experts", action="store_true", help="the rollout reports its routes")
+    parser.add_argument("--weight-bucket-bytes", type=int, default=256 << 20, help="the rollout's weight_bucket_bytes")
     args = parser.parse_args()
     pool = ResourcePool([int(os.environ["WORLD_SIZE"])])
     actor = WorkerGroup(pool, Actor, role="actor", kwargs=dict(
@@ -71,7 +72,7 @@ def main():
     rollout = WorkerGroup(pool, Rollout, role="rollout", kwargs=dict(model_path=args.model, config={
         "engine": args.engine, "tensor_parallel": args.gen_tp, "pipeline_parallel": args.gen_pp,
         "expert_parallel": args.expert_parallel, "return_routed_experts": args.return_routed_experts,
-        "max_prompt_length": 8, "sampling": {"max_new_tokens": 10}}))
+        "max_prompt_length": 8, "sampling": {"max_new_tokens": 10}, "weight_bucket_bytes": args.weight_bucket_bytes}))
     result = {"greedy": rollout.generate_sequences(prompt_batch(greedy=True))}
     sampled = rollout.generate_sequences(prompt_batch(temperature=0.7, seed=123, n=2))
     result["sampled"] = sampled

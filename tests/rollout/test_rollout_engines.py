@@ -19,9 +19,10 @@ PROGRAM = Path(__file__).parent / "rollout_program.py"
 MAX_NEW = 10
 
 
-def run_program(tmp_path, nproc, engine, tp, gen_tp, kv_heads=2, pp=1, gen_pp=1, tie=False, moe=None, micro_batch=4):
+def run_program(tmp_path, nproc, engine, tp, gen_tp, kv_heads=2, pp=1, gen_pp=1, tie=False, moe=None, micro_batch=4,
+                bucket_bytes=256 << 20):
     """``moe``: (training EP, training ETP, generation with whole experts) for a tiny Qwen3-MoE instead of the
-    tiny Llama."""
+    tiny Llama; ``bucket_bytes``: the rollout's ``weight_bucket_bytes`` (vLLM loads each sync in such buckets)."""
     if moe is None:
         model, extra = make_llama(tmp_path / "model", kv_heads=kv_heads, tie=tie), []
     else:
@@ -33,7 +34,7 @@ def run_program(tmp_path, nproc, engine, tp, gen_tp, kv_heads=2, pp=1, gen_pp=1,
     out.mkdir()
     proc = run_torchrun(PROGRAM, [str(model), str(out), "--engine", engine, "--tp", str(tp), "--pp", str(pp),
                                   "--gen-tp", str(gen_tp), "--gen-pp", str(gen_pp), "--micro-batch", str(micro_batch),
-                                  *extra], nproc=nproc, timeout=400)
+                                  "--weight-bucket-bytes", str(bucket_bytes), *extra], nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return model, out, torch.load(out / "rollout.pt", weights_only=False)
 
@@ -96,8 +97,9 @@ def test_vllm_rollout_from_tp2_actor(tmp_path):
     megatron Rollout role resharding a TP2 x PP2 actor below; vLLM micro-DP replicas (TP1) run in the PPO
     run of test_train_cli.py (TP2 x PP2 -> four vLLM engines, rollout and actor log-probs agreeing).
     """
-    # A model with tied embeddings: vLLM's lm_head shares the embedding the sync reloads.
-    model, out, result = run_program(tmp_path, 2, "vllm", tp=2, gen_tp=2, tie=True)
+    # A model with tied embeddings: vLLM's lm_head shares the embedding the sync reloads. The syncs load in
+    # 256 KiB buckets (rollout.weight_bucket_bytes): one reload of the model, filled a bucket at a time.
+    model, out, result = run_program(tmp_path, 2, "vllm", tp=2, gen_tp=2, tie=True, bucket_bytes=256 << 10)
     check_rollout(model, out, result)
     check_bad_inputs(result["errors"])
     # The KV cache vLLM made of rollout.kv_cache_bytes, against the planner's model of it: whole blocks of
@@ -121,7 +123,8 @@ def test_vllm_rollout_of_a_mixture_of_experts_on_strided_generation_groups(tmp_p
     capturer on its V1 runner) are HF's routers' top-k on the same tokens, and the actor's routers, compared
     with them in its log-prob pass, agree on every one. (vLLM's expert parallelism is not run here: its CPU
     fused-experts kernel crashes under it, with vLLM's own checkpoint loading too.)"""
-    model, out, result = run_program(tmp_path, 4, "vllm", tp=4, gen_tp=2, kv_heads=4, moe=(2, 2, False))
+    model, out, result = run_program(tmp_path, 4, "vllm", tp=4, gen_tp=2, kv_heads=4, moe=(2, 2, False),
+                                     bucket_bytes=512 << 10)  # the experts a layer at a time, in 512 KiB buckets
     check_rollout(model, out, result)
     for key in ("greedy", "sampled", "greedy_after"):
         assert_routes_match_hf(result[key], model if key != "greedy_after" else out / "updated")

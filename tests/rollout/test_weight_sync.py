@@ -11,7 +11,7 @@ import torch
 from dist_utils import run_cases_in_processes
 from peft_reference import peft_with_random_b
 from test_resharder import shard_from_checkpoint
-from tiny_models import make_llama
+from tiny_models import make_llama, projection_shapes
 
 COMMON = {"timing_s/weight_update", "weight_update/bytes_received", "timing_s/weight_sync", "weight_sync/bytes"}
 
@@ -31,12 +31,12 @@ class _Params:
 
 class _Engine:
     """What the hybrid bridge reads of a megatron engine: the model, the layout, the parameters, the rank, and
-    its LoRA adapters (none)."""
+    its LoRA section (None unless given; the adapters themselves: none)."""
 
-    def __init__(self, spec, layout, params, rank):
+    def __init__(self, spec, layout, params, rank, lora=None):
         from types import SimpleNamespace
 
-        self.spec, self.layout, self._module, self.adapters = spec, layout, _Params(params), {}
+        self.spec, self.layout, self._module, self.adapters, self.lora = spec, layout, _Params(params), {}, lora
         self.groups = SimpleNamespace(grid_rank=rank)
 
     def module(self):
@@ -66,6 +66,71 @@ def _recording_generator(borrows: bool):
             self.released += 1
 
     return Recording()
+
+
+def _streaming_generator(model: dict):
+    """An engine with its own copy of the weights (``model``, made beforehand) that loads them bucket by bucket."""
+    from workers.rollout.generator import GeneratorBase
+
+    class Streaming(GeneratorBase):
+        borrows_weights = False
+
+        def __init__(self):
+            self.model, self.buckets, self.released = model, [], 0
+
+        def update_weights(self, weights):
+            raise AssertionError("a bucket-loading engine is handed buckets")
+
+        def update_weights_in_buckets(self, buckets):
+            for bucket in buckets:
+                self.buckets.append(sum(t.numel() * t.element_size() for t in bucket.values()))
+                for name, tensor in bucket.items():
+                    self.model[name].copy_(tensor)
+            return {"timing_s/weight_sync": 0.0, "weight_sync/bytes": sum(self.buckets)}
+
+        def generate(self, requests, sampling):
+            raise NotImplementedError
+
+    return Streaming()
+
+
+def peak_bytes_allocated(fn):
+    """``fn()``'s result and the most bytes of tensor memory it held at once beyond what existed before: every
+    storage an operation makes while it runs (not a view, not an in-place result), counted until it is freed,
+    on whatever thread (a received message may be let go where the communication library completes it)."""
+    import threading
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    held = {"live": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def freed(nbytes):
+        with lock:
+            held["live"] -= nbytes
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                    storage = tensor.untyped_storage()
+                    inputs.add(storage.data_ptr())
+                    with lock:
+                        held["live"] += storage.nbytes()
+                        held["peak"] = max(held["peak"], held["live"])
+                    weakref.finalize(storage, freed, storage.nbytes())
+            return out
+
+    with Allocations():
+        result = fn()
+    return result, held["peak"]
+
+
+BUCKET = 1 << 20  # a few buckets of the tiny model's 6.8 MB shard
 
 
 def _colocated(rank, world_size, path):
@@ -115,14 +180,14 @@ def _cross_pool(rank, world_size, path, port):
         coord = train.coordinate(rank)
         params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
         bridge = HybridBridge(_Engine(spec, train, params, rank))
-        bridge.connect_generation_pool("127.0.0.1", port, gen, 2, "auto", timeout_s=60)
-        for _ in range(2):  # one push per generator below
+        bridge.connect_generation_pool("127.0.0.1", port, gen, 2, "auto", timeout_s=60, bucket_bytes=BUCKET)
+        for _ in range(3):  # one push per generator below
             assert bridge.send_to_generation_pool()["weight_transfer/bytes_sent"] > 0
         bridge.cross_pool.close()
         return
     training = TrainingLayout(tensor_parallel=2, pipeline_parallel=1, data_parallel=1, precision="fp32")
     sync = weight_sync_for(None, training, spec=spec, gen=gen, gen_dp=2, rank=rank - 2, dtype=torch.float32,
-                           device="cpu")
+                           device="cpu", bucket_bytes=BUCKET)
     assert isinstance(sync, CrossPoolSync) and sync.pushed
     sync.connect("127.0.0.1", port, "auto", timeout_s=60)
     expected = shard_from_checkpoint(path, spec, 1, 1, 0, 0)
@@ -137,6 +202,16 @@ def _cross_pool(rank, world_size, path, port):
             assert torch.equal(generator.weights[name], tensor), (rank, borrows, name)
         assert (sync.transfer.buffer is not None) == borrows  # a borrowing engine keeps the transfer's buffer
         assert sync.done(generator) == {} and generator.released == 0  # the weights stay until the next push
+    # An engine that loads in buckets: each bucket goes in as it lands, so beyond its own model the generation
+    # side holds one bucket (its messages and the area they are laid into), not a second copy of the shard.
+    model = {name: torch.zeros_like(tensor) for name, tensor in expected.items()}
+    generator = _streaming_generator(model)
+    metrics, peak = peak_bytes_allocated(lambda: sync.update(generator))
+    assert metrics["weight_update/bytes_received"] == metrics["weight_transfer/bound_bytes"] == shard_bytes
+    assert len(generator.buckets) > 4 and max(generator.buckets) <= BUCKET // 2
+    for name, tensor in expected.items():
+        assert torch.equal(model[name], tensor), (rank, name)
+    assert peak <= BUCKET < shard_bytes, (peak, shard_bytes)
     sync.close()
 
 
@@ -155,8 +230,8 @@ def _cross_pool_lora(rank, world_size, path, port, reference):
     from hybridengine.model.spec import ModelSpec
     from hybridengine.parallel.layout import ParallelLayout
     from hybridengine.reshard.plan import GenerationLayout
+    from hybridengine.reshard.adapter_group import AdapterGroup
     from workers.megatron.hybrid_bridge import HybridBridge
-    from workers.megatron.lora_generation import adapter_layout, flatten_adapters
     from workers.rollout.weight_sync import weight_sync_for
     from workers.megatron.lora import LoRAConfig
     from workers.rollout.training_layout import TrainingLayout
@@ -164,23 +239,25 @@ def _cross_pool_lora(rank, world_size, path, port, reference):
     ref = torch.load(reference, weights_only=False)
     spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1), GenerationLayout(1, 1)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    layout = adapter_layout(spec, 4, targets)
-    whole_bytes = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in layout) * 4
+    group = AdapterGroup(spec, train, 4, targets, 2, gathered=True)
+    layout = [(key.layer, key.linear, key.part) for key in group.keys if key.side == "A"]
+    whole_bytes = spec.num_layers * sum(4 * (fan_in + fan_out) for fan_in, fan_out in projection_shapes(spec).values()) * 4
     adapted = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
     if rank < 2:
         coord = train.coordinate(rank)
         params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
-        bridge = HybridBridge(_Engine(spec, train, params, rank))
+        lora = LoRAConfig(rank=4, alpha=8.0, target_modules=tuple(targets))
+        bridge = HybridBridge(_Engine(spec, train, params, rank, lora))
         bridge.connect_generation_pool("127.0.0.1", port, gen, 2, "auto", timeout_s=60)
         saved = load_file(f"{ref['adapter_dir']}/adapter_model.safetensors")
         prefix = "base_model.model.model.layers"
         adapters = {key: (saved[f"{prefix}.{key[0]}.{HF_MODULES[key[2]]}.lora_A.weight"],
-                          saved[f"{prefix}.{key[0]}.{HF_MODULES[key[2]]}.lora_B.weight"]) for key, _, _ in layout}
+                          saved[f"{prefix}.{key[0]}.{HF_MODULES[key[2]]}.lora_B.weight"]) for key in layout}
         transfer = bridge.cross_pool
         transfer.send(rank, params)  # the frozen base, once
         for _ in range(2):
             before = transfer.bytes_sent
-            transfer.send_whole(rank, flatten_adapters(adapters, layout))
+            transfer.send_adapters(rank, adapters)
             assert transfer.bytes_sent - before == (2 * whole_bytes if rank == 0 else 0)  # to each generation rank
         transfer.close()
         return

@@ -1,6 +1,14 @@
 """The actor's side of the 3D-HybridEngine: reshard its training shards for generation, and back; or send
 them to a rollout on a pool of its own. A colocated rollout sees it as its ``WeightSource``
-(``workers.rollout.weight_sync``): the model, the training layout and dtype, and the two transitions."""
+(``workers.rollout.weight_sync``): the model, the training layout and dtype, and the two transitions.
+
+Each parameter group of the weight plan moves its own way and lands in one ``WeightUpdate``:
+
+- the dense shard, by the micro-DP gather (``Resharder``) or a baseline; a LoRA engine's frozen base once
+  per generation layout, kept (at the training layout itself, the training shards: no copy);
+- a mixture of experts' routed experts and a LoRA engine's adapters, as their groups' pieces
+  (``PieceMover``); the adapters arrive whole and are merged into the kept base's adapted linears
+  (``lora_merge``), or handed whole to an engine that serves them."""
 
 from __future__ import annotations
 
@@ -10,16 +18,17 @@ from typing import Any
 import torch
 
 from hybridengine.cross_pool.plan import plan_for_model
-from hybridengine.cross_pool.transfer import CrossPoolTransfer
+from hybridengine.cross_pool.transfer import CrossPoolTransfer, message_bytes
+from hybridengine.reshard.adapter_group import plan_adapters
 from hybridengine.reshard.baselines import BASELINES, RESHARD_METHODS
-from hybridengine.reshard.expert_resharder import ExpertResharder
+from hybridengine.reshard.piece_mover import PieceMover
 from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.resharder import Resharder
 from hybridengine.reshard.transport import TorchTransport
-from hybridengine.reshard.weight_plan import plan_weights
+from hybridengine.reshard.weight_plan import WeightPlan, plan_weights
 from workers.megatron.engine import MegatronEngine
-from workers.megatron.lora_generation import LoRAGenerationWeights, adapter_layout, flatten_adapters
-from workers.megatron.lora_peft import peft_tensors
+from workers.megatron.lora_merge import merge_into
+from workers.rollout.weight_update import WeightUpdate
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
 
@@ -32,13 +41,13 @@ class HybridBridge:
         self.bucket_bytes = bucket_bytes
         self.transport = TorchTransport()
         self.resharders: dict[GenerationLayout, Resharder] = {}
-        self.expert_resharders: dict[GenerationLayout, ExpertResharder] = {}
+        self.movers: dict[tuple[str, GenerationLayout | None], PieceMover] = {}  # (group, layout) -> this rank's side
         self._placed: tuple[int, ...] | None = None  # the expert placement the routers are in, while not training's
-        self.weights: dict[str, torch.Tensor] = {}
-        self.changed: set[str] | None = None  # of ``weights``, what changed since the last sync at this layout
+        self.update: WeightUpdate | None = None  # this rank's generation weights, while they exist
         self.cross_pool: CrossPoolTransfer | None = None
-        # a LoRA engine's generation weights: the base resharded once, the adapters merged in every sync
-        self.lora = LoRAGenerationWeights(engine, self.transport, bucket_bytes) if engine.adapters else None
+        # a LoRA engine: the frozen base's generation shard per layout (kept), and the merged linears' buffer
+        self.base: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
+        self.merged: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
         self._last_gen: GenerationLayout | None = None
         self._base_sent = False  # a LoRA engine's frozen base has crossed to the rollout pool
 
@@ -55,87 +64,120 @@ class HybridBridge:
     def dtype(self) -> torch.dtype:
         return next(self.engine.module().parameters()).dtype
 
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.update.weights if self.update is not None else {}
+
     def _training_params(self) -> dict[str, torch.Tensor]:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
 
+    def _mover(self, kind: str, gen: GenerationLayout | None, plan, params) -> PieceMover:
+        """This rank's side of a group's colocated piece plan, built (and checked against ``params``) once."""
+        if (kind, gen) not in self.movers:
+            mover = PieceMover.colocated(plan, torch.distributed.get_rank(), self.transport)
+            mover.check(params)
+            self.movers[kind, gen] = mover
+        return self.movers[kind, gen]
+
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp", release_training: bool = False,
                       merge_adapters: bool = True) -> dict[str, Any]:
-        """Build this rank's generation weights; collective over all ranks. Returns timing and bytes.
+        """Build this rank's generation weights (``update``); collective over all ranks. Returns timing and bytes.
 
-        A mixture of experts' routed experts go point to point (``ExpertResharder``), whatever ``method``
+        A mixture of experts' routed experts go point to point (their group's pieces), whatever ``method``
         moves the rest; under generation expert parallelism the router's rows follow the plan's placement.
         A LoRA engine's adapters are merged into them; ``merge_adapters`` False: the weights are the frozen
-        base and the adapters come whole in PEFT's names (``lora_adapters``), for an engine that serves them."""
+        base and the adapters come whole (``update.adapters``), for an engine that serves them."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
-        weights = plan_weights(self.engine.spec, self.engine.layout, gen)
+        plan = plan_weights(self.engine.spec, self.engine.layout, gen)
         self.to_training()  # at most one generation state at a time; restores released shards
         rank = torch.distributed.get_rank()
-        before = self.transport.bytes_received
-        if self.lora is not None:  # the frozen base once (by the micro-DP plan), then only the adapters
-            start = time.perf_counter()
-            self.weights, moved = self.lora.build(weights, self._training_params(), merge_adapters)
-            self.changed = None if moved["base"] or gen != self._last_gen else (
-                set(self.lora.merged[gen]) if merge_adapters else set())
-            self._last_gen = gen
-            me = weights.layout.ranks[rank]
-            return {"timing_s/reshard": time.perf_counter() - start,
-                    "reshard/bytes_received": moved["base"] + moved["lora"], "reshard/lora_bytes_received": moved["lora"],
-                    "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
-        self.changed, self._last_gen = None, gen
         params = self._training_params()
-
-        def dense() -> dict[str, torch.Tensor]:  # all but the routed experts: what the micro-DP plan moves
-            return {p.name: params[p.name] for p in weights.training_params(rank)}
-
-        if method == "micro_dp":
-            if gen not in self.resharders:
-                self.resharders[gen] = Resharder(weights, rank, dense(), self.transport, self.bucket_bytes)
-            start = time.perf_counter()
-            self.weights = self.resharders[gen].to_generation(release_training=release_training)
+        start, before = time.perf_counter(), self.transport.bytes_received
+        lora = self.engine.lora
+        # the dense shard: a LoRA engine's frozen base once (kept), else the micro-DP gather
+        if lora is not None:
+            weights = dict(self._frozen_base(plan, params))
         else:
-            start = time.perf_counter()
-            self.weights = BASELINES[method](weights, rank, dense(), self.transport)
-        dense_bytes = self.transport.bytes_received - before
-        moe = self.engine.spec.moe is not None
-        if moe:  # the experts' plan is built once per layout, with their resharder (not every step)
-            if gen not in self.expert_resharders:
-                self.expert_resharders[gen] = ExpertResharder(weights.experts, rank, params, self.transport)
-            experts = self.expert_resharders[gen]
-            self.weights.update(experts.to_generation())
-            self._place_router(experts.plan.placement)
-        me = weights.layout.ranks[rank]
-        return {
-            "timing_s/reshard": time.perf_counter() - start,
-            "reshard/bytes_received": self.transport.bytes_received - before,
-            **({"reshard/expert_bytes_received": self.transport.bytes_received - before - dense_bytes}
-               if moe else {}),
-            "gen_tp_rank": me.gen_tp_rank,
-            "gen_pp_rank": me.gen_pp_rank,
-            "gen_dp_rank": me.gen_dp_rank,
-        }
+            weights = self._dense(plan, params, method, release_training)
+        dense_bytes, metrics, adapters = self.transport.bytes_received - before, {}, None
+        for kind, pieces in plan.piece_plans((lora.rank, lora.targets) if lora is not None else None).items():
+            moved = self.transport.bytes_received
+            arrived = self._mover(kind, gen if kind != "adapters" else None, pieces, params).move(params)
+            metrics[f"reshard/{pieces.group.label}_bytes_received"] = self.transport.bytes_received - moved
+            if kind == "adapters":  # whole, to merge or to serve
+                adapters = pieces.group.whole(arrived)
+            else:
+                weights.update(arrived)
+        if plan.experts is not None:  # under generation expert parallelism the routers follow the placement
+            self._place_router(weights, plan.experts.placement)
+        if adapters is None:
+            self.update = WeightUpdate(weights)
+        else:  # only the adapters moved since the last sync at this layout: say what changed
+            unchanged = gen == self._last_gen and not dense_bytes
+            if merge_adapters:
+                me = plan.layout.ranks[rank]
+                merged = self.merged.setdefault(gen, {})
+                merge_into(weights, adapters, self.engine.spec, gen, me.gen_tp_rank, me.gen_pp_rank, lora.scaling,
+                           merged)
+                self.update = WeightUpdate({**weights, **merged}, set(merged) if unchanged else None)
+            else:
+                self.update = WeightUpdate(weights, set() if unchanged else None, adapters)
+        self._last_gen = gen
+        me = plan.layout.ranks[rank]
+        return {"timing_s/reshard": time.perf_counter() - start,
+                "reshard/bytes_received": self.transport.bytes_received - before, **metrics,
+                "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
 
-    def lora_adapters(self) -> dict[str, torch.Tensor]:
-        """The adapters of the last unmerged sync, whole, on the CPU under PEFT's names."""
-        return peft_tensors(self.lora.whole)
+    def _dense(self, plan: WeightPlan, params, method: str, release_training: bool) -> dict[str, torch.Tensor]:
+        """The dense group (all but the routed experts): the micro-DP gather, or a baseline it is measured against."""
+        rank, gen = torch.distributed.get_rank(), plan.gen
+        dense = {p.name: params[p.name] for p in plan.training_params(rank)}
+        if method != "micro_dp":
+            return BASELINES[method](plan, rank, dense, self.transport)
+        if gen not in self.resharders:
+            self.resharders[gen] = Resharder(plan, rank, dense, self.transport, self.bucket_bytes)
+        return dict(self.resharders[gen].to_generation(release_training=release_training))
 
-    def _place_router(self, placement: tuple[int, ...]) -> None:
+    def _frozen_base(self, plan: WeightPlan, params) -> dict[str, torch.Tensor]:
+        """A LoRA engine's frozen base at ``plan``'s generation layout: gathered once (the training shards kept),
+        the training shards themselves at the training layout."""
+        gen, layout = plan.gen, self.engine.layout
+        if gen not in self.base:
+            rank = torch.distributed.get_rank()
+            dense = {p.name: params[p.name] for p in plan.training_params(rank)}
+            if (gen.tensor_parallel, gen.pipeline_parallel) == (layout.tp, layout.pp):
+                self.base[gen] = dense  # the training shards are the generation shards: no copy
+            else:
+                self.base[gen] = Resharder(plan, rank, dense, self.transport, self.bucket_bytes).to_generation()
+        return self.base[gen]
+
+    def _adapters(self, params) -> dict:
+        """Every layer's adapters whole on this rank (their group's pieces: the other TP ranks' cuts of this
+        stage's, the other stages' whole), by (layer, linear, part) -> (A, B)."""
+        lora = self.engine.lora
+        plan = plan_adapters(self.engine.spec, self.engine.layout, lora.rank, lora.targets)
+        mover = self._mover("adapters", None, plan, params)
+        return mover.group.whole(mover.move(params))
+
+    def _place_router(self, weights: dict[str, torch.Tensor], placement: tuple[int, ...]) -> None:
         """Reorder every router's rows in the generation weights to ``placement`` (generation expert k is
         training expert placement[k]); ``_unplace_router`` puts them back."""
         if placement != tuple(range(len(placement))):
-            self._permute_routers(torch.tensor(placement))
+            self._permute_routers(weights, torch.tensor(placement))
             self._placed = placement
 
     def _unplace_router(self) -> None:
         """The routers' rows back in the training order, if ``_place_router`` moved them."""
         if self._placed is not None:
-            self._permute_routers(torch.argsort(torch.tensor(self._placed)))  # the inverse permutation
+            self._permute_routers(self.weights, torch.argsort(torch.tensor(self._placed)))  # the inverse permutation
             self._placed = None
 
-    def _permute_routers(self, order: torch.Tensor) -> None:
+    @staticmethod
+    def _permute_routers(weights: dict[str, torch.Tensor], order: torch.Tensor) -> None:
         """In place: a router may be a view of a training shard (slice plans) or of the buffer a released
         shard returns from."""
-        for name, tensor in self.weights.items():
+        for name, tensor in weights.items():
             if name.endswith("mlp.router.weight"):
                 tensor.copy_(tensor[order.to(tensor.device)])
 
@@ -144,19 +186,21 @@ class HybridBridge:
         self._unplace_router()  # the training order, before a released shard is copied back out
         for resharder in self.resharders.values():
             resharder.to_training(offload=offload)
-        self.weights = {}
+        self.update = None
         return {"timing_s/reshard_back": time.perf_counter() - start}
 
     # ------------------------------------------------------- a separate rollout pool
     def connect_generation_pool(self, host: str, port: int, gen: GenerationLayout, gen_dp: int, method: str = "auto",
-                                timeout_s: float = 600.0) -> dict[str, Any]:
+                                timeout_s: float = 600.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
         """Join the weight link to a rollout on its own pool (``gen_dp`` replicas at ``gen``); collective over
-        both pools. Returns the plan's method and why it was chosen."""
+        both pools. Returns the plan's method and why it was chosen. ``bucket_bytes``: the rollout's
+        ``weight_bucket_bytes``, which both sides cut the messages by (it loads them a bucket at a time)."""
         engine = self.engine
         element = next(engine.module().parameters()).element_size()
         plan = plan_for_model(engine.spec, engine.layout, gen, gen_dp, element, method)
+        lora = (engine.lora.rank, engine.lora.targets) if engine.lora is not None else None
         self.cross_pool = CrossPoolTransfer.standalone(engine.spec, plan, engine.groups.grid_rank, host, port,
-                                                       timeout_s, self.bucket_bytes or 64 << 20)
+                                                       timeout_s, message_bytes(bucket_bytes), lora=lora)
         self._base_sent = False
         return {"method": plan.method, "reason": plan.reason}
 
@@ -166,15 +210,13 @@ class HybridBridge:
             raise RuntimeError("no rollout pool is connected: call connect_generation_pool first")
         before, start = self.cross_pool.bytes_sent, time.perf_counter()
         rank = self.engine.groups.grid_rank
-        if self.lora is not None:  # the frozen base once, then the adapters whole (the rollout merges them)
+        params = self._training_params()
+        if self.engine.lora is not None:  # the frozen base once, then the adapters whole (the rollout merges them)
             if not self._base_sent:
-                self.cross_pool.send(rank, self._training_params())
+                self.cross_pool.send(rank, params)
                 self._base_sent = True
-            adapters, _ = self.lora.gather_adapters()
-            lora = self.engine.lora
-            self.cross_pool.send_whole(rank, flatten_adapters(adapters, adapter_layout(self.engine.spec, lora.rank,
-                                                                                       lora.targets)))
+            self.cross_pool.send_adapters(rank, self._adapters(params))
         else:
-            self.cross_pool.send(rank, self._training_params())
+            self.cross_pool.send(rank, params)
         return {"timing_s/weight_send": time.perf_counter() - start,
                 "weight_transfer/bytes_sent": self.cross_pool.bytes_sent - before}

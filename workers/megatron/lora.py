@@ -33,18 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridengine.model.catalogue import layer_index
+from hybridengine.model.catalogue import layer_index, projections
 
 __all__ = ["LORA_TARGETS", "LoRAConfig", "LoRAAdapter", "adapters_disabled", "attach_lora", "check_lora", "cut_adapter",
-           "adapted_linears", "full_shapes", "fused_delta", "lora_parameters", "merged_weights", "whole_adapters"]
+           "adapted_linears", "fused_delta", "lora_parameters", "merged_weights", "whole_adapters"]
 
-# HF target -> (megatron linear, its part); "all-linear" is every one of them
-LORA_TARGETS = {
-    "q_proj": ("self_attention.linear_qkv", "q"), "k_proj": ("self_attention.linear_qkv", "k"),
-    "v_proj": ("self_attention.linear_qkv", "v"), "o_proj": ("self_attention.linear_proj", "o"),
-    "gate_proj": ("mlp.linear_fc1", "gate"), "up_proj": ("mlp.linear_fc1", "up"), "down_proj": ("mlp.linear_fc2", "down"),
-}
-_ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+# The HF projections an adapter may target ("all-linear": every one). Which megatron linear holds each, its part
+# there, its shape and how TP cuts it are the catalogue's (``hybridengine.model.catalogue.projections``).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -107,15 +103,16 @@ class LoRAAdapter(torch.nn.Module):
 
     def __init__(self, linear: str, parts: dict[str, tuple[int, int]], rank: int, scaling: float, dropout: float,
                  tp_group, groups: int = 1, dtype: torch.dtype = torch.float32, device=None, tp: int = 1,
-                 tp_rank: int = 0, seed: int = 0) -> None:
+                 tp_rank: int = 0, seed: int = 0, row_parallel: bool = False) -> None:
         """``parts``: part -> (in features, out features) of the whole (unsharded) projection; ``groups``: the
         local query groups (the fused QKV's interleave); ``seed``: A's initialisation, the same for the whole A
-        at any TP size, so every rank holds the same replicated A and its own cut of a cut one."""
+        at any TP size, so every rank holds the same replicated A and its own cut of a cut one; ``row_parallel``:
+        TP cuts the linear's input (o, down)."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.linear, self.scaling, self.tp_group, self.groups = linear, scaling, tp_group, groups
-        self.row_parallel = linear in _ROW_PARALLEL
+        self.row_parallel = row_parallel
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.enabled = True  # False: the linear computes its base weight alone (``adapters_disabled``)
         self.lora_A = torch.nn.ParameterDict()
@@ -124,7 +121,7 @@ class LoRAAdapter(torch.nn.Module):
             # PEFT's default: A Kaiming-uniform over the whole input, B zero (so W starts unchanged)
             whole = torch.empty(rank, fan_in, dtype=torch.float32)
             torch.nn.init.kaiming_uniform_(whole, a=5 ** 0.5, generator=torch.Generator().manual_seed(seed + index))
-            a, b = cut_adapter(linear, part, whole, torch.zeros(fan_out, rank), tp, tp_rank)
+            a, b = cut_adapter(row_parallel, whole, torch.zeros(fan_out, rank), tp, tp_rank)
             self.lora_A[part] = torch.nn.Parameter(a.to(device, dtype).clone())  # its own storage, not the whole one
             self.lora_B[part] = torch.nn.Parameter(b.to(device, dtype).clone())
             # The side cut over TP is marked as megatron marks its sharded weights, so the gradient norm counts
@@ -185,22 +182,15 @@ def fused_delta(linear: str, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
     return _fuse_outputs(linear, {part: ((b @ a) * scaling).t() for part, (a, b) in parts.items()}, groups).t()
 
 
-def cut_adapter(linear: str, part: str, a: torch.Tensor, b: torch.Tensor, tp: int, tp_rank: int
+def cut_adapter(row_parallel: bool, a: torch.Tensor, b: torch.Tensor, tp: int, tp_rank: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole adapter's (A, B) cut for TP rank ``tp_rank`` of ``tp``: a row linear's A by its input columns, a
     column linear's B by its output rows (the rank's heads, query groups or FFN rows); the other side whole."""
     if tp == 1:
         return a, b
-    if linear in _ROW_PARALLEL:
+    if row_parallel:
         return a.chunk(tp, 1)[tp_rank], b
     return a, b.chunk(tp, 0)[tp_rank]
-
-
-def full_shapes(spec) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each adaptable part, unsharded."""
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
-    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
 
 
 def check_lora(spec, config: LoRAConfig) -> None:
@@ -211,15 +201,17 @@ def check_lora(spec, config: LoRAConfig) -> None:
     if spec.moe is not None:
         raise ValueError(f"LoRA on a mixture of experts ({spec.architecture}) is not supported yet: its routed "
                          f"experts would stay frozen and unadapted")
-    fused = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "mlp.linear_fc1": ("gate_proj", "up_proj")}
+    shapes = projections(spec)
+    fused: dict[str, list[str]] = {}
+    for name, projection in shapes.items():
+        fused.setdefault(projection.linear, []).append(name)
     for linear, names in fused.items():
         chosen = [t for t in config.targets if t in names]
         if chosen and len(chosen) != len(names):
-            raise ValueError(f"LoRA target_modules must take {list(names)} together (megatron fuses them into "
+            raise ValueError(f"LoRA target_modules must take {names} together (megatron fuses them into "
                              f"{linear}); got {chosen}")
-    shapes = full_shapes(spec)
     for target in config.targets:
-        fan_in, fan_out = shapes[LORA_TARGETS[target][1]]
+        fan_in, fan_out = shapes[target].fan_in, shapes[target].fan_out
         if config.rank > min(fan_in, fan_out):
             raise ValueError(f"LoRA rank {config.rank} exceeds {target}'s dimensions ({fan_in} in, {fan_out} out); "
                              f"use a rank of at most {min(fan_in, fan_out)}")
@@ -236,12 +228,11 @@ def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_g
     if not config.enabled:
         return {}
     check_lora(spec, config)
-    by_linear: dict[str, list[str]] = {}
+    shapes = projections(spec)
+    by_linear: dict[str, list] = {}
     for target in config.targets:
-        linear, part = LORA_TARGETS[target]
-        by_linear.setdefault(linear, []).append(part)
+        by_linear.setdefault(shapes[target].linear, []).append(shapes[target])
     groups = max(spec.num_query_groups // tp, 1)
-    shapes = full_shapes(spec)
     layers = spec.layers_of_stage(pp_rank, pp)
     module.requires_grad_(False)  # the base is frozen: no gradient, no optimizer state
     probe = next(module.parameters())
@@ -250,10 +241,10 @@ def attach_lora(module: torch.nn.Module, spec, config: LoRAConfig, tp: int, tp_g
         for linear, parts in by_linear.items():
             if name.endswith(linear) and ".layers." in name:
                 layer = layers[layer_index(name)]
-                adapter = LoRAAdapter(linear, {p: shapes[p] for p in ("q", "k", "v", "o", "gate", "up", "down")
-                                               if p in parts}, config.rank, config.scaling, config.dropout,
-                                      tp_group, groups, probe.dtype, probe.device, tp, tp_rank,
-                                      seed=(seed * 1_000_003 + layer) * 16 + 8 * linear.startswith("mlp"))
+                adapter = LoRAAdapter(linear, {p.part: (p.fan_in, p.fan_out) for p in parts}, config.rank,
+                                      config.scaling, config.dropout, tp_group, groups, probe.dtype, probe.device, tp,
+                                      tp_rank, seed=(seed * 1_000_003 + layer) * 16 + 8 * linear.startswith("mlp"),
+                                      row_parallel=parts[0].row_parallel)
                 child.lora = adapter
                 child.register_forward_hook(_add_delta)
                 child.sharded_state_dict = types.MethodType(_sharded_state_dict, child)

@@ -83,7 +83,7 @@ def load_peft_adapter(module: torch.nn.Module, spec, config: LoRAConfig, tp: int
                     key = f"{prefix}.{_HF_MODULES[part]}.{which}.weight"
                     if key not in whole:
                         raise KeyError(f"lora.adapter_path {folder} has no {key}")
-                    a_or_b = cut_adapter(adapter.linear, part, whole[key], whole[key], tp, tp_rank)
+                    a_or_b = cut_adapter(adapter.row_parallel, whole[key], whole[key], tp, tp_rank)
                     params[part].copy_(a_or_b[0 if which == "lora_A" else 1].to(params[part].dtype))
 
 

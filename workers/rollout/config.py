@@ -47,6 +47,9 @@ class RolloutConfig:
     # it is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard.baselines)
     reshard_method: str = "micro_dp"
     release_training: bool = True  # free the actor's training shards while the generation buffer exists
+    # weights reach an engine that loads in buckets (vLLM) this many bytes at a time (a larger tensor alone):
+    # during a sync the generation side holds one bucket beyond the model, not a second model
+    weight_bucket_bytes: int = 256 << 20
     pad_token_id: int | None = None  # None: the tokenizer's
     eos_token_id: int | None = None  # None: the tokenizer's
     # vLLM only
@@ -96,7 +99,8 @@ class RolloutConfig:
                             f"engine takes them merged (lora_sync: merge)")
         if self.reshard_method not in RESHARD_METHODS:
             problems.append(f"reshard_method {self.reshard_method!r} is not one of {RESHARD_METHODS}")
-        for name in ("tensor_parallel", "pipeline_parallel", "max_prompt_length", "kv_cache_bytes", "max_num_seqs"):
+        for name in ("tensor_parallel", "pipeline_parallel", "max_prompt_length", "kv_cache_bytes", "max_num_seqs",
+                     "weight_bucket_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")

@@ -22,9 +22,10 @@ until ``release``), ``loads_checkpoint`` (it can serve ``model_path`` as
 loaded, without a weight source) and ``max_new_tokens`` (the longest
 response it was built for, or None).
 
-Two capabilities are sub-protocols an engine may add: ``AdapterServing``
-(a LoRA actor's adapters served unmerged, ``update_adapters``) and
-``RequestServing`` (requests one by one behind the rollout server,
+Three capabilities are sub-protocols an engine may add: ``AdapterServing``
+(a LoRA actor's adapters served unmerged, ``update_adapters``),
+``BucketLoading`` (the weights bucket by bucket, ``update_weights_in_buckets``)
+and ``RequestServing`` (requests one by one behind the rollout server,
 ``serving_loop``).
 
 Engines are registered by name with an import path and their traits
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -49,9 +50,9 @@ from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.engine_traits import MEGATRON_TRAITS, VLLM_TRAITS, GeneratorTraits
 from workers.rollout.sampling import SamplingConfig
 
-__all__ = ["AdapterServing", "Generator", "GeneratorBase", "GeneratorContext", "GeneratorTraits", "RequestServing",
+__all__ = ["AdapterServing", "BucketLoading", "Generator", "GeneratorBase", "GeneratorContext", "GeneratorTraits", "RequestServing",
            "build_generator", "generator_class", "generator_traits", "register_generator", "registered_generators",
-           "serves_adapters"]
+           "loads_in_buckets", "serves_adapters"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,20 @@ class AdapterServing(Protocol):
     serves_adapters: bool  # built to serve adapters (a LoRA actor's rollout with lora_sync adapter)
 
     def update_adapters(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class BucketLoading(Protocol):
+    """An engine that keeps its own copy of the weights and takes them bucket by bucket: each bucket's tensors
+    are copied in before the next arrives (a bucket's tensors may be views of one reused buffer), so a sync
+    holds one bucket beyond the engine's model (``rollout.weight_bucket_bytes``)."""
+
+    def update_weights_in_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> dict[str, Any]: ...
+
+
+def loads_in_buckets(generator: Generator) -> bool:
+    """Whether ``generator`` takes its weights bucket by bucket (``BucketLoading``; never one that borrows them)."""
+    return isinstance(generator, BucketLoading) and not generator.borrows_weights
 
 
 @runtime_checkable

@@ -166,7 +166,7 @@ class MegatronGenerator(GeneratorBase):
             self.model = model
             self._layout = {name: (tuple(p.shape), p.dtype, p.device) for name, p in model.named_parameters()}
             if self.return_routed_experts:
-                from hybridengine.reshard.expert_plan import expert_placement
+                from hybridengine.reshard.expert_group import expert_placement
                 from workers.rollout.route_capture import RouteRecorder
 
                 gen = self.plan.gen

@@ -97,7 +97,7 @@ class Rollout(BaseWorker):
         self.weight_sync = weight_sync_for(
             source, self.training, spec=spec, gen=self.gen, gen_dp=self.plan.gen_dp, rank=self.rank, dtype=dtype,
             device=self.device, method=cfg.reshard_method, release_training=cfg.release_training,
-            lora=cfg.lora_adapter)
+            lora=cfg.lora_adapter, bucket_bytes=cfg.weight_bucket_bytes)
         self.generator = build_generator(cfg.engine, GeneratorContext(
             model_path, spec, self.plan, self.rank, dtype, cfg, self.eos_token_id, self.pad_token_id, self._decode,
             weights_pushed=source is not None or self.training is not None, colocated=source is not None))

@@ -26,7 +26,7 @@ import torch
 
 from hybridengine.device import accelerator_available
 from hybridengine.model.spec import ModelSpec
-from hybridengine.reshard.expert_plan import expert_placement
+from hybridengine.reshard.expert_group import expert_placement
 from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
@@ -262,19 +262,47 @@ class VLLMGenerator(GeneratorBase):
         """Load this rank's generation shard (megatron names, generation layout) into the engine; once it holds
         one and keeps it (``accepts_partial_weights``), ``weights`` may be only the tensors that changed."""
         start = time.perf_counter()
+        self._wake_weights()
+        partial = self.accepts_partial_weights
+        (loaded,) = self.llm.collective_rpc("load_shard", args=(self._vllm_shard(weights, partial),
+                                                                self.vllm_rows[self.me.gen_tp_rank], partial))
+        return self._loaded(start, loaded["bytes"])
+
+    def update_weights_in_buckets(self, buckets) -> dict[str, Any]:
+        """Load the shard bucket by bucket (``BucketLoading``), each copied in before the next is asked for, in
+        one reload of the model (its post-load steps run once); unless the engine keeps a shard
+        (``accepts_partial_weights``), the buckets together must be the whole shard."""
+        start = time.perf_counter()
+        self._wake_weights()
+        self.llm.collective_rpc("begin_shard_load", args=(self.accepts_partial_weights,))
+        try:
+            for weights in buckets:
+                self.llm.collective_rpc("load_shard_bucket", args=(self._vllm_shard(weights, True),
+                                                                   self.vllm_rows[self.me.gen_tp_rank]))
+        except BaseException:
+            self.llm.collective_rpc("abort_shard_load")
+            raise
+        (loaded,) = self.llm.collective_rpc("end_shard_load")
+        return self._loaded(start, loaded["bytes"])
+
+    def _wake_weights(self) -> None:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
+
+    def _vllm_shard(self, weights: dict[str, torch.Tensor], partial: bool) -> dict[str, torch.Tensor]:
+        """``weights`` in vLLM's names and per-rank layout, the vocabulary rows regrouped as vLLM holds them."""
         t_g, tp_rank = self.plan.gen.tensor_parallel, self.me.gen_tp_rank
-        partial = self.accepts_partial_weights
         shard = to_vllm_shard(self.spec, weights, t_g, 1, 0, tp_rank, self.plan.gen.expert_parallel, partial=partial)
         for name in self._regrouped:
             if name in shard:
                 shard[name] = regroup_vocab_rows(shard[name], self.megatron_rows, self.vllm_rows, tp_rank,
                                                  self._tp_ranks, self._tp_group)
-        (loaded,) = self.llm.collective_rpc("load_shard", args=(shard, self.vllm_rows[tp_rank], partial))
+        return shard
+
+    def _loaded(self, start: float, copied: int) -> dict[str, Any]:
         self.loaded_once = True
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": loaded["bytes"],
+        return {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": copied,
                 "rollout/kv_cache_tokens": self.kv_cache_tokens}
 
     # -------------------------------------------------------------- generation

@@ -17,6 +17,7 @@ checks them); ``tests/rollout`` keeps a regression test that fails if they chang
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -122,29 +123,67 @@ class VLLMShardLoader(VLLMRouteCapture):
         shard's embedding / output rows cover; it must be the range vLLM's
         vocab-parallel layers hold on this rank. ``partial``: the shard may
         hold only some parameters (those that changed; the rest stay as loaded).
+        A shard that does not fit is refused before anything is copied.
         """
-        start = time.perf_counter()
-        model = self.model_runner.model
-        expected = {name for name, _ in model.named_parameters()}
-        shard = {_engine_name(name, expected): tensor for name, tensor in shard.items()}
-        missing, unknown = [] if partial else sorted(expected - set(shard)), sorted(set(shard) - expected)
+        expected = {name for name, _ in self.model_runner.model.named_parameters()}
+        names = {_engine_name(name, expected) for name in shard}
+        missing, unknown = [] if partial else sorted(expected - names), sorted(names - expected)
         if missing or unknown:
             raise ShardLoadError(
                 f"the shard does not match the engine's parameters: missing {missing[:6]}, unknown {unknown[:6]} "
                 f"(fused groups qkv_proj and gate_up_proj must be sent whole)"
             )
+        self.begin_shard_load(partial)
+        try:
+            self.load_shard_bucket(shard, vocab_range)
+        except BaseException:
+            self._reload.close()
+            raise
+        return self.end_shard_load()
+
+    def begin_shard_load(self, partial: bool = False) -> None:
+        """Open one reload that ``load_shard_bucket`` fills bucket by bucket and ``end_shard_load`` finishes: the
+        model's reload steps run once per sync, however many buckets it comes in. ``partial``: the buckets
+        may together hold only some parameters; else they must be the whole shard, checked at the end."""
+        model = self.model_runner.model
+        self._expected = {name for name, _ in model.named_parameters()}  # as the model is now (tied tensors once)
+        self._reload = contextlib.ExitStack()
+        self._materialized = self._reload.enter_context(layerwise_reload(model, self.model_runner.model_config, partial))
+        self._partial, self._loaded, self._copied, self._started = partial, set(), 0, time.perf_counter()
+
+    def load_shard_bucket(self, shard: dict[str, torch.Tensor], vocab_range: tuple[int, int] | None = None) -> None:
+        """One bucket of the shard into the open reload; a layer's tensors come in one bucket."""
+        model, expected = self.model_runner.model, self._expected
+        shard = {_engine_name(name, expected): tensor for name, tensor in shard.items()}
+        unknown = sorted(set(shard) - expected)
+        if unknown:
+            raise ShardLoadError(f"the shard does not match the engine's parameters: unknown {unknown[:6]}")
         by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, tensor in shard.items():
             module_name, _, param_name = name.rpartition(".")
             by_layer.setdefault(module_name, []).append((param_name, tensor))
-        copied = 0
-        with layerwise_reload(model, self.model_runner.model_config, partial) as materialized:
-            for module_name, tensors in by_layer.items():
-                layer = model.get_submodule(module_name)
-                with materialized(layer):  # then post-load processing, and the copy into the kernel tensors
-                    rows = _vocab_rows(layer)
-                    for param_name, tensor in tensors:
-                        target = getattr(layer, param_name)
-                        copied += _copy_into(f"{module_name}.{param_name}", target, tensor, rows, vocab_range)
-        _reprocess_tied_layers(model, set(by_layer))
-        return {"bytes": copied, "seconds": time.perf_counter() - start}
+        for module_name, tensors in by_layer.items():
+            layer = model.get_submodule(module_name)
+            with self._materialized(layer):  # then post-load processing, and the copy into the kernel tensors
+                rows = _vocab_rows(layer)
+                for param_name, tensor in tensors:
+                    target = getattr(layer, param_name)
+                    self._copied += _copy_into(f"{module_name}.{param_name}", target, tensor, rows, vocab_range)
+        self._loaded |= set(shard)
+
+    def abort_shard_load(self) -> None:
+        """Close an open reload that will not be finished (its stream failed)."""
+        self._reload.close()
+
+    def end_shard_load(self) -> dict[str, Any]:
+        """Finish the reload ``begin_shard_load`` opened; the bytes copied and the seconds since it opened."""
+        model = self.model_runner.model
+        missing = [] if self._partial else sorted(self._expected - self._loaded)
+        if missing:
+            self._reload.close()
+            raise ShardLoadError(
+                f"the shard does not match the engine's parameters: missing {missing[:6]} (fused groups qkv_proj "
+                f"and gate_up_proj must be sent whole)")
+        self._reload.close()
+        _reprocess_tied_layers(model, {name.rpartition(".")[0] for name in self._loaded})
+        return {"bytes": self._copied, "seconds": time.perf_counter() - self._started}

@@ -14,7 +14,9 @@
   (``hybridengine.cross_pool``), and the generator takes them.
 - ``CheckpointWeights``: no source; the engine serves ``model_path`` as loaded.
 
-Both moving syncs report the same two figures beside their own:
+Both moving syncs hand the generator one ``WeightUpdate`` (``workers.rollout.weight_update``: the shard,
+what changed, a LoRA actor's adapters when the engine serves them) and report the same two figures beside
+their own:
 ``timing_s/weight_update`` (from the start of the move to the engine holding
 the weights) and ``weight_update/bytes_received`` (what this rank received
 over the network), with the engine's ``timing_s/weight_sync`` and
@@ -33,8 +35,10 @@ from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.plan import GenerationLayout
 from workers.megatron.lora import LoRAConfig
-from workers.rollout.generator import Generator, serves_adapters
+from workers.megatron.lora_merge import merge_into
+from workers.rollout.generator import Generator, loads_in_buckets, serves_adapters
 from workers.rollout.training_layout import TrainingLayout
+from workers.rollout.weight_update import WeightUpdate, apply_update
 
 __all__ = ["CheckpointWeights", "ColocatedSync", "CrossPoolSync", "WeightSource", "WeightSync", "weight_sync_for"]
 
@@ -47,9 +51,7 @@ class WeightSource(Protocol):
     spec: ModelSpec  # the model as its shards are cut (vocabulary padded)
     layout: ParallelLayout  # the training layout
     dtype: torch.dtype
-    weights: dict[str, torch.Tensor]  # this rank's generation shard, while it exists
-    # the names in ``weights`` whose contents changed since the last ``to_generation`` at this layout; None: all
-    changed: set[str] | None
+    update: WeightUpdate | None  # this rank's generation weights, while they exist
 
     def to_generation(self, gen: GenerationLayout, method: str = "micro_dp",
                       release_training: bool = False) -> dict[str, Any]: ...
@@ -79,8 +81,9 @@ class ColocatedSync(WeightSync):
     pushed = False
 
     def __init__(self, source: WeightSource, gen: GenerationLayout, method: str = "micro_dp",
-                 release_training: bool = True) -> None:
+                 release_training: bool = True, bucket_bytes: int = 256 << 20) -> None:
         self.source, self.gen, self.method, self.release_training = source, gen, method, release_training
+        self.bucket_bytes = bucket_bytes
 
     def update(self, generator: Generator) -> dict[str, Any]:
         start = time.perf_counter()  # the engine wakes what it needs itself: weights now, the KV cache to generate
@@ -88,13 +91,7 @@ class ColocatedSync(WeightSync):
         moved = self.source.to_generation(self.gen, self.method, self.release_training,
                                           **({"merge_adapters": False} if serves else {}))
         metrics = {k: v for k, v in moved.items() if k not in _PLAN_KEYS}
-        weights, changed = self.source.weights, getattr(self.source, "changed", None)
-        if changed is not None and generator.accepts_partial_weights:
-            weights = {name: weights[name] for name in changed}  # e.g. a LoRA actor's merged linears
-        if weights or not serves:
-            metrics.update(generator.update_weights(weights))
-        if serves:
-            metrics.update(generator.update_adapters(self.source.lora_adapters()))
+        metrics.update(apply_update(generator, self.source.update, self.bucket_bytes))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = metrics["reshard/bytes_received"]
         if not generator.borrows_weights:
@@ -112,22 +109,27 @@ class CrossPoolSync(WeightSync):
     pushed = True
 
     def __init__(self, spec: ModelSpec, gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype,
-                 device: torch.device | str, training: TrainingLayout, lora: LoRAConfig | None = None) -> None:
-        """``lora`` (the actor's LoRA section: rank, alpha, targets): the actor trains LoRA adapters; its frozen base arrives once and is
-        kept, then every update brings the adapters whole, merged here (or served, by an engine that can)."""
+                 device: torch.device | str, training: TrainingLayout, lora: LoRAConfig | None = None,
+                 bucket_bytes: int = 256 << 20) -> None:
+        """``lora`` (the actor's LoRA section: rank, alpha, targets): the actor trains LoRA adapters; its frozen
+        base arrives once and is kept, then every update brings the adapters whole, merged here (or served, by
+        an engine that can). ``bucket_bytes``: the messages' size, and the buckets an engine that loads in
+        buckets takes the weights in, each before the next arrives (the whole shard is never held)."""
         self.spec, self.gen, self.gen_dp, self.rank, self.dtype, self.device = spec, gen, gen_dp, rank, dtype, device
-        self.lora, self.base, self.merged, self._layout = lora, None, {}, None
+        self.bucket_bytes = bucket_bytes
+        self.lora, self.base, self.merged = lora, None, {}
         self.train = training.layout
         self.transfer = None
 
     def connect(self, host: str, port: int, method: str = "auto", timeout_s: float = 600.0) -> dict[str, Any]:
         from hybridengine.cross_pool.plan import plan_for_model
-        from hybridengine.cross_pool.transfer import CrossPoolTransfer
+        from hybridengine.cross_pool.transfer import CrossPoolTransfer, message_bytes
 
         element = torch.empty((), dtype=self.dtype).element_size()
         plan = plan_for_model(self.spec, self.train, self.gen, self.gen_dp, element, method)
+        lora = (self.lora.rank, self.lora.targets) if self.lora is not None else None
         self.transfer = CrossPoolTransfer.standalone(self.spec, plan, self.train.world_size + self.rank, host, port,
-                                                     timeout_s)
+                                                     timeout_s, message_bytes(self.bucket_bytes), lora=lora)
         return {"method": plan.method, "reason": plan.reason}
 
     def update(self, generator: Generator) -> dict[str, Any]:
@@ -136,11 +138,19 @@ class CrossPoolSync(WeightSync):
         before, start = self.transfer.bytes_received, time.perf_counter()
         if self.lora is not None:
             return self._update_lora(generator, before, start)
-        weights = self.transfer.receive(self.rank, self.dtype, self.device)
+        if loads_in_buckets(generator):  # each bucket into the engine as it lands: a bucket's buffer, not a shard's
+            landed = []
+            stream = self.transfer.receive_buckets(self.rank, self.dtype, self.device, keep=False)
+            metrics = apply_update(generator, WeightUpdate({}, stream=_counted(stream, landed)))
+            transfer_s, shard = time.perf_counter() - start, sum(landed)  # the transfer and the loads interleave
+        else:
+            weights = self.transfer.receive(self.rank, self.dtype, self.device)
+            transfer_s = time.perf_counter() - start
+            metrics = apply_update(generator, WeightUpdate(weights))
+            shard = sum(w.numel() * w.element_size() for w in weights.values())
         received = self.transfer.bytes_received - before
-        metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received,
-                   "weight_transfer/bound_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
-        metrics.update(generator.update_weights(weights))
+        metrics.update({"timing_s/weight_transfer": transfer_s, "weight_transfer/bytes": received,
+                        "weight_transfer/bound_bytes": shard})
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = received
         if not generator.borrows_weights:
@@ -150,28 +160,20 @@ class CrossPoolSync(WeightSync):
     def _update_lora(self, generator: Generator, before: int, start: float) -> dict[str, Any]:
         """A LoRA actor's weights: the base at the first update (kept), then its adapters whole, merged into the
         base's adapted linears (the generator takes those alone when it can) or served unmerged."""
-        from workers.megatron.lora_generation import adapter_layout, merge_into, unflatten_adapters
-        from workers.megatron.lora_peft import peft_tensors
-
         first = self.base is None
         if first:  # the base stays in the transfer's buffer: it is never released
             self.base = self.transfer.receive(self.rank, self.dtype, self.device)
-        if self._layout is None:  # the adapters' flat message, the same at every update
-            self._layout = adapter_layout(self.spec, self.lora.rank, self.lora.targets)
-        numel = sum(a[0] * a[1] + b[0] * b[1] for _, a, b in self._layout)
-        adapters = unflatten_adapters(self.transfer.receive_whole(numel, self.dtype, self.device), self._layout)
+        adapters = self.transfer.receive_adapters(self.rank, self.dtype, self.device)
         received = self.transfer.bytes_received - before
         metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received}
         if serves_adapters(generator):
-            if first:
-                metrics.update(generator.update_weights(self.base))
-            metrics.update(generator.update_adapters(peft_tensors(adapters)))
+            update = WeightUpdate(self.base, None if first else set(), adapters)
         else:
             coord = self.transfer.plan.gen_coordinate(self.rank)
             merge_into(self.base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank,
                        self.lora.alpha / self.lora.rank, self.merged)
-            partial = not first and generator.accepts_partial_weights
-            metrics.update(generator.update_weights(dict(self.merged) if partial else {**self.base, **self.merged}))
+            update = WeightUpdate({**self.base, **self.merged}, None if first else set(self.merged))
+        metrics.update(apply_update(generator, update))
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = received
         return metrics
@@ -192,16 +194,23 @@ class CheckpointWeights(WeightSync):
                            "training pool to connect to")
 
 
+def _counted(stream, landed: list):
+    """``stream``'s buckets as they are, their bytes appended to ``landed``."""
+    for bucket in stream:
+        landed.append(sum(t.numel() * t.element_size() for t in bucket.values()))
+        yield bucket
+
+
 def weight_sync_for(source: WeightSource | None, training: TrainingLayout | None, *, spec: ModelSpec,
                     gen: GenerationLayout, gen_dp: int, rank: int, dtype: torch.dtype, device: torch.device | str,
                     method: str = "micro_dp", release_training: bool = True,
-                    lora: LoRAConfig | None = None) -> WeightSync:
+                    lora: LoRAConfig | None = None, bucket_bytes: int = 256 << 20) -> WeightSync:
     """The way weights reach this rollout: from a colocated actor's ``source``, across pools from the
     actor's pool described by ``training``, or none (the engine's own checkpoint)."""
     if source is not None and training is not None:
         raise ValueError("weights come from a colocated actor's source or from a training pool, not both")
     if source is not None:
-        return ColocatedSync(source, gen, method, release_training)
+        return ColocatedSync(source, gen, method, release_training, bucket_bytes)
     if training is not None:
-        return CrossPoolSync(spec, gen, gen_dp, rank, dtype, device, training, lora)
+        return CrossPoolSync(spec, gen, gen_dp, rank, dtype, device, training, lora, bucket_bytes)
     return CheckpointWeights()

@@ -1,0 +1,84 @@
+"""What one weight sync hands the generator, whatever moved it: one value, and one way to apply it.
+
+A sync (colocated or across pools) moves every parameter group of the weight plan (the dense shard, a
+mixture of experts' routed experts, a LoRA actor's adapters) and hands the generator a ``WeightUpdate``: the
+generation shard (whole, or as a stream of buckets that arrive one at a time), which of its tensors changed
+since the last update at this layout, and the adapters whole when the engine serves them unmerged.
+
+``apply_update`` is the one place that decides what the engine takes: only what changed where it keeps
+the rest; bucket by bucket where it loads that way (``BucketLoading``: the engine's temporaries, and a
+streamed update's buffer, are then one bucket); the adapters through ``update_adapters`` where it serves
+them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from workers.rollout.generator import loads_in_buckets
+
+__all__ = ["WeightUpdate", "apply_update", "in_buckets"]
+
+# a layer's routed experts load together: an engine stacks them into one tensor per layer (vLLM's w13, w2)
+_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.")
+
+
+@dataclass
+class WeightUpdate:
+    weights: dict[str, torch.Tensor]  # this rank's generation shard, megatron names local to its generation stage
+    changed: set[str] | None = None  # the names in ``weights`` that changed since the last update; None: all
+    adapters: dict | None = None  # (layer, linear, part) -> (A, B) whole, for an engine that serves them unmerged
+    # the shard as buckets instead of ``weights`` (each bucket's tensors valid until the next is asked for)
+    stream: Iterable[dict[str, torch.Tensor]] | None = None
+
+    def taken_by(self, generator) -> dict[str, torch.Tensor]:
+        """The tensors ``generator`` must load: only those that changed where it keeps the rest."""
+        if self.changed is not None and generator.accepts_partial_weights:
+            return {name: self.weights[name] for name in self.changed}
+        return self.weights
+
+
+def in_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``weights`` in order, in buckets of at most ``bucket_bytes``; what an engine loads as one layer stays in
+    one bucket (a module's tensors, a layer's routed experts), alone where it is larger."""
+    atoms: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        experts = _EXPERTS.match(name)
+        atoms.setdefault(experts.group(1) if experts else name.rpartition(".")[0], {})[name] = tensor
+    bucket, size = {}, 0
+    for atom in atoms.values():
+        nbytes = sum(t.numel() * t.element_size() for t in atom.values())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket.update(atom)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def apply_update(generator, update: WeightUpdate, bucket_bytes: int | None = None) -> dict[str, Any]:
+    """``update`` into ``generator``; the engine's metrics (``timing_s/weight_sync``, ``weight_sync/bytes``).
+    ``bucket_bytes``: an engine that loads in buckets takes a whole update this many bytes at a time."""
+    metrics: dict[str, Any] = {}
+    if update.stream is not None:
+        if not loads_in_buckets(generator):
+            raise ValueError(f"{type(generator).__name__} does not load its weights in buckets; a streamed update "
+                             f"needs an engine that does (BucketLoading)")
+        metrics.update(generator.update_weights_in_buckets(update.stream))
+    else:
+        weights = update.taken_by(generator)
+        if weights or update.adapters is None:
+            if bucket_bytes and loads_in_buckets(generator):
+                metrics.update(generator.update_weights_in_buckets(in_buckets(weights, bucket_bytes)))
+            else:
+                metrics.update(generator.update_weights(weights))
+    if update.adapters is not None:
+        from workers.megatron.lora_peft import peft_tensors
+
+        metrics.update(generator.update_adapters(peft_tensors(update.adapters)))
+    return metrics
