@@ -1,6 +1,9 @@
 """A parameter group is one description: a toy group (an extra replicated norm in every decoder layer) goes
 through the weight plan's planner and its executor as they are, at the bound, exact, in real gloo processes;
-and the catalogue's projections (what LoRA's shapes come from) against the model's dimensions."""
+the dense shard read as a group gets the micro-DP gather's bound from the same planner, on every legal pair
+(less the replicated norms the gather resends where stages merge: a rank holds its own), and the same
+executor moves it exactly; and the catalogue's projections (what LoRA's shapes come from)
+against the model's dimensions."""
 
 import pytest
 import torch
@@ -10,8 +13,8 @@ from hybridengine.model.catalogue import REPLICATED, projections
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.pieces import Holding, PieceGroup, Want, plan_pieces
-from hybridengine.reshard.plan import GenerationLayout, plan_reshard
-from tiny_models import projection_shapes
+from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts, plan_reshard
+from tiny_models import make_llama, projection_shapes
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 8,
          "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 128, "head_dim": 16}
@@ -104,8 +107,84 @@ def _move(rank, world_size, train_dims, gen_dims):
     assert transport.bytes_received == plan.bound(rank, 4), (rank, transport.bytes_received)
 
 
-def test_a_new_group_moves_exactly_through_the_executor_as_it_is():
-    run_in_processes(_move, 4, (2, 2, 1), (1, 1))
+def _move_dense(rank, world_size, path, train_dims, gen_dims):
+    from hybridengine.reshard.dense_group import plan_dense
+    from hybridengine.reshard.piece_mover import PieceMover
+    from hybridengine.reshard.transport import TorchTransport
+    from hybridengine.reshard.weight_plan import expected_bytes_received
+    from test_resharder import shard_from_checkpoint
+
+    spec, train, gen = ModelSpec.from_pretrained(path), ParallelLayout(*train_dims), GenerationLayout(*gen_dims)
+    layout = plan_reshard(train, gen)
+    coord, me = train.coordinate(rank), layout.ranks[rank]
+    params = shard_from_checkpoint(path, spec, train.tp, train.pp, coord.tp_rank, coord.pp_rank)
+    transport, plan = TorchTransport(), plan_dense(spec, layout)
+    got = PieceMover.colocated(plan, rank, transport).move(params)
+    want = shard_from_checkpoint(path, spec, gen.tensor_parallel, gen.pipeline_parallel, me.gen_tp_rank, me.gen_pp_rank)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (rank, name)
+    assert transport.bytes_received == plan.bound(rank, 4) <= expected_bytes_received(spec, layout, rank, 4), rank
+
+
+def _case(rank, world_size, which, *args):
+    (_move if which == "toy" else _move_dense)(rank, world_size, *args)
+
+
+def test_a_new_group_and_the_dense_shard_move_exactly_through_the_one_executor(tmp_path):
+    from dist_utils import run_cases_in_processes
+
+    model = str(make_llama(tmp_path / "llama", tie=True, heads=8, kv_heads=4))
+    outcomes = run_cases_in_processes(_case, 4, {"toy": ("toy", (2, 2, 1), (1, 1)),
+                                                 "dense": ("dense", model, (2, 2, 1), (1, 1)),
+                                                 "dense-sliced": ("dense", model, (1, 1, 4), (2, 1))})
+    assert outcomes == {"toy": None, "dense": None, "dense-sliced": None}, outcomes
+
+
+def fits(spec, tp: int, pp: int) -> bool:
+    try:
+        spec.check_layout(tp, pp)
+    except ValueError:
+        return False
+    return True
+
+
+def resent(spec, layout, rank, element_size) -> int:
+    """What the micro-DP gather sends a rank that it already holds: where stages merge, a replicated tensor (a
+    norm) of its own stage comes from the stage's first holder, not from its own copy."""
+    from hybridengine.reshard.weight_plan import generation_sources
+
+    me = layout.ranks[rank]
+    if layout.kind == "slice" or len({pp for _, pp in me.source_shards}) == 1:
+        return 0
+    own = me.source_shards[me.micro_dp_index][1]
+    return element_size * sum(s.param.numel for s in generation_sources(spec, layout, rank)
+                              if s.param.geometry.replicated and s.stage == own and s.members[0] != me.micro_dp_index)
+
+
+@pytest.mark.parametrize("config", [{}, {"tie_word_embeddings": True}, {"architectures": ["Qwen2ForCausalLM"],
+                                                                          "num_key_value_heads": 8}])
+def test_the_dense_shard_as_a_group_gets_the_micro_dp_bound_on_every_legal_pair(config):
+    from hybridengine.reshard.dense_group import plan_dense
+    from hybridengine.reshard.weight_plan import expected_bytes_received
+
+    spec = ModelSpec.from_hf_config({**LLAMA, **config})
+    pairs = 0
+    for tp, pp, dp in [(1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1), (2, 2, 2), (4, 1, 2), (1, 4, 2), (4, 2, 1),
+                       (2, 4, 1), (1, 2, 4)]:
+        train = ParallelLayout(tp, pp, dp)
+        if not fits(spec, tp, pp):
+            continue
+        for gen in legal_generation_layouts(train):
+            if not fits(spec, gen.tensor_parallel, gen.pipeline_parallel):
+                continue
+            layout = plan_reshard(train, gen)
+            plan = plan_dense(spec, layout)
+            for rank in range(train.world_size):
+                bound = expected_bytes_received(spec, layout, rank, 2)
+                assert plan.bytes_received(rank, 2) == plan.bound(rank, 2) == bound - resent(spec, layout, rank, 2)
+            pairs += 1
+    assert pairs >= 19
 
 
 def test_the_catalogue_gives_every_projection_its_shape_and_cut():

@@ -54,6 +54,7 @@ from hybridengine.reshard.plan import GenerationLayout, legal_generation_layouts
 from hybridengine.reshard.weight_plan import plan_weights  # noqa: E402
 from hybridengine.reshard.resharder import Resharder  # noqa: E402
 from hybridengine.model.catalogue import ExpertShard, stage_params  # noqa: E402
+from hybridengine.reshard.dense_group import move_dense  # noqa: E402
 from hybridengine.reshard.piece_mover import PieceMover  # noqa: E402
 from hybridengine.reshard.transport import TorchTransport  # noqa: E402
 from tools.torchrun_job import run_torchrun_job  # noqa: E402
@@ -74,6 +75,8 @@ MODELS = {
 PAIRS = ["4x1x1-2x1", "4x1x1-1x1", "2x2x1-2x1", "2x2x1-1x1", "2x1x2-1x1", "1x2x2-1x1", "2x1x2-4x1",
          "2x2x2-1x1", "4x1x2-2x1", "2x4x1-2x2"]
 METHODS = ["micro_dp", "micro_dp+keep", "micro_dp+release", "tp_pp_gather", "full_allgather"]
+# the dense group moved point to point by the weight plan's one executor: asked for by name (--methods ... pieces)
+OPTIONAL_METHODS = ["pieces"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -190,7 +193,7 @@ def inner(args) -> None:
                                lambda r=resharder, keep=keep: r.to_training(offload=keep))
         else:
             holder = {}
-            runners[method] = (lambda b=BASELINES[method], h=holder: h.setdefault("w", b(weights, rank, params, transport)),
+            runners[method] = (lambda b={**BASELINES, "pieces": move_dense}[method], h=holder: h.setdefault("w", b(weights, rank, params, transport)),
                                lambda h=holder: h.clear())
     # The plain all-gather of one generation shard over the same micro-DP communicator, for scale.
     reference = None
@@ -270,7 +273,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=0, help="fixed bucket size; 0: sized from the link")
     parser.add_argument("--measure-link", action="store_true",
                         help="measure the micro-DP group's latency and bandwidth first and size buckets from them")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS,
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + OPTIONAL_METHODS,
                         help="the baselines rebuild the whole model on every rank: drop them for models that will not fit")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--inner", help=argparse.SUPPRESS)

@@ -96,5 +96,6 @@ def tp_pp_gather(plan: WeightPlan, rank: int, params: dict[str, torch.Tensor], t
 
 
 BASELINES = {"full_allgather": full_allgather, "tp_pp_gather": tp_pp_gather}
-# Every way to reach the generation layout: the micro-DP gather (hybridengine.reshard.resharder) and the baselines.
-RESHARD_METHODS = ("micro_dp", *BASELINES)
+# Every way to reach the generation layout: the micro-DP gather (hybridengine.reshard.resharder), the dense group
+# moved as pieces by the one executor (hybridengine.reshard.dense_group.move_dense), and the baselines.
+RESHARD_METHODS = ("micro_dp", "pieces", *BASELINES)

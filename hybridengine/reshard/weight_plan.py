@@ -176,6 +176,14 @@ class WeightPlan:
         """A mixture of experts' routed experts: their group's piece plan (``reshard.expert_group``); None for a dense model."""
         return None if self.spec.moe is None else plan_experts(self.spec, self.train, self.gen)
 
+    @cached_property
+    def dense(self) -> PiecePlan:
+        """The dense shard as a parameter group (``reshard.dense_group``): the one planner's view of what the
+        micro-DP gather moves, for the one executor (``reshard_method: pieces``)."""
+        from hybridengine.reshard.dense_group import plan_dense
+
+        return plan_dense(self.spec, self.layout)
+
     def piece_plans(self, lora: tuple[int, tuple[str, ...]] | None = None) -> dict[str, PiecePlan]:
         """The groups that travel as pieces, by kind: a mixture of experts' routed experts, and (``lora``: the
         adapters' rank and targets) a LoRA actor's adapters, which every rank receives whole."""

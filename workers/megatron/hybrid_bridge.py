@@ -21,6 +21,7 @@ from hybridengine.cross_pool.plan import plan_for_model
 from hybridengine.cross_pool.transfer import CrossPoolTransfer, message_bytes
 from hybridengine.reshard.adapter_group import plan_adapters
 from hybridengine.reshard.baselines import BASELINES, RESHARD_METHODS
+from hybridengine.reshard.dense_group import move_dense
 from hybridengine.reshard.piece_mover import PieceMover
 from hybridengine.reshard.plan import GenerationLayout
 from hybridengine.reshard.resharder import Resharder
@@ -130,9 +131,12 @@ class HybridBridge:
                 "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
 
     def _dense(self, plan: WeightPlan, params, method: str, release_training: bool) -> dict[str, torch.Tensor]:
-        """The dense group (all but the routed experts): the micro-DP gather, or a baseline it is measured against."""
+        """The dense group (all but the routed experts): the micro-DP gather, its pieces (``pieces``), or a baseline
+        the gather is measured against."""
         rank, gen = torch.distributed.get_rank(), plan.gen
         dense = {p.name: params[p.name] for p in plan.training_params(rank)}
+        if method == "pieces":  # the dense group by the one executor, point to point
+            return move_dense(plan, rank, dense, self.transport)
         if method != "micro_dp":
             return BASELINES[method](plan, rank, dense, self.transport)
         if gen not in self.resharders:

@@ -43,8 +43,9 @@ class RolloutConfig:
     truncation: str = "error"  # prompts over max_prompt_length: "error" (default) or "left" (keep the end)
     # the default sampling; a call's meta_info["sampling"] overrides any of its fields
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # how the actor's weights reach the generation layout: "micro_dp" (the 3D-HybridEngine) or a baseline
-    # it is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard.baselines)
+    # how the actor's weights reach the generation layout: "micro_dp" (the 3D-HybridEngine's collective gather),
+    # "pieces" (the same bound point to point, the weight plan's one executor: hybridengine.reshard.dense_group)
+    # or a baseline the gather is measured against, "full_allgather" or "tp_pp_gather" (hybridengine.reshard.baselines)
     reshard_method: str = "micro_dp"
     release_training: bool = True  # free the actor's training shards while the generation buffer exists
     # weights reach an engine that loads in buckets (vLLM) this many bytes at a time (a larger tensor alone):
