@@ -29,7 +29,7 @@ from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import WeightPlan, plan_weights
 from workers.megatron.engine import MegatronEngine
 from workers.megatron.lora_merge import merge_into
-from workers.rollout.weight_update import WeightUpdate
+from workers.rollout.weight_update import WeightUpdate, with_adapters
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
 
@@ -114,16 +114,15 @@ class HybridBridge:
             self._place_router(weights, plan.experts.placement)
         if adapters is None:
             self.update = WeightUpdate(weights)
-        else:  # only the adapters moved since the last sync at this layout: say what changed
-            unchanged = gen == self._last_gen and not dense_bytes
-            if merge_adapters:
-                me = plan.layout.ranks[rank]
-                merged = self.merged.setdefault(gen, {})
-                merge_into(weights, adapters, self.engine.spec, gen, me.gen_tp_rank, me.gen_pp_rank, lora.scaling,
-                           merged)
-                self.update = WeightUpdate({**weights, **merged}, set(merged) if unchanged else None)
-            else:
-                self.update = WeightUpdate(weights, set() if unchanged else None, adapters)
+        else:  # the base kept: after the first sync at this layout only the adapters moved
+            me, merged = plan.layout.ranks[rank], self.merged.setdefault(gen, {})
+
+            def merge(base, whole):
+                merge_into(base, whole, self.engine.spec, gen, me.gen_tp_rank, me.gen_pp_rank, lora.scaling, merged)
+                return merged
+
+            fresh = gen != self._last_gen or bool(dense_bytes)
+            self.update = with_adapters(weights, adapters, fresh, not merge_adapters, merge)
         self._last_gen = gen
         me = plan.layout.ranks[rank]
         return {"timing_s/reshard": time.perf_counter() - start,

@@ -38,7 +38,7 @@ from workers.megatron.lora import LoRAConfig
 from workers.megatron.lora_merge import merge_into
 from workers.rollout.generator import Generator, loads_in_buckets, serves_adapters
 from workers.rollout.training_layout import TrainingLayout
-from workers.rollout.weight_update import WeightUpdate, apply_update
+from workers.rollout.weight_update import WeightUpdate, apply_update, with_adapters
 
 __all__ = ["CheckpointWeights", "ColocatedSync", "CrossPoolSync", "WeightSource", "WeightSync", "weight_sync_for"]
 
@@ -133,50 +133,44 @@ class CrossPoolSync(WeightSync):
         return {"method": plan.method, "reason": plan.reason}
 
     def update(self, generator: Generator) -> dict[str, Any]:
+        """Every group the actor sends: the dense shard (a LoRA actor's frozen base once, kept) with a mixture of
+        experts' routed experts, then a LoRA actor's adapters; into the generator as one ``WeightUpdate``."""
         if self.transfer is None:
             raise RuntimeError("no training pool is connected: call connect_training_pool first")
         before, start = self.transfer.bytes_received, time.perf_counter()
-        if self.lora is not None:
-            return self._update_lora(generator, before, start)
-        if loads_in_buckets(generator):  # each bucket into the engine as it lands: a bucket's buffer, not a shard's
+        if self.lora is None and loads_in_buckets(generator):  # each bucket into the engine as it lands
             landed = []
             stream = self.transfer.receive_buckets(self.rank, self.dtype, self.device, keep=False)
             metrics = apply_update(generator, WeightUpdate({}, stream=_counted(stream, landed)))
             transfer_s, shard = time.perf_counter() - start, sum(landed)  # the transfer and the loads interleave
         else:
-            weights = self.transfer.receive(self.rank, self.dtype, self.device)
+            fresh = self.base is None
+            weights = self.base if not fresh else self.transfer.receive(self.rank, self.dtype, self.device)
+            adapters = None
+            if self.lora is not None:  # the base stays in the transfer's buffer: it is never released
+                self.base = weights
+                adapters = self.transfer.receive_adapters(self.rank, self.dtype, self.device)
             transfer_s = time.perf_counter() - start
-            metrics = apply_update(generator, WeightUpdate(weights))
-            shard = sum(w.numel() * w.element_size() for w in weights.values())
+            update = WeightUpdate(weights) if adapters is None else with_adapters(
+                weights, adapters, fresh, serves_adapters(generator), self._merge)
+            metrics = apply_update(generator, update)
+            shard = sum(w.numel() * w.element_size() for w in weights.values()) if fresh else None
         received = self.transfer.bytes_received - before
-        metrics.update({"timing_s/weight_transfer": transfer_s, "weight_transfer/bytes": received,
-                        "weight_transfer/bound_bytes": shard})
+        metrics.update({"timing_s/weight_transfer": transfer_s, "weight_transfer/bytes": received})
+        if self.lora is None:
+            metrics["weight_transfer/bound_bytes"] = shard
         metrics["timing_s/weight_update"] = time.perf_counter() - start
         metrics["weight_update/bytes_received"] = received
-        if not generator.borrows_weights:
+        if self.lora is None and not generator.borrows_weights:
             self.transfer.release()  # the engine holds its own copy; a borrowing one keeps the views until the next
         return metrics
 
-    def _update_lora(self, generator: Generator, before: int, start: float) -> dict[str, Any]:
-        """A LoRA actor's weights: the base at the first update (kept), then its adapters whole, merged into the
-        base's adapted linears (the generator takes those alone when it can) or served unmerged."""
-        first = self.base is None
-        if first:  # the base stays in the transfer's buffer: it is never released
-            self.base = self.transfer.receive(self.rank, self.dtype, self.device)
-        adapters = self.transfer.receive_adapters(self.rank, self.dtype, self.device)
-        received = self.transfer.bytes_received - before
-        metrics = {"timing_s/weight_transfer": time.perf_counter() - start, "weight_transfer/bytes": received}
-        if serves_adapters(generator):
-            update = WeightUpdate(self.base, None if first else set(), adapters)
-        else:
-            coord = self.transfer.plan.gen_coordinate(self.rank)
-            merge_into(self.base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank,
-                       self.lora.alpha / self.lora.rank, self.merged)
-            update = WeightUpdate({**self.base, **self.merged}, None if first else set(self.merged))
-        metrics.update(apply_update(generator, update))
-        metrics["timing_s/weight_update"] = time.perf_counter() - start
-        metrics["weight_update/bytes_received"] = received
-        return metrics
+    def _merge(self, base: dict[str, torch.Tensor], adapters: dict) -> dict[str, torch.Tensor]:
+        """The adapters merged into this generation rank's cut of the base's adapted linears (kept, refilled)."""
+        coord = self.transfer.plan.gen_coordinate(self.rank)
+        merge_into(base, adapters, self.spec, self.gen, coord.tp_rank, coord.pp_rank, self.lora.alpha / self.lora.rank,
+                   self.merged)
+        return self.merged
 
     def close(self) -> None:
         if self.transfer is not None:

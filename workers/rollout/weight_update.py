@@ -21,7 +21,7 @@ import torch
 
 from workers.rollout.generator import loads_in_buckets
 
-__all__ = ["WeightUpdate", "apply_update", "in_buckets"]
+__all__ = ["WeightUpdate", "apply_update", "in_buckets", "with_adapters"]
 
 # a layer's routed experts load together: an engine stacks them into one tensor per layer (vLLM's w13, w2)
 _EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.")
@@ -40,6 +40,16 @@ class WeightUpdate:
         if self.changed is not None and generator.accepts_partial_weights:
             return {name: self.weights[name] for name in self.changed}
         return self.weights
+
+
+def with_adapters(base: dict[str, torch.Tensor], adapters: dict, fresh: bool, serve: bool, merge) -> WeightUpdate:
+    """A LoRA actor's update: its kept base with the adapters whole, handed over for an engine that serves them
+    (``serve``), else merged, ``merge(base, adapters)`` giving the merged linears. ``fresh``: the base itself is
+    new to the engine (a first sync, another layout), so all of it changed; else only the adapted linears."""
+    if serve:
+        return WeightUpdate(base, None if fresh else set(), adapters)
+    merged = merge(base, adapters)
+    return WeightUpdate({**base, **merged}, None if fresh else set(merged))
 
 
 def in_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
