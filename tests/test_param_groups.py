@@ -8,7 +8,7 @@ against the model's dimensions."""
 import pytest
 import torch
 
-from dist_utils import run_in_processes
+from dist_utils import run_cases_in_processes
 from hybridengine.model.catalogue import REPLICATED, projections
 from hybridengine.model.spec import ModelSpec
 from hybridengine.parallel.layout import ParallelLayout
@@ -127,18 +127,43 @@ def _move_dense(rank, world_size, path, train_dims, gen_dims):
     assert transport.bytes_received == plan.bound(rank, 4) <= expected_bytes_received(spec, layout, rank, 4), rank
 
 
+def _move_dense_across_pools(rank, world_size, path):
+    """Training TP2 on ranks 0-1, two generation replicas at TP1 on ranks 2-3: the dense group through the same
+    executor, each generation rank receiving its whole shard (the bound) from the ranks that hold it."""
+    from hybridengine.cross_pool.plan import plan_cross_pool
+    from hybridengine.reshard.dense_group import plan_dense_across_pools
+    from hybridengine.reshard.piece_mover import PieceMover
+    from hybridengine.reshard.transport import TorchTransport
+    from test_resharder import shard_from_checkpoint
+
+    spec, train = ModelSpec.from_pretrained(path), ParallelLayout(2, 1, 1)
+    plan = plan_dense_across_pools(spec, plan_cross_pool(train, GenerationLayout(1), 2))
+    transport = TorchTransport()
+    if rank < 2:
+        mover = PieceMover(plan, transport.exchange, rank, None, receiver_peer=lambda g: 2 + g)
+        mover.move(shard_from_checkpoint(path, spec, 2, 1, rank, 0))
+        assert transport.bytes_received == 0 and mover.bytes_sent > 0
+        return
+    mover = PieceMover(plan, transport.exchange, None, rank - 2, receiver_peer=lambda g: 2 + g)
+    got = mover.move({}, torch.float32, "cpu")
+    want = shard_from_checkpoint(path, spec, 1, 1, 0, 0)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (rank, name)
+    assert transport.bytes_received == plan.bound(rank - 2, 4) == sum(t.numel() for t in want.values()) * 4
+
+
 def _case(rank, world_size, which, *args):
-    (_move if which == "toy" else _move_dense)(rank, world_size, *args)
+    {"toy": _move, "dense": _move_dense, "across": _move_dense_across_pools}[which](rank, world_size, *args)
 
 
-def test_a_new_group_and_the_dense_shard_move_exactly_through_the_one_executor(tmp_path):
-    from dist_utils import run_cases_in_processes
-
+def test_a_new_group_and_the_dense_shard_move_exactly_through_the_one_executor_colocated_and_across_pools(tmp_path):
     model = str(make_llama(tmp_path / "llama", tie=True, heads=8, kv_heads=4))
     outcomes = run_cases_in_processes(_case, 4, {"toy": ("toy", (2, 2, 1), (1, 1)),
                                                  "dense": ("dense", model, (2, 2, 1), (1, 1)),
-                                                 "dense-sliced": ("dense", model, (1, 1, 4), (2, 1))})
-    assert outcomes == {"toy": None, "dense": None, "dense-sliced": None}, outcomes
+                                                 "dense-sliced": ("dense", model, (1, 1, 4), (2, 1)),
+                                                 "dense-across-pools": ("across", model)})
+    assert set(outcomes.values()) == {None}, outcomes
 
 
 def fits(spec, tp: int, pp: int) -> bool:

@@ -11,7 +11,9 @@ on every legal pair.
 
 The micro-DP gather (``Resharder``) moves this group with collectives inside each micro-DP group, in buckets,
 in place: the dense group's fast path. ``reshard_method: pieces`` moves it point to point by ``PieceMover``
-instead, at the same bytes (``tools/bench_reshard.py`` times both).
+instead, at the same bytes (``tools/bench_reshard.py`` times both). Across pools the cross-pool transfer's
+segment routes (point to point, or a chain broadcast down the replicas) are its fast path; the same group,
+planned into the generation pool (``plan_dense_across_pools``), receives what its p2p method does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hybridengine.parallel.layout import ParallelLayout
 from hybridengine.reshard.pieces import Holding, Need, PieceGroup, PiecePlan, Want, plan_pieces
 from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 
-__all__ = ["DenseGroup", "DenseKey", "move_dense", "plan_dense"]
+__all__ = ["DenseGroup", "DenseKey", "move_dense", "plan_dense", "plan_dense_across_pools"]
 
 
 class DenseKey(NamedTuple):
@@ -108,6 +110,15 @@ def plan_dense(spec: ModelSpec, layout: ReshardPlan) -> PiecePlan:
     coordinates = [(me.gen_tp_rank, me.gen_pp_rank) for me in layout.ranks]
     group = DenseGroup(spec, layout.train, layout.gen, coordinates)
     return plan_pieces(group, layout.train.world_size, colocated=True)
+
+
+def plan_dense_across_pools(spec: ModelSpec, plan) -> PiecePlan:
+    """The dense group's piece plan into a generation pool of its own (``cross_pool.plan.CrossPoolPlan``): every
+    generation rank receives its whole shard (it holds nothing), each piece from its least loaded holder, as
+    the cross-pool plan's p2p method receives it."""
+    coordinates = [(c.tp_rank, c.pp_rank) for c in map(plan.gen_coordinate, range(plan.gen_world_size))]
+    group = DenseGroup(spec, plan.train, plan.gen, coordinates)
+    return plan_pieces(group, plan.gen_world_size, colocated=False)
 
 
 def move_dense(plan, rank: int, params: dict, transport) -> dict:

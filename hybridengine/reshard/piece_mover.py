@@ -4,7 +4,8 @@ It decides nothing. A sending rank cuts each of its pieces out of its own traini
 held slice, by each tensor's ``ShardGeometry``) and packs the pieces of one receiver into one message; a
 receiving rank posts one message from each sender, then assembles every want: the pieces it holds itself
 are copied from its own tensors, the others from the messages. Each piece travels as its tensors' blocks,
-flattened, in the key's tensor order.
+flattened, in the key's tensor order. ``move_in_chunks`` does this a chunk of every receiver's wants at a
+time (a bucket's bytes, a group's ``together`` wants never split), so a receiver holds one chunk's messages.
 
 The messages go through ``exchange(sends, receives)``: point to point by peer, every pair's sizes known to
 both sides (``Transport.exchange`` within one world; ``cross_pool.transfer`` across pools). Training tensors
