@@ -153,7 +153,7 @@ class CrossPoolSync(WeightSync):
             transfer_s = time.perf_counter() - start
             update = WeightUpdate(weights) if adapters is None else with_adapters(
                 weights, adapters, fresh, serves_adapters(generator), self._merge)
-            metrics = apply_update(generator, update)
+            metrics = apply_update(generator, update, self.bucket_bytes)
             shard = sum(w.numel() * w.element_size() for w in weights.values()) if fresh else None
         received = self.transfer.bytes_received - before
         metrics.update({"timing_s/weight_transfer": transfer_s, "weight_transfer/bytes": received})
