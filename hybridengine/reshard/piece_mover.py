@@ -38,7 +38,8 @@ class PieceMover:
         self.sends = plan.sends(train_rank) if train_rank is not None else {}
         self.receives = plan.receives(receiver) if receiver is not None else {}
         self.bytes_sent = self.bytes_received = 0
-        self._chunk_of: dict[int | None, dict[tuple[int, int], int]] = {}
+        self._chunk_of: dict[int | None, dict[int, int]] = {}  # chunk size -> id(want) -> its chunk
+        self._held_from: dict = {}  # key -> the first unit of the slice this training rank holds
 
     @classmethod
     def colocated(cls, plan: PiecePlan, rank: int, transport) -> "PieceMover":
@@ -63,8 +64,9 @@ class PieceMover:
     def _blocks(self, params: dict[str, torch.Tensor], piece: Piece) -> list[list[torch.Tensor]]:
         """``piece``'s blocks, per tensor of its key, cut from this rank's training tensors."""
         group, key = self.group, piece.key
-        start = next(h.units[0] for h in group.holdings(key) if self.train_rank in h.holders
-                     and h.units[0] <= piece.units[0] and piece.units[1] <= h.units[1])
+        if key not in self._held_from:
+            self._held_from[key] = next(h.units[0] for h in group.holdings(key) if self.train_rank in h.holders)
+        start = self._held_from[key]
         a, b = piece.units[0] - start, piece.units[1] - start
         return [geometry.unit_blocks(params[name], a, b)
                 for name, geometry in zip(group.training_names(self.train_rank, key), group.geometries(key))]
@@ -124,15 +126,14 @@ class PieceMover:
         # a rank that neither sends nor receives walks the chunks idle, whatever their size
         element = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
         limit = None if chunk_bytes is None else max(chunk_bytes // element, 1)
-        if limit not in self._chunk_of:  # (receiver, want) -> chunk, the same on every rank
-            self._chunk_of[limit] = {(r, i): c for r in range(len(self.plan.needs))
-                                     for i, c in enumerate(self.chunks(r, limit))}
+        if limit not in self._chunk_of:  # each want's chunk, the same on every rank, worked out once
+            self._chunk_of[limit] = {id(need): c for r, needs in enumerate(self.plan.needs)
+                                     for need, c in zip(needs, self.chunks(r, limit))}
         chunk_of = self._chunk_of[limit]
         count = max(chunk_of.values(), default=-1) + 1
-        index = {id(need): (r, i) for r, needs in enumerate(self.plan.needs) for i, need in enumerate(needs)}
         for c in range(count):
             def this(pieces):
-                return [(need, piece) for need, piece in pieces if chunk_of[index[id(need)]] == c]
+                return [(need, piece) for need, piece in pieces if chunk_of[id(need)] == c]
 
             sends = {self.receiver_peer(r): self._pack(params, mine) for r, pieces in self.sends.items()
                      if (mine := this(pieces))}
@@ -150,8 +151,8 @@ class PieceMover:
             for t, pieces in taken.items():
                 arrived.update(self._unpack(receives[self.train_peer(t)], pieces))
             out = {}
-            for i, need in enumerate(self.plan.needs[self.receiver]):
-                if chunk_of[self.receiver, i] == c:
+            for need in self.plan.needs[self.receiver]:
+                if chunk_of[id(need)] == c:
                     out.update(self._assemble(need, params, arrived, dtype, device))
             yield out
 

@@ -29,7 +29,7 @@ from hybridengine.reshard.pieces import PiecePlan
 from hybridengine.reshard.plan import GenerationLayout, ReshardLayoutError, ReshardPlan, plan_reshard
 from hybridengine.reshard.schedule import GatherSchedule, gather_schedule
 
-__all__ = ["GenParamSource", "WeightPlan", "bucket_blocks", "bucket_sources", "default_bucket_bytes",
+__all__ = ["GenParamSource", "WeightPlan", "bucket_blocks", "bucket_sources", "cut_into_buckets", "default_bucket_bytes",
            "expected_bytes_received", "generation_sources", "in_place_min_bytes", "plan_weights", "refuse_routed_experts"]
 
 
@@ -99,20 +99,32 @@ def expected_bytes_received(spec: ModelSpec, plan: ReshardPlan, rank: int, eleme
     )
 
 
+def cut_into_buckets(items: Sequence, nbytes, owner, bucket_bytes: int) -> list[list]:
+    """``items`` in order, cut into buckets of at most ``bucket_bytes`` (``nbytes(item)`` each); consecutive items
+    of one ``owner(item)`` stay together, and what is larger than a bucket is alone in its own."""
+    atoms: list[list] = []
+    for item in items:
+        if atoms and owner(item) == owner(atoms[-1][0]):
+            atoms[-1].append(item)
+        else:
+            atoms.append([item])
+    buckets, current, size = [], [], 0
+    for atom in atoms:
+        n = sum(nbytes(item) for item in atom)
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current += atom
+        size += n
+    return buckets + ([current] if current else [])
+
+
 def bucket_sources(sources: Sequence[GenParamSource], element_size: int, bucket_bytes: int) -> list[list[GenParamSource]]:
     """``sources`` in order, cut into buckets of at most ``bucket_bytes`` of generation parameters (a larger
     parameter alone in its own); the parameters of one module (a linear's weight and bias) stay together, so an
     engine that loads a bucket at a time gets each of its layers whole."""
-    buckets, current, size, module = [], [], 0, None
-    for s in sources:
-        nbytes = s.param.numel * element_size
-        owner = s.param.name.rpartition(".")[0]
-        if current and size + nbytes > bucket_bytes and owner != module:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(s)
-        size, module = size + nbytes, owner
-    return buckets + ([current] if current else [])
+    return cut_into_buckets(sources, lambda s: s.param.numel * element_size,
+                            lambda s: s.param.name.rpartition(".")[0], bucket_bytes)
 
 
 def bucket_blocks(bucket: Sequence[GenParamSource], offsets: dict[str, int], members: int,
@@ -157,6 +169,7 @@ class WeightPlan:
     spec: ModelSpec
     layout: ReshardPlan
     _sources: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _pieces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def train(self) -> ParallelLayout:
@@ -187,12 +200,14 @@ class WeightPlan:
     def piece_plans(self, lora: tuple[int, tuple[str, ...]] | None = None) -> dict[str, PiecePlan]:
         """The groups that travel as pieces, by kind: a mixture of experts' routed experts, and (``lora``: the
         adapters' rank and targets) a LoRA actor's adapters, which every rank receives whole."""
-        plans: dict[str, PiecePlan] = {}
-        if self.experts is not None:
-            plans["experts"] = self.experts
-        if lora is not None:
-            plans["adapters"] = plan_adapters(self.spec, self.train, *lora)
-        return plans
+        if lora not in self._pieces:  # planned once per LoRA setting, kept with the plan
+            plans: dict[str, PiecePlan] = {}
+            if self.experts is not None:
+                plans["experts"] = self.experts
+            if lora is not None:
+                plans["adapters"] = plan_adapters(self.spec, self.train, *lora)
+            self._pieces[lora] = plans
+        return self._pieces[lora]
 
     def sources(self, rank: int) -> list[GenParamSource]:
         """For each parameter of ``rank``'s generation shard, which micro-DP members hold its pieces."""

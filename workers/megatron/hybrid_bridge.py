@@ -41,6 +41,7 @@ class HybridBridge:
         self.engine = engine
         self.bucket_bytes = bucket_bytes
         self.transport = TorchTransport()
+        self.plans: dict[GenerationLayout, WeightPlan] = {}  # planned once per layout (its groups' plans kept in it)
         self.resharders: dict[GenerationLayout, Resharder] = {}
         self.movers: dict[tuple[str, GenerationLayout | None], PieceMover] = {}  # (group, layout) -> this rank's side
         self._placed: tuple[int, ...] | None = None  # the expert placement the routers are in, while not training's
@@ -73,9 +74,11 @@ class HybridBridge:
         return {name: p.data for name, p in self.engine.module().named_parameters()}
 
     def _mover(self, kind: str, gen: GenerationLayout | None, plan, params) -> PieceMover:
-        """This rank's side of a group's colocated piece plan, built (and checked against ``params``) once."""
+        """This rank's side of a group's colocated piece plan (``plan``: the plan, or a function that makes it),
+        built (and checked against ``params``) once."""
         if (kind, gen) not in self.movers:
-            mover = PieceMover.colocated(plan, torch.distributed.get_rank(), self.transport)
+            mover = PieceMover.colocated(plan() if callable(plan) else plan, torch.distributed.get_rank(),
+                                         self.transport)
             mover.check(params)
             self.movers[kind, gen] = mover
         return self.movers[kind, gen]
@@ -90,7 +93,9 @@ class HybridBridge:
         base and the adapters come whole (``update.adapters``), for an engine that serves them."""
         if method not in RESHARD_METHODS:
             raise ValueError(f"unknown reshard method {method!r}; valid: {RESHARD_METHODS}")
-        plan = plan_weights(self.engine.spec, self.engine.layout, gen)
+        if gen not in self.plans:
+            self.plans[gen] = plan_weights(self.engine.spec, self.engine.layout, gen)
+        plan = self.plans[gen]
         self.to_training()  # at most one generation state at a time; restores released shards
         rank = torch.distributed.get_rank()
         params = self._training_params()
@@ -159,8 +164,8 @@ class HybridBridge:
         """Every layer's adapters whole on this rank (their group's pieces: the other TP ranks' cuts of this
         stage's, the other stages' whole), by (layer, linear, part) -> (A, B)."""
         lora = self.engine.lora
-        plan = plan_adapters(self.engine.spec, self.engine.layout, lora.rank, lora.targets)
-        mover = self._mover("adapters", None, plan, params)
+        mover = self._mover("adapters", None, lambda: plan_adapters(self.engine.spec, self.engine.layout, lora.rank,
+                                                                     lora.targets), params)
         return mover.group.whole(mover.move(params))
 
     def _place_router(self, weights: dict[str, torch.Tensor], placement: tuple[int, ...]) -> None:

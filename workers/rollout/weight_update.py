@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybridengine.reshard.weight_plan import cut_into_buckets
 from workers.rollout.generator import loads_in_buckets
 
 __all__ = ["WeightUpdate", "apply_update", "in_buckets", "with_adapters"]
@@ -55,20 +56,13 @@ def with_adapters(base: dict[str, torch.Tensor], adapters: dict, fresh: bool, se
 def in_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """``weights`` in order, in buckets of at most ``bucket_bytes``; what an engine loads as one layer stays in
     one bucket (a module's tensors, a layer's routed experts), alone where it is larger."""
-    atoms: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights.items():
-        experts = _EXPERTS.match(name)
-        atoms.setdefault(experts.group(1) if experts else name.rpartition(".")[0], {})[name] = tensor
-    bucket, size = {}, 0
-    for atom in atoms.values():
-        nbytes = sum(t.numel() * t.element_size() for t in atom.values())
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket.update(atom)
-        size += nbytes
-    if bucket:
-        yield bucket
+    def owner(item) -> str:
+        experts = _EXPERTS.match(item[0])
+        return experts.group(1) if experts else item[0].rpartition(".")[0]
+
+    for bucket in cut_into_buckets(list(weights.items()), lambda item: item[1].numel() * item[1].element_size(),
+                                   owner, bucket_bytes):
+        yield dict(bucket)
 
 
 def apply_update(generator, update: WeightUpdate, bucket_bytes: int | None = None) -> dict[str, Any]:
