@@ -135,9 +135,6 @@ class ExpertPlan(PiecePlan):
     def gen(self) -> GenerationLayout:
         return self.group.gen
 
-    def unit_bytes(self, element_size: int) -> int:
-        return EXPERT_UNIT_ROWS * self.spec.hidden_size * element_size
-
 
 def held_units(spec: ModelSpec, train: ParallelLayout, rank: int, layer: int, expert: int) -> Units | None:
     """The units of training expert ``expert`` in ``layer`` that ``rank``'s training shard holds (None: none)."""

@@ -6,7 +6,7 @@ generation buffer) and broadcast, each optionally asynchronous, and counts
 the bytes this rank receives, so the lower bound can be checked rather than
 claimed. ``gather_parts`` (every member's flat part, sizes possibly
 different or zero, to every member) is built on them; ``exchange`` sends and
-receives point to point (the routed experts' pieces). ``TorchTransport``
+receives point to point (a parameter group's pieces, ``reshard.piece_mover``). ``TorchTransport``
 uses torch.distributed (gloo on CPU, NCCL on GPU); a point-to-point or RDMA
 transport implements the same methods.
 """
