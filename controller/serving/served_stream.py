@@ -157,6 +157,8 @@ class ServedStream:
                 raise RuntimeError(f"the replicas answered versions {[a.get('version') for a in answers]} to "
                                    f"update {expected}")
             self.version_of.append(version)
+            metrics = {**metrics, "stream/update_wait_s": max(a.get("update/wait_s", 0.0) for a in answers),
+                       "stream/requests_paused": float(sum(a.get("update/requests_paused", 0) for a in answers))}
         return metrics
 
     def _launch(self, source: RolloutSource, state: StepState, version: int) -> None:

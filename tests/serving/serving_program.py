@@ -97,27 +97,22 @@ def _post(address: str, path: str, body: dict):
 
 def updates_in_flight(addresses: list[str], prompt: list[int]) -> dict:
     """A long request streams from replica ``k``; once its first tokens are out, every replica takes the policy's
-    weights (``POST /update``: the reshard is collective), by ``pause`` (the request goes on with them) and then
-    by ``finish`` (the request ends first). Each request's tokens and policy versions, and the order of events."""
+    weights (``POST /update``), by ``pause`` (the request goes on with them) and then by ``finish`` (the request
+    ends first). Each request's tokens and policy versions, and each replica's answer to its update."""
     out = {}
     for k, policy in enumerate(("pause", "finish")):
-        events = []
         stream = _post(addresses[k], "/generate", {"prompt_ids": prompt, "stream": True, "sampling": {
             "max_new_tokens": 300, "ignore_eos": True, "greedy": True}})
         first = json.loads(stream.readline())
-        events.append("first tokens")
 
         def update(index):
-            reply = json.loads(_post(addresses[index], "/update", {"policy": policy}).read())
-            events.append(f"update {index}")
-            return reply
+            return json.loads(_post(addresses[index], "/update", {"policy": policy}).read())
 
         with ThreadPoolExecutor(len(addresses)) as pool:
             updates = pool.map(update, range(len(addresses)))
             chunks = [first] + [json.loads(line) for line in stream if line.strip()]
-            events.append("request done")
             replies = list(updates)
-        out[policy] = {"versions": [v for c in chunks for v in c["versions"]], "events": events, "replies": replies,
+        out[policy] = {"versions": [v for c in chunks for v in c["versions"]], "replies": replies,
                        "finish_reason": chunks[-1]["finish_reason"]}
     return out
 

@@ -89,12 +89,16 @@ def test_weights_change_under_requests_in_flight_by_pause_or_finish(served):
     paused, finished = out["in_flight"]["pause"], out["in_flight"]["finish"]
     versions = paused["versions"]
     assert len(versions) == 300 and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
-    assert paused["events"][-1] == "request done"  # both replicas took the weights before the request ended
+    # What each replica's stepping thread saw (the order the client reads its sockets in is not evidence):
+    # replica 0 paused its request for the weights, the idle replica 1 had none.
+    assert [(r["update/requests_paused"], r["update/requests_finished_first"]) for r in paused["replies"]] == [
+        (1, 0), (0, 0)]
     assert [reply["version"] for reply in paused["replies"]] == [1, 1]
     assert finished["versions"] == [1] * 300  # all on the weights it started with (replica 1's)
-    events = finished["events"]
-    assert events.index("update 1") > events.index("request done")  # its replica waited for it
-    assert events.index("update 0") < events.index("request done")  # the idle one did not wait
+    # finish: replica 1 let its request end first, the idle replica 0 had none to wait for.
+    assert [(r["update/requests_paused"], r["update/requests_finished_first"]) for r in finished["replies"]] == [
+        (0, 0), (0, 1)]
+    assert finished["replies"][1]["update/wait_s"] > finished["replies"][0]["update/wait_s"]
     assert [reply["version"] for reply in finished["replies"]] == [2, 2]
     assert all(reply["weight_sync/bytes"] > 0 for reply in paused["replies"] + finished["replies"])
 

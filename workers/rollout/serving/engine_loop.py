@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["UPDATE_POLICIES", "EngineLoop", "ServedTokens"]
+__all__ = ["UPDATE_POLICIES", "EngineLoop", "ServedTokens", "TakenUpdate"]
 
 UPDATE_POLICIES = ("pause", "finish")
 
@@ -35,6 +35,29 @@ class ServedTokens:
     versions: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort" once the request is done
     prompt_ids: list[int] = field(default_factory=list)  # on the first event only
+
+
+@dataclass
+class TakenUpdate:
+    """What a weight update did, as the stepping thread saw it: ``load``'s answer; the requests in flight when the
+    weights changed (``pause``: they go on with the new ones; ``finish``: none, by construction); the requests in
+    flight when the stepping thread first saw the update that finished on the old weights before it was taken;
+    and how long the update waited (seconds from ``update`` to the weights in)."""
+
+    result: Any
+    paused: int
+    finished_first: int
+    wait_s: float
+
+
+@dataclass
+class _PendingUpdate:
+    load: Callable[[], Any]
+    policy: str
+    asked_at: float
+    done: threading.Event = field(default_factory=threading.Event)
+    in_flight_when_seen: set[str] | None = None
+    taken: TakenUpdate | BaseException | None = None
 
 
 class EngineLoop:
@@ -52,7 +75,7 @@ class EngineLoop:
         self._callbacks: dict[str, Callable[[ServedTokens], None]] = {}
         self._started: set[str] = set()
         self._held: list[tuple] = []  # requests waiting for a finishing update
-        self._updates: list[tuple[Callable[[], Any], str, threading.Event, list]] = []
+        self._updates: list[_PendingUpdate] = []
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.stats = {"requests": 0, "tokens": 0, "steps": 0, "aborted": 0, "updates": 0}
@@ -68,19 +91,19 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def update(self, load: Callable[[], Any], policy: str = "pause", timeout_s: float | None = None) -> Any:
+    def update(self, load: Callable[[], Any], policy: str = "pause", timeout_s: float | None = None) -> TakenUpdate:
         """Run ``load`` (new weights) on the stepping thread between steps, by ``policy``, and wait for it; the
         version goes up by one. Call it from another thread than ``run``'s."""
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"weight update policy {policy!r} is not one of {UPDATE_POLICIES}")
-        done, out = threading.Event(), []
-        self._updates.append((load, policy, done, out))
+        pending = _PendingUpdate(load, policy, time.perf_counter())
+        self._updates.append(pending)
         self._inbox.put(("wake",))
-        if not done.wait(timeout_s):
+        if not pending.done.wait(timeout_s):
             raise TimeoutError(f"the engine loop did not take the weight update within {timeout_s} s")
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        return out[0]
+        if isinstance(pending.taken, BaseException):
+            raise pending.taken
+        return pending.taken
 
     def stop(self) -> None:
         """End ``run`` once the requests in flight have finished."""
@@ -119,7 +142,7 @@ class EngineLoop:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            if any(policy == "finish" for _, policy, _, _ in self._updates):
+            if any(pending.policy == "finish" for pending in self._updates):
                 self._held.append(item)  # after the update, on the new weights
                 return
             _, request_id, prompt_ids, sampling, on_tokens = item
@@ -140,18 +163,24 @@ class EngineLoop:
                 self.stats["aborted"] += 1
 
     def _apply_updates(self) -> None:
+        for pending in self._updates:
+            if pending.in_flight_when_seen is None:
+                pending.in_flight_when_seen = set(self._callbacks)
         while self._updates:
-            load, policy, done, out = self._updates[0]
-            if policy == "finish" and self._callbacks:
+            pending = self._updates[0]
+            if pending.policy == "finish" and self._callbacks:
                 return  # the requests in flight finish first
             try:
-                out.append(load())
+                result = pending.load()
                 self.version += 1
                 self.stats["updates"] += 1
+                pending.taken = TakenUpdate(result, paused=len(self._callbacks),
+                                            finished_first=len(pending.in_flight_when_seen - set(self._callbacks)),
+                                            wait_s=time.perf_counter() - pending.asked_at)
             except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                out.append(exc)
+                pending.taken = exc
             self._updates.pop(0)
-            done.set()
+            pending.done.set()
         held, self._held = self._held, []
         for item in held:
             self._handle(item)

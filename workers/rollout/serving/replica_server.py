@@ -104,7 +104,8 @@ class ReplicaServer:
 
     async def _update(self, request):
         """New weights while serving, ``{"policy": "pause" | "finish"}`` (``EngineLoop.update``); answers once
-        they are in, with the sync's metrics and the new policy version."""
+        they are in, with the sync's metrics, the new policy version, and what the update did to the requests
+        in flight (``update/requests_paused``, ``update/requests_finished_first``, ``update/wait_s``)."""
         from aiohttp import web
 
         body = await request.json() if request.can_read_body else {}
@@ -113,9 +114,11 @@ class ReplicaServer:
             return web.json_response({"error": "this replica takes no weights while it serves"}, status=400)
         if policy not in UPDATE_POLICIES:
             return web.json_response({"error": f"policy {policy!r} is not one of {UPDATE_POLICIES}"}, status=400)
-        metrics = await asyncio.get_running_loop().run_in_executor(None, self.loop.update, self.on_update, policy)
-        return web.json_response({"version": self.loop.version, **{k: v for k, v in (metrics or {}).items()
-                                                                   if isinstance(v, (int, float, str))}})
+        taken = await asyncio.get_running_loop().run_in_executor(None, self.loop.update, self.on_update, policy)
+        metrics = {k: v for k, v in (taken.result or {}).items() if isinstance(v, (int, float, str))}
+        return web.json_response({"version": self.loop.version, **metrics, "update/requests_paused": taken.paused,
+                                  "update/requests_finished_first": taken.finished_first,
+                                  "update/wait_s": taken.wait_s})
 
     async def _generate(self, request):
         from aiohttp import web
