@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="write PNG curves of a run's metrics")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="directory for the PNGs (default RUN_DIR/plots)")
+    plot.add_argument("--step", type=int, metavar="N",
+                      help="the step timeline.png draws, its pools' phases over time (default: the last step "
+                           "with phase timings)")
     export = commands.add_parser("export", help="write a run's trained actor (newest checkpoint) as an HF checkpoint")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
@@ -278,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         from controller.metrics.plots import plot_run
 
-        for path in plot_run(args.run_dir, args.out):
+        try:
+            paths = plot_run(args.run_dir, args.out, step=args.step)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"hybridflow plot: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
             print(path)
         return 0
     if args.command == "export":

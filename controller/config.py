@@ -185,6 +185,9 @@ class TrainerConfig:
     # before step 1 and on the first batch
     rollout_proto: dict[str, str] | None = None
     log_phases: bool = False  # one console line per phase of each step (RLTrainer(verbose=True))
+    # phases on disjoint Ray pools run at the same time (the values beside the old log-probs, the critic's update
+    # beside the actor's); false: one after another, today's order, the same results (controller.rl.phase_flow)
+    overlap: bool = True
     # GPU jobs: refuse before launch one the planner predicts will not fit its devices' memory (its pools,
     # register_placement's included, and layouts); false (hybridflow train --force) launches it anyway
     memory_check: bool = True

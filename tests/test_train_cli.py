@@ -153,11 +153,21 @@ def grpo_ray_colocated(tmp_path_factory, model) -> tuple[Path, subprocess.Comple
     return run_dir, train_run(run_dir, model, cli_job("grpo", "ray")[0])
 
 
+@pytest.fixture(scope="module")
+def ppo_ray_split(tmp_path_factory, model) -> tuple[Path, subprocess.CompletedProcess]:
+    """The PPO-on-Ray run (the critic on a pool of its own, its phases beside the actor's), once for the module:
+    its own test checks it, the overlap test compares the same job run in turn against it."""
+    run_dir = tmp_path_factory.mktemp("ppo-ray")
+    return run_dir, train_run(run_dir, model, cli_job("ppo", "ray")[0])
+
+
 @pytest.mark.parametrize("algorithm,launcher", RUNS, ids=[f"{a}-{launcher}" for a, launcher in RUNS])
 def test_every_algorithm_trains_through_the_cli(tmp_path, model, algorithm, launcher, request):
     job, precision = cli_job(algorithm, launcher)
     if (algorithm, launcher) == ("grpo", "ray"):
         tmp_path, proc = request.getfixturevalue("grpo_ray_colocated")
+    elif (algorithm, launcher) == ("ppo", "ray"):
+        tmp_path, proc = request.getfixturevalue("ppo_ray_split")
     else:
         proc = train_run(tmp_path, model, job)
     # A quiet console by default (the PPO torchrun run is the demo's own CLI and layout): nothing from vLLM,
@@ -224,6 +234,41 @@ def test_a_rollout_on_its_own_pool_trains_exactly_as_a_colocated_one(tmp_path, m
     assert chosen == ("p2p" if p2p <= broadcast else "broadcast")
 
 
+def test_a_split_placement_runs_its_pools_at_the_same_time_and_trains_exactly_as_in_turn(tmp_path, model,
+                                                                                          ppo_ray_split):
+    """PPO on Ray with the critic on a pool of its own (fp32): with ``trainer.overlap`` (the default) the values
+    ran beside the old log-probs and the critic's update beside the actor's, by the phases' own timestamps;
+    ``trainer.overlap=false`` runs them in turn. Every metric but the timings is the same."""
+    train_run(tmp_path, model, [*cli_job("ppo", "ray")[0], "trainer.overlap=false"])
+    overlapped, in_turn = read_metrics(ppo_ray_split[0]), read_metrics(tmp_path)
+
+    def span(step, pool, phase):
+        return step[f"timing_s/phase/{pool}/{phase}/start"], step[f"timing_s/phase/{pool}/{phase}/end"]
+
+    def together(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    for step in overlapped:
+        assert together(span(step, "critic", "update_critic"), span(step, "default", "update_actor"))
+        assert together(span(step, "critic", "values"), span(step, "default", "old_log_prob"))
+        assert span(step, "default", "rollout")[1] <= span(step, "default", "old_log_prob")[0]  # a pool: in turn
+        assert step["timing_s/update"] < step["timing_s/update_critic"] + step["timing_s/update_actor"]
+    for step in in_turn:
+        assert span(step, "critic", "update_critic")[1] <= span(step, "default", "update_actor")[0]
+        assert span(step, "default", "old_log_prob")[1] <= span(step, "critic", "values")[0]
+        assert step["timing_s/update"] >= step["timing_s/update_critic"] + step["timing_s/update_actor"]
+    for step in overlapped + in_turn:  # each pool's idle time: the step less the union of its phases
+        assert 0 <= step["timing_s/idle/critic"] < step["timing_s/step"] and "timing_s/idle/default" in step
+    assert [s["step"] for s in overlapped] == [s["step"] for s in in_turn]
+    for a, b in zip(overlapped, in_turn):
+        assert exact(a) == pytest.approx(exact(b), rel=1e-6, abs=1e-7)
+
+
+def exact(step: dict) -> dict:
+    """A step's metrics but wall-clock times, throughput and memory."""
+    return {k: v for k, v in step.items() if not k.startswith(("timing_s/", "perf/", "rollout/tokens_per_s"))}
+
+
 DEMO = [*TINY[:7], "data.train_size=64", "data.val_size=8", "rollout.sampling.max_new_tokens=4",
         "rollout.max_prompt_length=8", "trainer.logger=[jsonl]", "trainer.val_every=0",
         "trainer.export_hf=false", "trainer.plots=false", "data.batch_size=16", "ppo.ppo_mini_batch_size=16",
@@ -252,9 +297,6 @@ def test_demo_task_stopped_and_resumed_reproduces_the_run_and_exports_its_weight
     assert "resumed at step 2" in proc.stderr
     resumed = read_metrics(stopped)
     assert [s["step"] for s in resumed] == [1, 2, 3]
-
-    def exact(step):  # everything but wall-clock times, throughput and memory
-        return {k: v for k, v in step.items() if not k.startswith(("timing_s/", "perf/", "rollout/tokens_per_s"))}
 
     for a, b in zip(steps, resumed):
         assert exact(a) == exact(b), a["step"]

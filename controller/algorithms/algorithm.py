@@ -86,7 +86,8 @@ __all__ = [
 
 @dataclass
 class StepState:
-    """What one step's phases share: its number, prompts, timings, metrics and the rollout's metrics."""
+    """What one step's phases share: its number, prompts, timings, metrics and the rollout's metrics, and the
+    timeline of its phases on their pools."""
 
     step: int
     prompts: DataProto | None = None
@@ -94,15 +95,22 @@ class StepState:
     metrics: dict[str, float] = field(default_factory=dict)
     rollout_metrics: dict[str, float] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
+    pools: dict[str, str] = field(default_factory=dict)  # phase name -> the pool it runs on (the job's placement)
+    phases: list[tuple[str, str, float, float]] = field(default_factory=list)  # (pool, phase, start, end) in s
 
     @contextmanager
-    def timed(self, name: str):
-        """Adds the block's wall time to ``timing[name]`` (a phase run twice adds up)."""
+    def timed(self, name: str, pool: str | None = None):
+        """Adds the block's wall time to ``timing[name]`` (a phase run twice adds up); on a pool (``pool``, else
+        ``pools[name]``) its start and end, from the step's start, go into ``phases`` too."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self.timing[name] = self.timing.get(name, 0.0) + end - start
+            pool = pool or self.pools.get(name)
+            if pool is not None:
+                self.phases.append((pool, name, start - self.start, end - self.start))
 
 
 @dataclass(frozen=True)

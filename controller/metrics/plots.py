@@ -9,7 +9,9 @@ The default set, each written only when at least one of its metrics has a value:
 ``reward.png``           ``critic/score/mean``, ``critic/rewards/mean``, ``val/reward/mean`` on one axis
 ``losses.png``           every ``actor/*loss`` and ``critic/*loss`` except ``actor/kl_loss``, one panel each
 ``kl.png``               ``actor/ppo_kl``, ``actor/reward_kl_penalty``, ``actor/kl_loss``, one panel each
-``timing.png``           every ``timing_s/*`` on one axis
+``timing.png``           every ``timing_s/*`` on one axis, except the per-phase and idle times below
+``timeline.png``         one step's phases per pool as a Gantt chart (``controller/metrics/timeline.py``):
+                         ``timing_s/phase/<pool>/<phase>/start|end`` and ``timing_s/idle/<pool>``
 ``response_length.png``  ``response_length/mean``, ``/max``, ``/min`` on one axis
 
 Series with enough points also get a trailing rolling mean drawn over the raw
@@ -28,6 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from controller.metrics.log import METRICS_FILE, read_metrics
+from controller.metrics.timeline import choose_record, is_timeline_key, parse_timeline, plot_timeline
 
 __all__ = ["PLOTS_DIR", "plot_run"]
 
@@ -107,13 +110,17 @@ def _is_loss(key: str) -> bool:
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
-             keys: Sequence[str] | None = None) -> list[Path]:
+             keys: Sequence[str] | None = None, step: int | None = None) -> list[Path]:
     """Write PNG charts of ``run_dir/metrics.jsonl`` into ``out_dir`` (default ``run_dir/plots``).
 
     Without ``keys`` the default figures of the module doc are drawn (those with
     no data are skipped). With ``keys`` there is one figure per key instead,
     named after it (``actor/pg_loss`` -> ``actor_pg_loss.png``); a key with no
     numeric value in the run is a ValueError listing the ones there are.
+    ``step`` picks the step ``timeline.png`` draws (default: the last with
+    phase timings); one not in the run, or without phase timings, is a
+    ValueError naming the steps there are, raised before anything is written.
+    It belongs to the default figures, so it cannot go with ``keys``.
     Returns the paths written, in drawing order.
     """
     run_dir = Path(run_dir)
@@ -123,6 +130,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"cannot plot {run_dir}: {path} holds no steps")
+    if step is not None and keys is not None:
+        raise ValueError("step chooses the step of timeline.png, a default figure: it cannot go with keys")
+    timeline_record = choose_record(records, step) if keys is None else None
     out = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     all_keys = _ordered_keys(records)
@@ -150,9 +160,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
     kl = present(KL_KEYS)
     if kl:
         written.append(_save(out / "kl.png", "KL", [[item] for item in kl], smooth=True))
-    timing = present([key for key in all_keys if key.startswith("timing_s/")])
+    timing = present([key for key in all_keys if key.startswith("timing_s/") and not is_timeline_key(key)])
     if timing:
         written.append(_save(out / "timing.png", "time per step (s)", [timing], smooth=False))
+    timeline = parse_timeline(timeline_record) if timeline_record is not None else None
+    if timeline is not None:
+        written.append(plot_timeline(timeline, out / "timeline.png"))
     lengths = present(RESPONSE_LENGTH_KEYS)
     if lengths:
         written.append(_save(out / "response_length.png", "response length (tokens)", [lengths], smooth=False))

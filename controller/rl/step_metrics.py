@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from controller.metrics.timeline import busy_seconds
 from workers.data_proto import DataProto
 from workers.policy_losses import masked_mean, zero_padding
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from controller.algorithms.algorithm import StepState
 
 __all__ = ["ROLLOUT_METRICS", "actor_update_metrics", "batch_metrics", "kl_metrics", "nothing_to_train", "phase_lines", "record_rollout_metrics",
-           "reduce_update_metrics"]
+           "reduce_update_metrics", "timeline_metrics"]
 
 # |kl_div| below this is rounding noise: the ratio loss / kl_div would be too (the unit probe is exact)
 _KL_DIV_FLOOR = 1e-6
@@ -152,3 +153,19 @@ def actor_update_metrics(metrics: dict[str, float], old_log_probs_from_update: b
         for key in [k for k in metrics if k.startswith("actor/router_replay/")]:
             metrics[key.removeprefix("actor/")] = metrics.pop(key)
     return metrics
+
+
+def timeline_metrics(phases: list[tuple[str, str, float, float]], step_s: float, pools: set[str]) -> dict[str, float]:
+    """The step's timeline as timings: ``timing_s/phase/<pool>/<phase>/start`` and ``/end`` (seconds from the
+    step's start; a phase run twice spans both runs), and ``timing_s/idle/<pool>``, the seconds of the step each
+    of the job's ``pools`` ran no phase."""
+    metrics: dict[str, float] = {}
+    for pool, phase, start, end in phases:
+        key = f"timing_s/phase/{pool}/{phase}"
+        metrics[f"{key}/start"] = min(start, metrics.get(f"{key}/start", start))
+        metrics[f"{key}/end"] = max(end, metrics.get(f"{key}/end", end))
+    for pool in sorted(pools):
+        metrics[f"timing_s/idle/{pool}"] = max(0.0, step_s - busy_seconds(
+            [(start, end) for where, _, start, end in phases if where == pool]))
+    return metrics
+

@@ -23,6 +23,7 @@ from controller.config import RLConfig
 from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.job_assembly import JobAssembly
+from controller.rl.phase_flow import DRIVER, Phase, PhaseFlow
 from controller.rl.role_assembly import reference_role
 from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
@@ -30,7 +31,7 @@ from controller.rl.rollout_source import RolloutSource
 from controller.rl.routes import routes_for_actor, without_routes
 from controller.rl.schedules import generation_seed
 from controller.rl.step_metrics import (actor_update_metrics, batch_metrics, kl_metrics, nothing_to_train, phase_lines,
-                                        record_rollout_metrics, reduce_update_metrics)
+                                        record_rollout_metrics, reduce_update_metrics, timeline_metrics)
 from controller.rl.trainer_checkpoint import TrainerCheckpoint, TrainingState
 from controller.rl.trainer_inputs import job_algorithm, trainer_arguments
 from controller.rl.validation import validate
@@ -87,6 +88,7 @@ class RLTrainer:
         ) and not config.rollout.serves_agent  # a served agent's batch may hold more rows than one mini-batch
         self.global_step = 0
         self.bad_steps = BadSteps(trainer.max_bad_steps)  # steps in a row that skipped an optimizer step
+        self.overlap = trainer.overlap  # phases on disjoint Ray pools at the same time (controller.rl.phase_flow)
 
     def __getattr__(self, name: str) -> Any:
         """What the job's assembly owns (``controller.rl.job_assembly``): the config, roles, placement, pools, groups,
@@ -102,7 +104,7 @@ class RLTrainer:
         self.build()
         if step is not None:
             self.global_step = step
-        alg, state = self.algorithm, StepState(self.global_step)
+        alg, state = self.algorithm, StepState(self.global_step, pools=self.phase_pools())
         batch = self.schedule.rollout(self.rollout_source(), state)  # sync: now; else while earlier steps trained
         ctx = StepContext.of(self)  # what the algorithm's hooks see of this trainer
         batch = alg.after_scoring(ctx, state, batch)  # ReMax's greedy baseline, DAPO's filter and shaping
@@ -115,6 +117,20 @@ class RLTrainer:
         return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
     # ------------------------------------------------------------- phases
+    def phase_pools(self) -> dict[str, str]:
+        """The pool each phase of the step runs on, as the job places its roles (``"driver"``: the controller)."""
+        where = self.placement
+        reference = reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn)
+        roles = {"rollout": "rollout", "gen_baseline": "rollout", "old_log_prob": "actor", "update_actor": "actor",
+                 "reward": "reward_model" if "reward_model" in self.specs else "reward", "ref": reference,
+                 "values": "critic", "update_critic": "critic"}
+        return {"adv": DRIVER, **{phase: where[role] for phase, role in roles.items() if role in where}}
+
+    def phase_flow(self) -> PhaseFlow:
+        """Runs a stage's phases: at the same time on disjoint pools, where the pools are Ray's (under torchrun
+        every megatron role spans the world, so its phases take turns as before)."""
+        return PhaseFlow(overlap=self.overlap and all(p.backend == "ray" for p in self.pools.values()))
+
     def rollout_source(self) -> RolloutSource:
         """What the schedule sees of this trainer for the current step."""
         link = self.rollout_link
@@ -165,45 +181,55 @@ class RLTrainer:
         return scores
 
     def compute_log_probs(self, batch: DataProto, state: StepState) -> DataProto:
-        """Old log-probs (skipped when the update's own forward gives them), reference log-probs, values."""
-        g = self.groups
+        """Old log-probs (skipped when the update's own forward gives them), reference log-probs, values: each
+        on its role's pool, at the same time where the pools differ."""
+        g, source = self.groups, self.algorithm.config.old_log_prob_source
         batch = routes_for_actor(batch, self.algorithm.config.router_replay)  # a mixture of experts' routes
+        reference = reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn)
+        scored = without_routes(batch)
+        phases = []
         if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
-            with state.timed("old_log_prob"):
-                old = g["actor"].compute_log_prob(batch)
-                state.metrics.update(old.meta_info.pop("router_replay", {}))  # router_replay/agreement
-                batch = batch.union(old)
+            phases.append(self.phase("old_log_prob", lambda: g["actor"].compute_log_prob(batch), "old_log_probs"))
+        if reference is not None:  # the reference policy, or a LoRA actor's base (its adapters off)
+            phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored), "ref_log_probs"))
+        if "critic" in g:
+            phases.append(self.phase("values", lambda: g["critic"].compute_values(scored), "values"))
+        out = self.phase_flow().run(phases, state, ready=("responses",))
+        if "old_log_prob" in out:  # joined in this order whichever phase ended first
+            old = out["old_log_prob"]
+            state.metrics.update(old.meta_info.pop("router_replay", {}))  # router_replay/agreement
+            batch = batch.union(old)
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                                    batch.batch["response_mask"]))
-            batch = use_old_log_probs(batch, self.algorithm.config.old_log_prob_source)
-        reference = reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn)
-        if reference is not None:  # the reference policy, or a LoRA actor's base (its adapters off)
-            with state.timed("ref"):
-                batch = batch.union(g[reference].compute_ref_log_prob(without_routes(batch)))
-        if "critic" in g:
-            with state.timed("values"):
-                batch = batch.union(g["critic"].compute_values(without_routes(batch)))
+            batch = use_old_log_probs(batch, source)
+        for name in ("ref", "values"):
+            if name in out:
+                batch = batch.union(out[name])
         return batch
 
     def update(self, batch: DataProto, terms: PolicyUpdateTerms, state: StepState) -> None:
-        """The critic's PPO update, then the actor's with the algorithm's ``terms``; their metrics go into
-        ``state.metrics``."""
+        """The critic's PPO update and the actor's with the algorithm's ``terms``, at the same time where their
+        pools differ; their metrics go into ``state.metrics``."""
         g = self.groups
         empty = nothing_to_train(state.step + 1, batch, state.rollout_metrics)
         if empty is not None:  # an update over no token gives NaNs and says nothing of why
             print(f"[hybridflow] {empty}", flush=True)
             state.metrics["training/nothing_to_train"] = 1.0
             return
+        if self.kl_loss_fn is not None:  # the user's term, called with this step
+            terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
+        phases = [self.phase("update_actor", lambda: g["actor"].update_actor(batch, terms, self.old_log_probs_from_update),
+                             "actor_weights", reads=("advantages",))]
         if "critic" in g:
-            with state.timed("update_critic"):
-                state.metrics.update(reduce_update_metrics(g["critic"].update_critic(without_routes(batch))))
-        with state.timed("update_actor"):
-            if self.kl_loss_fn is not None:  # the user's term, called with this step
-                terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
-            metrics = reduce_update_metrics(g["actor"].update_actor(batch, terms, self.old_log_probs_from_update))
+            phases.insert(0, self.phase("update_critic", lambda: g["critic"].update_critic(without_routes(batch)),
+                                        "critic_weights", reads=("returns",)))
+        with state.timed("update"):  # both updates' wall time
+            out = self.phase_flow().run(phases, state, ready=("advantages", "returns"))
+        if "update_critic" in out:
+            state.metrics.update(reduce_update_metrics(out["update_critic"]))
         if self.rollout_link is not None:
             self.rollout_link.mark_stale()
-        metrics = actor_update_metrics(metrics, self.old_log_probs_from_update)
+        metrics = actor_update_metrics(reduce_update_metrics(out["update_actor"]), self.old_log_probs_from_update)
         metrics.update(kl_metrics(metrics, user_fn=self.kl_loss_fn is not None, ppo=self.ppo,
                                   reward_beta=self.algorithm.kl_ctrl.value if self.algorithm.config.kl_in_reward else None))
         state.metrics.update(metrics)
@@ -214,11 +240,16 @@ class RLTrainer:
         if in_row is not None:
             state.metrics["training/bad_steps_in_row"] = in_row
 
+    def phase(self, name: str, run, writes: str, reads: tuple[str, ...] = ("responses",)) -> Phase:
+        """Phase ``name`` of the step on its role's pool (``phase_pools``)."""
+        return Phase(name, self.phase_pools()[name], run, reads=reads, writes=(writes,))
+
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
         """The step's metrics; then validation, logging and the checkpoint where they are due."""
         state.timing["step"] = time.perf_counter() - state.start
         metrics = {**batch_metrics(batch), **state.metrics, **state.rollout_metrics}
         metrics.update({f"timing_s/{k}": v for k, v in state.timing.items()})
+        metrics.update(timeline_metrics(state.phases, state.timing["step"], set(self.placement.values())))
         tokens = int(batch.batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / state.timing["step"]
         metrics["perf/max_memory_gb"] = max(i["peak_memory_gb"] for i in self.groups["actor"].worker_info())
