@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -314,3 +315,74 @@ def test_failing_non_blocking_group_method_is_reported_as_the_node_error():
         flow.run({"prompts": ["a"]})
     assert info.value.node == "generate"
     assert isinstance(info.value.__cause__, RemoteWorkerError)
+
+
+# ------------------------------------------------- concurrency and chunks
+def napping(seconds: float, fn):
+    def node(*args):
+        time.sleep(seconds)
+        return fn(*args)
+    return node
+
+
+def spans(flow: DataFlow, node: str) -> list[tuple[float, float]]:
+    return [(call.start, call.end) for call in flow.timeline if call.node == node]
+
+
+def test_independent_nodes_run_at_the_same_time():
+    flow = DataFlow([Node("generate", generate, "prompts", "responses"),
+                     Node("reference", napping(0.3, reference), "responses", "ref_log_probs"),
+                     Node("reward", napping(0.3, reward), "responses", "rewards"),
+                     Node("advantage", advantage, ("rewards", "ref_log_probs"), "advantages")], PPO_EDGES)
+    start = time.perf_counter()
+    results = flow.run({"prompts": ["ab", "c"]})
+    assert time.perf_counter() - start < 0.55  # the two 0.3 s nodes side by side
+    (ref,), (rew,) = spans(flow, "reference"), spans(flow, "reward")
+    assert ref[0] < rew[1] and rew[0] < ref[1]
+    assert spans(flow, "advantage")[0][0] >= max(ref[1], rew[1])
+    assert results == DataFlow(ppo_nodes(), PPO_EDGES).run({"prompts": ["ab", "c"]})  # the same outputs
+
+
+def test_a_chunked_consumer_takes_each_part_as_its_producer_makes_it():
+    prompts = [f"{i}+{i}=" for i in range(6)]
+    whole = DataFlow([Node("actor", generate, "prompts", "responses"),
+                      Node("reward_model", reward, "responses", "rewards")], [("actor", "reward_model")])
+    streamed = DataFlow([Node("actor", napping(0.1, generate), "prompts", "responses", chunks=3),
+                         Node("reward_model", napping(0.05, reward), "responses", "rewards", chunks=3)],
+                        [("actor", "reward_model")])
+    out = streamed.run({"prompts": prompts})
+    assert out == whole.run({"prompts": prompts})  # parts joined in order
+    actor, scored = spans(streamed, "actor"), spans(streamed, "reward_model")
+    assert len(actor) == len(scored) == 3
+    assert scored[0][0] < actor[-1][1]  # the reward began on the first chunk while generation went on
+    assert all(scored[i][0] >= actor[i][1] for i in range(3))  # each part after it was made
+    assert all(a[1] <= b[0] for a, b in zip(actor, actor[1:]))  # a node is never entered twice at once
+    assert "actor: (prompts) -> responses in 3 chunks" in streamed.describe()
+
+
+def test_chunks_of_another_count_wait_for_the_whole_input_and_too_few_items_are_refused():
+    flow = DataFlow([Node("actor", napping(0.05, generate), "prompts", "responses", chunks=2),
+                     Node("reward_model", reward, "responses", "rewards", chunks=3)], [("actor", "reward_model")])
+    out = flow.run({"prompts": ["a", "bb", "ccc"]})
+    assert out["rewards"] == [2.0, 3.0, 4.0]
+    assert min(s for s, _ in spans(flow, "reward_model")) >= max(e for _, e in spans(flow, "actor"))
+    with pytest.raises(ValueError, match=r"node 'actor' runs in chunks=2 but its input 'prompts' has 1 item"):
+        flow.run({"prompts": ["a"]})
+
+
+@pytest.mark.parametrize("chunks", [0, -1, True, 2.0])
+def test_chunks_must_be_a_positive_int(chunks):
+    with pytest.raises(DataFlowError, match=f"node 'g': chunks must be a positive int .*got {chunks!r}"):
+        Node("g", generate, "p", "r", chunks=chunks)
+
+
+def test_a_failing_chunk_is_the_nodes_error():
+    def flaky(prompts):
+        if prompts == ["b"]:
+            raise RuntimeError("chunk 1 broke")
+        return prompts
+
+    flow = DataFlow([Node("actor", flaky, "prompts", "responses", chunks=2)], [])
+    with pytest.raises(DataFlowNodeError, match="node 'actor'.*chunk 1 broke") as info:
+        flow.run({"prompts": ["a", "b"]})
+    assert info.value.node == "actor" and "responses" not in info.value.completed

@@ -86,3 +86,27 @@ def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
     responses = json.loads(proc.stdout.split("Generated responses: ")[1].splitlines()[0])
     assert responses == expected and reward[0]["input"] == expected
     assert "Rewards: [1.2000000476837158, 0.800000011920929, 1.5]" in proc.stdout
+
+
+def test_the_placed_reward_streams_on_the_actors_chunks_with_the_unchunked_and_in_driver_outputs(tmp_path):
+    """The document's flow with ``chunks=3`` on the actor (TP over two processes) and the reward model (a third):
+    the reward's first chunk starts before generation ends, by the run's timeline; the responses and rewards
+    equal the unchunked placed run's and the in-driver chunked run's."""
+    from controller.models.builtin import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "documents" / "streaming_dataflow.py"), model],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT ")[1].splitlines()[0])
+    placed, chunked, driver = out["placed"], out["placed_chunked"], out["driver_chunked"]
+    assert len(placed["responses"]) == 6 and placed["rewards"] == [float(sum(c.isdigit() for c in r))
+                                                                   for r in placed["responses"]]
+    assert chunked["responses"] == placed["responses"] == driver["responses"]
+    assert chunked["rewards"] == placed["rewards"] == driver["rewards"]
+    calls = {(node, chunk): (start, end) for node, chunk, start, end in chunked["timeline"]}
+    assert sorted(calls) == [("actor", i) for i in range(3)] + [("reward_model", i) for i in range(3)]
+    assert calls[("reward_model", 0)][0] < calls[("actor", 2)][1]  # scoring began while the actor generated
+    assert all(calls[("reward_model", i)][0] >= calls[("actor", i)][1] for i in range(3))
+    assert [(node, chunk) for node, chunk, *_ in placed["timeline"]] == [("actor", None), ("reward_model", None)]

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.dataflow.declarations import node_declaration
+from controller.dataflow.flow_run import NodeCall, NodeFailed, run_nodes
 from controller.dataflow.placed_node import PlacedNode, check_machine_devices
-from controller.runtime.worker_group import GroupFuture
 
 __all__ = ["DataFlow", "DataFlowError", "DataFlowNodeError", "Node"]
 
@@ -87,12 +87,16 @@ class Node:
 
     ``input_type`` is one type or a tuple of them (an empty tuple: the node
     takes nothing); ``output_type`` names the single value it returns.
+    ``chunks``: call ``func`` on that many contiguous parts of its input, one
+    after another, and pass each part's output on as soon as it is made
+    (``controller.dataflow.flow_run``); None: once, on the whole input.
     """
 
     name: str
     func: Callable[..., Any]
     input_type: str | tuple[str, ...]
     output_type: str
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -124,6 +128,10 @@ class Node:
             raise DataFlowError(
                 f"node {self.name!r}: output_type must be a non-empty string, got {self.output_type!r}"
             )
+        if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
+                                        or self.chunks < 1):
+            raise DataFlowError(f"node {self.name!r}: chunks must be a positive int (or None: the whole input at "
+                                f"once), got {self.chunks!r}")
         if self.output_type in self.input_types:
             raise DataFlowError(
                 f"node {self.name!r} takes and outputs {self.output_type!r}; results are kept by type, "
@@ -136,15 +144,17 @@ class Node:
         return (self.input_type,) if isinstance(self.input_type, str) else tuple(self.input_type)
 
     def describe(self) -> str:
-        """``name: (in_a, in_b) -> out  [func]``."""
-        return f"{self.name}: ({', '.join(self.input_types)}) -> {self.output_type}  [{_func_label(self.func)}]"
+        """``name: (in_a, in_b) -> out  [func]`` (``in chunks of N`` when chunked)."""
+        chunked = f" in {self.chunks} chunks" if self.chunks else ""
+        return f"{self.name}: ({', '.join(self.input_types)}) -> {self.output_type}{chunked}  [{_func_label(self.func)}]"
 
 
 class DataFlow:
-    """A checked, acyclic graph of nodes; ``run`` executes it in dependency order.
+    """A checked, acyclic graph of nodes; ``run`` executes it by its dependencies, independent nodes at the
+    same time (``controller.dataflow.flow_run``).
 
-    ``order`` holds node names in run order: a node runs after every node
-    that feeds it, and ties keep the order ``nodes`` were given in.
+    ``order`` holds node names in a dependency order: a node comes after every node
+    that feeds it, and ties keep the order ``nodes`` were given in. ``timeline``: the last run's calls.
     """
 
     def __init__(self, nodes: Sequence[Node], edges: Sequence[tuple[str, str]], *, ray_address: str | None = None,
@@ -159,6 +169,7 @@ class DataFlow:
         self.order: tuple[str, ...] = self._topological_order()
         ray_address = ray_address if ray_address is not None else os.environ.get("RAY_ADDRESS")
         self.placed: dict[str, PlacedNode] = self._placed_nodes(backend, ray_address)
+        self.timeline: list[NodeCall] = []
 
     # ------------------------------------------------------------ checks
     @staticmethod
@@ -304,7 +315,8 @@ class DataFlow:
 
     # --------------------------------------------------------------- run
     def run(self, input_data: Mapping[str, Any]) -> dict[str, Any]:
-        """Run every node once, in ``order``; return the inputs and every node's output, by type.
+        """Run every node once (a chunked node once a chunk), each as soon as its inputs are made; return the
+        inputs and every node's output, by type. ``timeline`` then holds each call's start and end.
 
         Inputs are all checked before the first node runs. A node that raises
         is reported as ``DataFlowNodeError`` naming it, the original chained.
@@ -312,18 +324,15 @@ class DataFlow:
         if not isinstance(input_data, Mapping):
             raise DataFlowError(f"input_data must be a mapping of type -> value, got {type(input_data).__name__}")
         self._check_input_data(input_data)
-        results: dict[str, Any] = dict(input_data)
-        for name in self.order:
-            node = self._by_name[name]
-            args = [results[kind] for kind in node.input_types]
-            func = self.placed.get(name, node.func)
-            try:
-                output = func(*args)
-                if isinstance(output, GroupFuture):  # a non-blocking group method
-                    output = output.result()
-            except Exception as exc:  # reported as this node's failure
-                raise DataFlowNodeError(name, _func_label(node.func), exc, dict(results)) from exc
-            results[node.output_type] = output
+        for placed in self.placed.values():  # their processes, from this thread (Ray starts here once)
+            placed.start()
+        nodes = [self._by_name[name] for name in self.order]
+        calls = {node.name: self.placed.get(node.name, node.func) for node in nodes}
+        try:
+            results, self.timeline = run_nodes(nodes, self._producer, calls, input_data)
+        except NodeFailed as failed:  # reported as this node's failure
+            node = self._by_name[failed.node]
+            raise DataFlowNodeError(node.name, _func_label(node.func), failed.error, failed.completed) from failed.error
         return results
 
     def _check_input_data(self, input_data: Mapping[str, Any]) -> None:
