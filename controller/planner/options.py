@@ -150,9 +150,10 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                     lora_sync: str | None = None) -> Option:
     """One role at one layout on ``n`` devices: memory and stage times (``ep`` / ``etp``: a mixture of
     experts' expert parallelism; ``lora_sync``: how a LoRA actor's adapters reach the generating role)."""
-    # The controller runs the roles in turn, so while this one works only its set's devices do (what matters
-    # for CPU processes sharing a machine's cores); a rollout pool of its own generating beside it under
-    # one-step-off is the exception, for the part of the step the two overlap, and is not modeled.
+    # The option's times are its set's working alone: only its set's devices busy (what matters for CPU
+    # processes sharing a machine's cores). Where sets work at once the search stretches them by the cores they
+    # then share (``search.shared_host``); a rollout pool of its own generating beside them under one-step-off
+    # is not modeled.
     device = cluster.accelerator.working(n)
     # Python runs on one core: a process given more of the machine does its host work faster too.
     efficiency = efficiency.on_faster_host(min(1.0, device.cores_per_device)

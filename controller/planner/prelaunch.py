@@ -81,7 +81,7 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
         groups.append(SetPlan(roles, devices, tuple(options)))
     transfer = sum(weight_transfer_time(o, cluster, efficiency) for g in groups if g.roles == ("rollout",)
                    for o in g.options)
-    total, stages = step_time(workload, tuple(groups), transfer, efficiency.step_s)
+    total, stages = step_time(workload, tuple(groups), transfer, efficiency.step_s, accelerator=cluster.accelerator)
     return Plan(tuple(groups), total, stages, transfer)
 
 

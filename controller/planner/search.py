@@ -11,13 +11,16 @@
    fitting a device alone and undominated. A set combines one option per
    role; it fits when, in every stage, the roles' model state plus the
    largest working memory of the roles active in that stage fits one device.
-4. The **step time** (``step_time``): the stages follow each other and the
-   roles' phases run in turn, on one pool or on several (the controller
-   calls them one after another, as the RL step reads); a rollout on its
-   own pool under one-step-off or async generates while the others work,
-   plus the weight transfer. A split placement therefore wins on memory
-   (a larger micro-batch, a layout with less communication) and never by
-   running pools at once.
+4. The **step time** (``critical_path``) follows the step's dataflow over
+   the pools: generation, then scoring, then the old and reference
+   log-probs and the values, then the advantages on the driver, then the
+   critic's and the actor's updates. Within the log-prob/values stage and
+   within the updates, sets on disjoint devices work at once and the roles
+   of one set take turns, so the stage lasts as long as its slowest set;
+   the stages follow each other. A rollout on its own pool under
+   one-step-off or async generates while the others work, plus the weight
+   transfer. ``Workload.overlap`` False (``trainer.overlap: false``) scores
+   the sequential controller: every phase in turn, the sum.
 
 The search is exact. Each role keeps only its undominated options: those
 no other option of it beats in every stage time and every memory figure.
@@ -36,14 +39,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from controller.planner.hardware import Cluster
+from controller.planner.hardware import Accelerator, Cluster
 from controller.planner.options import Option, Pin, links_for, role_options, smallest_footprint
 from controller.planner.timing import Efficiency, transfer_time
 from controller.planner.workload import Workload
 from controller.runtime.placement import ClusterNode, PlacementError, PoolShape, fit_pools
 
-__all__ = ["Plan", "PlanError", "PlanResult", "Rejected", "SetPlan", "best_on_split", "device_splits", "placements",
-           "search", "set_partitions", "step_time", "weight_transfer_time"]
+__all__ = ["PHASES", "Plan", "PlanError", "PlanResult", "Rejected", "SCORING_ROLES", "SetPlan", "best_on_split",
+           "critical_path", "device_splits", "phase_times", "placements", "search", "set_partitions", "set_phase_times",
+           "shared_host", "step_time", "weight_transfer_time"]
 
 
 class PlanError(ValueError):
@@ -58,7 +62,13 @@ class SetPlan:
 
     @property
     def times(self) -> tuple[float, float, float]:
+        """Seconds in each stage, its roles in turn."""
         return tuple(sum(o.times[s] for o in self.options) for s in range(3))
+
+    @property
+    def phases(self) -> tuple[float, float, float, float]:
+        """Seconds in each of ``PHASES``, its roles in turn (``critical_path`` reads these)."""
+        return set_phase_times(self.options)
 
     @property
     def memory(self) -> tuple[int, int, int]:
@@ -173,12 +183,105 @@ def device_splits(cluster: Cluster, sets: int, fixed: tuple[int | None, ...] | N
             yield combo
 
 
-def step_time(workload: Workload, sets: tuple[SetPlan, ...], transfer: float,
-              fixed: float = 0.0) -> tuple[float, tuple[float, float, float]]:
-    """(seconds per step, per stage); ``fixed``: the step's own host time (``Efficiency.step_s``)."""
-    stages = tuple(sum(s.times[i] for s in sets) for i in range(3))
+SCORING_ROLES = frozenset({"reward_model", "cost"})  # their forward passes score the responses
+PHASES = ("generation", "scoring", "log-probs and values", "updates")  # the step's phases, in dataflow order
+
+
+def phase_times(option: Option) -> tuple[float, float, float, float]:
+    """``option``'s seconds in each of ``PHASES``: a reward or cost model's forward passes score, the other
+    roles' forward passes are log-probs and values (the preparation stage holds both)."""
+    forward = option.times[1]
+    scores = option.role in SCORING_ROLES
+    return option.times[0], forward if scores else 0.0, 0.0 if scores else forward, option.times[2]
+
+
+def set_phase_times(options) -> tuple[float, float, float, float]:
+    """A set's seconds in each of ``PHASES``: its roles take turns on its devices, so their times add up."""
+    return tuple(sum(t) for t in zip(*(phase_times(o) for o in options))) if options else (0.0,) * 4
+
+
+def critical_path(phases, rollout: int | None = None, off_policy: bool = False, overlap: bool = True,
+                  transfer: float = 0.0, fixed: float = 0.0, together=max) -> tuple[float, tuple[float, float, float]]:
+    """The step time from each set's seconds in each of ``PHASES`` (``set_phase_times``), and the time of each
+    stage (generation, preparation, training). The step's dataflow (``controller.rl.trainer``, its phases
+    run by ``controller.rl.phase_flow``)::
+
+        generation -> scoring -+-> old log-probs -+-> advantages -+-> critic update -+-> next step
+                               +-> ref log-probs -+    (driver)   +-> actor update --+
+                               +-> values --------+
+
+    - **generation**: the generating role's set (the actor's, or a rollout pool's); it comes first.
+    - **scoring**: the reward and cost models read the responses and are called one after another, whatever
+      their pools: their times add up.
+    - **log-probs and values**: the old and reference log-probs and the values read only the scored batch,
+      so each starts as soon as its pool is free. Sets on disjoint devices work at once and the roles of one
+      set take turns: the phase lasts as long as its slowest set (``together`` of the sets' own times).
+    - **the advantages** on the driver: part of ``fixed``, the step's own host time (``Efficiency.step_s``).
+    - **updates**: the critic's and the actor's read the advantages; at once on disjoint sets, in turn on
+      a shared one, as the previous phase.
+    - **the weight transfer** (``transfer``) to a rollout pool of its own: between the update and the
+      generation that uses the new weights.
+
+    A rollout pool of its own (``rollout``: its index) under one-step-off or async (``off_policy``)
+    generates the next batch while the other sets score and train: the step is the longer of the two.
+    ``overlap`` False is the sequential controller (``trainer.overlap: false``): every phase in turn, so
+    every set's time adds up. ``together``: how long sets working at once in one phase take, from each
+    one's time working alone (``max`` on accelerators; ``shared_host`` for CPU processes on one machine).
+    """
+    combine = together if overlap else sum
+    generation = combine([p[0] for p in phases])
+    scoring = sum(p[1] for p in phases)
+    preparation = scoring + combine([p[2] for p in phases])
+    training = combine([p[3] for p in phases])
+    stages = (generation, preparation, training)
+    if rollout is None or not off_policy:
+        return generation + preparation + training + transfer + fixed, stages
+    alongside = phases[rollout][0]  # the rollout pool does nothing else
+    rest = combine([0.0 if k == rollout else p[0] for k, p in enumerate(phases)]) + preparation + training
+    return max(alongside, rest) + transfer + fixed, stages
+
+
+def shared_host(devices: tuple[int, ...], accelerator: Accelerator):
+    """``critical_path``'s ``together`` for sets of ``devices`` each: ``max`` on accelerators. CPU processes
+    (``Accelerator.host_cores``) share one machine's cores: a set's time alone is at the cores its own
+    processes get (``Accelerator.working``); while several sets work, every busy process has an equal share
+    (up to its threads), and each set advances at the ratio of the two shares until one finishes (processor
+    sharing, every second of a phase taken to scale with the cores). When each set alone already keeps the
+    cores busy, working at once takes the sum; only idle cores make it shorter."""
+    if not accelerator.host_cores:
+        return max
+
+    def cores(active: int) -> float:
+        return min(float(accelerator.threads_per_device), accelerator.host_cores / active)
+
+    def together(times) -> float:
+        left = {k: t for k, t in enumerate(times) if t > 0}
+        clock = 0.0
+        while left:
+            share = cores(sum(devices[k] for k in left))
+            rate = {k: share / cores(devices[k]) for k in left}
+            first = min(left, key=lambda k: left[k] / rate[k])
+            step = left[first] / rate[first]
+            clock += step
+            left = {k: t - step * rate[k] for k, t in left.items() if k != first and t - step * rate[k] > 0}
+        return clock
+
+    return together
+
+
+def step_time(workload: Workload, sets: tuple[SetPlan, ...], transfer: float, fixed: float = 0.0, *,
+              accelerator: Accelerator | None) -> tuple[float, tuple[float, float, float]]:
+    """(seconds per step, per stage) by ``critical_path``, at ``workload.overlap``; ``fixed``: the step's own
+    host time (``Efficiency.step_s``); ``accelerator``: the cluster's device (CPU processes share its host's
+    cores when sets work at once: ``shared_host``; None: devices of their own)."""
     rollout = next((k for k, s in enumerate(sets) if s.roles == ("rollout",)), None)
-    return _objective(workload, [s.times for s in sets], rollout, transfer, fixed), stages
+    together = shared_host(tuple(s.devices for s in sets), accelerator) if accelerator is not None else max
+    return critical_path([s.phases for s in sets], rollout, _off_policy(workload), workload.overlap, transfer,
+                         fixed, together)
+
+
+def _off_policy(workload: Workload) -> bool:
+    return workload.mode in ("one_step_off", "async")
 
 
 def weight_transfer_time(option: Option, cluster: Cluster, efficiency: Efficiency) -> float:
@@ -188,20 +291,6 @@ def weight_transfer_time(option: Option, cluster: Cluster, efficiency: Efficienc
     link = links_for(cluster, 1 if cluster.nodes == 1 else cluster.devices_per_node + 1)
     sent = option.resident if option.transfer_bytes is None else option.transfer_bytes
     return transfer_time(sent, link, efficiency)
-
-
-def _objective(workload: Workload, times: list[tuple[float, float, float]], rollout: int | None,
-               transfer: float, fixed: float) -> float:
-    """The step time from each set's stage times (``rollout``: the index of a rollout set of its own).
-
-    The controller calls the roles' phases one after another, whatever pools they are on, so every set's
-    time adds up; only a rollout pool under one-step-off or async generates while the others train.
-    """
-    total = sum(sum(t) for t in times)
-    if rollout is None or workload.mode not in ("one_step_off", "async"):
-        return total + transfer + fixed
-    generation = times[rollout][0]
-    return max(generation, total - generation) + transfer + fixed
 
 
 class _Search:
@@ -245,24 +334,31 @@ class _Search:
             options.append(sorted(opts, key=lambda o: (sum(o.times), o.resident)))
         rollout = next((k for k, roles in enumerate(placement) if "rollout" in roles), None)
         sets = len(placement)
-        # What the roles after each depth still add at least: times per set and stage, state per set.
-        min_time = [[[0.0] * 3 for _ in range(sets)] for _ in range(len(slots) + 1)]
+        phases = [[phase_times(o) for o in opts] for opts in options]
+        together = shared_host(tuple(split), self.cluster.accelerator)
+        off_policy, overlap = _off_policy(self.workload), self.workload.overlap
+        budget, fixed = self.budget, self.efficiency.step_s
+
+        def objective(times, transfer_s: float) -> float:
+            return critical_path(times, rollout, off_policy, overlap, transfer_s, fixed, together)[0]
+
+        # What the roles after each depth still add at least: times per set and phase, state per set.
+        min_time = [[[0.0] * 4 for _ in range(sets)] for _ in range(len(slots) + 1)]
         min_state = [[0] * sets for _ in range(len(slots) + 1)]
         min_transfer = [0.0] * (len(slots) + 1)
         for depth in range(len(slots) - 1, -1, -1):
             k = slots[depth][0]
             for j in range(sets):
                 min_state[depth][j] = min_state[depth + 1][j]
-                for stage in range(3):
-                    min_time[depth][j][stage] = min_time[depth + 1][j][stage]
+                for phase in range(4):
+                    min_time[depth][j][phase] = min_time[depth + 1][j][phase]
             min_state[depth][k] += min(o.resident for o in options[depth])
-            for stage in range(3):
-                min_time[depth][k][stage] += min(o.times[stage] for o in options[depth])
+            for phase in range(4):
+                min_time[depth][k][phase] += min(t[phase] for t in phases[depth])
             min_transfer[depth] = min_transfer[depth + 1] + (
                 min(self.transfer_of(o) for o in options[depth]) if k == rollout else 0.0)
-        budget, fixed = self.budget, self.efficiency.step_s
         best: list = [incumbent, None]
-        times = [[0.0, 0.0, 0.0] for _ in range(sets)]
+        times = [[0.0] * 4 for _ in range(sets)]
         state = [0] * sets
         extra = [[-math.inf] * 3 for _ in range(sets)]
         chosen: list[Option] = []
@@ -270,25 +366,24 @@ class _Search:
 
         def descend(depth: int) -> None:
             if depth == len(slots):
-                total = _objective(self.workload, [tuple(t) for t in times], rollout, transfer[0], fixed)
+                total = objective(times, transfer[0])
                 if total < best[0] - 1e-12:
                     best[0], best[1] = total, list(chosen)
                 return
             k = slots[depth][0]
-            for option in options[depth]:
+            for option, option_phases in zip(options[depth], phases[depth]):
                 new_state = state[k] + option.resident
                 new_extra = [max(extra[k][s], _active_extra(option, s)) for s in range(3)]
                 rest = min_state[depth + 1][k]
                 if any(new_state + rest + (e if e > -math.inf else 0) > budget for e in new_extra):
                     continue
                 added = self.transfer_of(option) if k == rollout else 0.0
-                bound_times = [tuple(times[j][s] + (option.times[s] if j == k else 0.0) + min_time[depth + 1][j][s]
-                                     for s in range(3)) for j in range(sets)]
-                if _objective(self.workload, bound_times, rollout,
-                              transfer[0] + added + min_transfer[depth + 1], fixed) >= best[0] - 1e-12:
+                bound_times = [[times[j][p] + (option_phases[p] if j == k else 0.0) + min_time[depth + 1][j][p]
+                                for p in range(4)] for j in range(sets)]
+                if objective(bound_times, transfer[0] + added + min_transfer[depth + 1]) >= best[0] - 1e-12:
                     continue
                 saved = (list(times[k]), state[k], list(extra[k]), transfer[0])
-                times[k] = [times[k][s] + option.times[s] for s in range(3)]
+                times[k] = [times[k][p] + option_phases[p] for p in range(4)]
                 state[k], extra[k] = new_state, new_extra
                 transfer[0] += added
                 chosen.append(option)
@@ -304,7 +399,8 @@ class _Search:
             groups.append(SetPlan(roles, split[k], tuple(best[1][cursor:cursor + len(roles)])))
             cursor += len(roles)
         total_transfer = sum(self.transfer_of(o) for g in groups if "rollout" in g.roles for o in g.options)
-        step, stages = step_time(self.workload, tuple(groups), total_transfer, fixed)
+        step, stages = step_time(self.workload, tuple(groups), total_transfer, fixed,
+                                 accelerator=self.cluster.accelerator)
         return Plan(tuple(groups), step, stages, total_transfer)
 
     def need(self, placement, split) -> int | None:

@@ -95,6 +95,9 @@ class Workload:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_sync: str = "auto"
+    # Phases on disjoint pools run at once (``trainer.overlap``); False: the sequential controller, every phase
+    # in turn (``search.critical_path``).
+    overlap: bool = True
 
     @property
     def seq_len(self) -> int:
@@ -182,5 +185,6 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
                     generation_tp=rollout.tensor_parallel, generation_pp=rollout.pipeline_parallel,
                     kv_block_tokens=16 if flash_attention else generator_traits(rollout.engine).kv_block_tokens_without_flash,
                     generation_sleeps=rollout.sleep_between_rollouts and flash_attention,
+                    overlap=trainer.overlap,
                     **(dict(lora_rank=config.actor.lora.rank, lora_targets=config.actor.lora.targets,
                             lora_sync=rollout.lora_sync) if config.actor.lora.enabled else {}))

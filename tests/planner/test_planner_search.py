@@ -7,7 +7,8 @@ import pytest
 
 from controller.planner.hardware import GIB, Accelerator, Cluster, ClusterError, parse_cluster
 from controller.planner.options import Pin, role_options
-from controller.planner.search import (PlanError, allowed_sizes, device_splits, placements, search, set_partitions)
+from controller.planner.search import (PlanError, allowed_sizes, best_on_split, device_splits, placements, search,
+                                       set_partitions, shared_host, step_time)
 from controller.planner.timing import Efficiency
 from controller.planner.workload import RoleWork, Workload
 from hybridengine.model.spec import ModelSpec
@@ -50,7 +51,8 @@ def test_device_splits_use_every_device_in_node_sized_pieces_that_pack():
 
 
 def _brute_force(workload, cluster, efficiency):
-    """Every placement, split and combination of layouts, scored with the search's rules written out again."""
+    """Every placement, split and combination of layouts, scored with the search's rules written out again
+    (``workload`` has no scoring role: its stage 1 is log-probs and values alone)."""
     budget = cluster.accelerator.usable_bytes
     roles = workload.role_names
     best = {}  # placement -> its fastest step
@@ -77,7 +79,10 @@ def _brute_force(workload, cluster, efficiency):
                         combos.append(tuple(sum(o.times[s] for o in choice) for s in range(3)))
                 per_set.append(combos)
             for picked in itertools.product(*per_set):
-                total = sum(sum(t) for t in picked)  # the controller runs every phase in turn
+                if workload.overlap:  # within a stage the sets work at once, the slowest last; stages in turn
+                    total = sum(max(t[s] for t in picked) for s in range(3))
+                else:  # the sequential controller runs every phase in turn
+                    total = sum(sum(t) for t in picked)
                 key = tuple(sets)
                 best[key] = min(best.get(key, total), total)
     return best
@@ -85,9 +90,10 @@ def _brute_force(workload, cluster, efficiency):
 
 # Budgets where the fastest plan is split, as no colocated one fits (1.9 MiB), all colocated (3 and 2 MiB),
 # nothing (1.3 MiB), and across two nodes.
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("mib,nodes,per_node", [(1.9, 1, 4), (3.0, 1, 4), (2.0, 1, 4), (1.3, 1, 4), (2.5, 2, 2)])
-def test_the_search_finds_the_brute_force_optimum(mib, nodes, per_node):
-    workload = ppo_workload()
+def test_the_search_finds_the_brute_force_optimum(mib, nodes, per_node, overlap):
+    workload = replace(ppo_workload(), overlap=overlap)
     cluster = Cluster(nodes, per_node, toy_device(mib))
     efficiency = Efficiency()
     result = search(workload, cluster, efficiency, top=3)
@@ -153,3 +159,98 @@ def test_clusters_are_read_and_bad_ones_named():
         parse_cluster("4x")
     with pytest.raises(ClusterError, match=r"devices_per_node must be a positive integer, got 0"):
         parse_cluster("2x0xA100-80GB")
+
+
+def _by_hand(plan):
+    """Each set's own seconds per phase (its roles in turn), from the plan's options: generation, scoring
+    (the reward model's forward), log-probs and values (every other forward), updates."""
+    sets = []
+    for group in plan.sets:
+        score = sum(o.times[1] for o in group.options if o.role == "reward_model")
+        sets.append((sum(o.times[0] for o in group.options), score,
+                     sum(o.times[1] for o in group.options) - score, sum(o.times[2] for o in group.options)))
+    return sets
+
+
+def test_a_split_placement_takes_the_slowest_set_of_each_stage():
+    """Actor (generating) on one set, critic on another: the log-probs beside the values, the two updates at once."""
+    workload = ppo_workload()
+    workload = replace(workload, roles=workload.roles[:2])  # actor and critic
+    cluster = Cluster(1, 4, toy_device(64))
+    plan, _ = best_on_split(workload, cluster, (("actor",), ("critic",)), (2, 2))
+    (gen_a, _, prep_a, train_a), (gen_c, _, prep_c, train_c) = _by_hand(plan)
+    assert gen_c == 0 and min(prep_a, prep_c, train_a, train_c) > 0  # both sets work in both later stages
+    assert plan.stage_times == pytest.approx((gen_a, max(prep_a, prep_c), max(train_a, train_c)), rel=1e-12)
+    assert plan.step_time == pytest.approx(gen_a + max(prep_a, prep_c) + max(train_a, train_c), rel=1e-12)
+    sequential, stages = step_time(replace(workload, overlap=False), plan.sets, 0.0, accelerator=cluster.accelerator)
+    assert sequential == pytest.approx(gen_a + prep_a + prep_c + train_a + train_c, rel=1e-12)
+    assert stages == pytest.approx((gen_a, prep_a + prep_c, train_a + train_c), rel=1e-12)
+    assert plan.step_time < sequential
+
+
+def test_scoring_takes_turns_and_shared_sets_take_turns():
+    """actor+ref | critic+reward: the reward model scores alone after generation; the actor's and reference's
+    log-probs take turns on their set while the critic's values run on the other."""
+    critic = replace(TINY, num_labels=1)
+    workload = replace(ppo_workload(), roles=ppo_workload().roles + (
+        RoleWork("reward_model", critic, trains=False, forward_passes=1),))
+    cluster = Cluster(1, 4, toy_device(64))
+    plan, _ = best_on_split(workload, cluster, (("actor", "ref_policy"), ("critic", "reward_model")), (2, 2))
+    (gen_a, score_a, prep_a, train_a), (gen_c, score_c, prep_c, train_c) = _by_hand(plan)
+    assert score_a == 0 and score_c > 0 and prep_a == sum(plan.option(r).times[1] for r in ("actor", "ref_policy"))
+    expected = gen_a + score_c + max(prep_a, prep_c) + max(train_a, train_c)
+    assert plan.step_time == pytest.approx(expected, rel=1e-12)
+    assert plan.stage_times[1] == pytest.approx(score_c + max(prep_a, prep_c), rel=1e-12)
+    sequential, _ = step_time(replace(workload, overlap=False), plan.sets, 0.0, accelerator=cluster.accelerator)
+    assert sequential == pytest.approx(sum(sum(o.times) for g in plan.sets for o in g.options), rel=1e-12)
+
+
+def test_a_colocated_placement_is_scored_as_before():
+    workload = ppo_workload()
+    cluster = Cluster(1, 4, toy_device(64))
+    placement = (("actor", "critic", "ref_policy"),)
+    plan, _ = best_on_split(workload, cluster, placement, (4,))
+    alone, _ = best_on_split(replace(workload, overlap=False), cluster, placement, (4,))
+    assert plan.step_time == alone.step_time == pytest.approx(sum(plan.sets[0].times), rel=1e-12)
+    assert plan.stage_times == alone.stage_times
+
+
+def test_a_rollout_pool_off_policy_generates_while_the_others_work():
+    roles = (RoleWork("actor", TINY, trains=True, forward_passes=1, mini_batch=8),
+             RoleWork("rollout", TINY, trains=False, generates=True, vocab_multiple=None),
+             RoleWork("critic", replace(TINY, num_labels=1), trains=True, forward_passes=1, mini_batch=8))
+    workload = Workload(16, 32, 32, roles, mode="one_step_off", max_num_seqs=8)
+    cluster = Cluster(1, 4, toy_device(64))
+    plan, _ = best_on_split(workload, cluster, (("actor",), ("rollout",), ("critic",)), (2, 1, 1))
+    (_, _, prep_a, train_a), (gen_r, _, _, _), (_, _, prep_c, train_c) = _by_hand(plan)
+    assert plan.transfer_time > 0
+    others = max(prep_a, prep_c) + max(train_a, train_c)
+    assert plan.step_time == pytest.approx(max(gen_r, others) + plan.transfer_time, rel=1e-12)
+    sequential, _ = step_time(replace(workload, overlap=False), plan.sets, plan.transfer_time,
+                              accelerator=cluster.accelerator)
+    assert sequential == pytest.approx(max(gen_r, prep_a + prep_c + train_a + train_c) + plan.transfer_time,
+                                       rel=1e-12)
+
+
+def test_cpu_processes_working_at_once_share_the_cores():
+    """Two sets of 2 processes, 1 s and 3 s alone (each process 1 core). On 2 cores both at once take turns
+    in effect: 4 s, the sum. On 8 cores nothing is shared: 3 s. On 3 cores: both at 3/4 of a core a process
+    until the first ends (1 / 0.75 s, the other then 1 s of its 3 done), then the other alone for 2 s."""
+    cpu = lambda cores: replace(toy_device(64), host_cores=cores, threads_per_device=1)  # noqa: E731
+    assert shared_host((2, 2), cpu(2.0))([1.0, 3.0]) == pytest.approx(4.0, rel=1e-12)
+    assert shared_host((2, 2), cpu(8.0))([1.0, 3.0]) == pytest.approx(3.0, rel=1e-12)
+    assert shared_host((2, 2), cpu(3.0))([1.0, 3.0]) == pytest.approx(1 / 0.75 + 2.0, rel=1e-12)
+    assert shared_host((2, 2), cpu(3.0))([0.0, 3.0]) == pytest.approx(3.0, rel=1e-12)  # one set alone
+    assert shared_host((2, 2), toy_device(64)) is max  # accelerators are their own
+
+
+def test_a_split_on_saturated_cpu_cores_gains_nothing_from_overlap():
+    """4 processes on 2 cores (``--cluster local`` here): each set of 2 keeps both cores busy alone, so the
+    overlapped step is the sequential one."""
+    cpu = replace(toy_device(64), host_cores=2.0, threads_per_device=1, cores_per_device=0.5)
+    workload = ppo_workload()
+    workload = replace(workload, roles=workload.roles[:2])
+    plan, _ = best_on_split(workload, Cluster(1, 4, cpu), (("actor",), ("critic",)), (2, 2))
+    sequential, _ = step_time(replace(workload, overlap=False), plan.sets, 0.0, accelerator=cpu)
+    assert plan.step_time > step_time(workload, plan.sets, 0.0, accelerator=None)[0]  # as if the cores were not shared
+    assert plan.step_time == pytest.approx(sequential, rel=1e-12)
