@@ -54,19 +54,30 @@ def test_declarations_and_their_checks():
             DataFlow([Node("actor", generate, "prompts", "responses")], [])
 
 
-def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
-    """Each placed node runs in its declared number of processes, none of them the driver; the TP node's
-    ranks share one process group and get the same input, and transformers' TP plan shards the model over them;
-    the output equals HF's generate on the whole model in the driver."""
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """The document's placed DataFlow as written, then the same flow streamed on chunks, in one process
+    (``tests/documents/streaming_dataflow.py`` runs ``dataflow_document.py`` first): its output, the nodes'
+    log, the model."""
     from controller.models.builtin import resolve_model_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tmp_path = tmp_path_factory.mktemp("documents")
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
     log = tmp_path / "nodes.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "documents" / "dataflow_document.py"), model, str(log)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "documents" / "streaming_dataflow.py"), model, str(log)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc, log, model
+
+
+def test_the_second_documents_placed_dataflow_runs_as_written(documents):
+    """Each placed node runs in its declared number of processes, none of them the driver; the TP node's
+    ranks share one process group and get the same input, and transformers' TP plan shards the model over them;
+    the output equals HF's generate on the whole model in the driver."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc, log, model = documents
     driver = int(proc.stdout.split("driver pid: ")[1].split()[0])
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     actor = [c for c in calls if c["node"] == "actor"]
@@ -88,17 +99,11 @@ def test_the_second_documents_placed_dataflow_runs_as_written(tmp_path):
     assert "Rewards: [1.2000000476837158, 0.800000011920929, 1.5]" in proc.stdout
 
 
-def test_the_placed_reward_streams_on_the_actors_chunks_with_the_unchunked_and_in_driver_outputs(tmp_path):
+def test_the_placed_reward_streams_on_the_actors_chunks_with_the_unchunked_and_in_driver_outputs(documents):
     """The document's flow with ``chunks=3`` on the actor (TP over two processes) and the reward model (a third):
     the reward's first chunk starts before generation ends, by the run's timeline; the responses and rewards
     equal the unchunked placed run's and the in-driver chunked run's."""
-    from controller.models.builtin import resolve_model_path
-
-    model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "documents" / "streaming_dataflow.py"), model],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = documents[0]
     out = json.loads(proc.stdout.split("RESULT ")[1].splitlines()[0])
     placed, chunked, driver = out["placed"], out["placed_chunked"], out["driver_chunked"]
     assert len(placed["responses"]) == 6 and placed["rewards"] == [float(sum(c.isdigit() for c in r))

@@ -4,7 +4,9 @@
     python tools/plan_vs_measured.py --from docs/bench/planner/plan_vs_measured.json --fit   # refit, no runs
 
 Each run is a real `hybridflow train` job on 4 CPU processes: the tiny and the small (76M) built-in models,
-colocated, split (actor | critic) and one-step-off (actor | rollout) placements, several TP / PP. It trains
+colocated, split (actor | critic) and one-step-off (actor | rollout) placements, several TP / PP; and the tiny
+model split on 2 processes (actor | critic, one each), its pools' phases at once (``trainer.overlap``, the
+default, as in every split run) and in turn. It trains
 `--steps` steps; the measured times are the means after the first step (which compiles and warms up): the
 step, and each role's phases (generation with its weight update, the forward passes, the updates).
 
@@ -56,6 +58,11 @@ RUNS = {
     "tiny-colocated-pp2dp2": [*PPO, *layout("actor", 1, 2), *layout("critic", 1, 2)],
     "tiny-split-actor|critic": [*PPO, "trainer.launcher=ray", "trainer.nproc=2", "trainer.placement={critic: 2}",
                                 *layout("actor", 1, 1), *layout("critic", 1, 1)],
+    # the tiny model on 2 processes, actor | critic one each: the phases of the two pools at once, and in turn
+    "pair-split-actor|critic": [*PPO, "trainer.launcher=ray", "trainer.nproc=1", "trainer.placement={critic: 1}",
+                                *layout("actor", 1, 1), *layout("critic", 1, 1)],
+    "pair-split-actor|critic-in-turn": [*PPO, "trainer.launcher=ray", "trainer.nproc=1", "trainer.placement={critic: 1}",
+                                        *layout("actor", 1, 1), *layout("critic", 1, 1), "trainer.overlap=false"],
     "tiny-one-step-off-actor|rollout": [*GRPO, "trainer.launcher=ray", "trainer.nproc=2", "trainer.placement={rollout: 2}",
                                         "trainer.mode=one_step_off", *layout("actor", 1, 1)],
     "small-colocated-tp2dp2": [*PPO, *SMALL, *layout("actor", 2, 1, 4), *layout("critic", 2, 1, 4)],
@@ -136,12 +143,26 @@ def samples_of(measured: dict, figures: dict) -> list:
         elif key == "transfer":
             value = phases.get("weight_transfer", 0.0)
         else:
+            if not all(ran_alone(phases, name) for name in STAGE_PHASES[key]):
+                continue  # measured beside another pool's phase: the model's phase is the phase alone
             value = sum(phases.get(name, 0.0) for name in STAGE_PHASES[key])
         if value > 0:
             label = key if isinstance(key, str) else f"{key[0]}/{('generate', 'forward', 'update')[key[1]]}"
             samples.append(Sample(f"{measured['run']}/{label}", value, seconds,
                                   {name: grown[name][key] - seconds for name in COSTS}))
     return samples
+
+
+def ran_alone(phases: dict, name: str) -> bool:
+    """Whether phase ``name`` ran while no other pool worked, by the run's timeline (``phase/<pool>/<name>/start``
+    and ``/end``, means over the steps); a phase the run did not time counts as alone. The planner predicts a
+    phase alone and the step of phases at once (``search.critical_path``), so only the step of an overlapped
+    split run is a sample of it."""
+    spans = {tuple(k.split("/")[1:3]): (phases[k], phases[k.removesuffix("/start") + "/end"]) for k in phases
+             if k.startswith("phase/") and k.endswith("/start") and k.removesuffix("/start") + "/end" in phases}
+    own = [(pool, span) for (pool, phase), span in spans.items() if phase == name]
+    return not any(pool != other and other != "driver" and start < o_end and o_start < end
+                   for pool, (start, end) in own for (other, _), (o_start, o_end) in spans.items())
 
 
 def main() -> int:

@@ -6,7 +6,9 @@
     trainer.fit(total_steps=20)
 
 A step's phases: generate (the actor's weights resharded into the rollout at the boundary) and score ->
-old and reference log-probs, values -> advantages -> critic update -> actor update -> metrics. What differs
+old and reference log-probs, values -> advantages -> critic update -> actor update -> metrics. Each phase is
+declared with what it reads and writes (``controller.rl.step_phases``); those of roles on disjoint pools run
+at the same time (``controller.rl.phase_flow``), their results joined in this order. What differs
 between algorithms hangs off the algorithm object's hooks (``controller.algorithms.RLAlgorithm``). The job
 it runs on (roles, placement, pools, groups, loaders, schedule, rollout client) is its ``JobAssembly``'s.
 """
@@ -24,6 +26,7 @@ from controller.rl.bad_steps import BadSteps
 from controller.rl.job_prompts import rl_job_prompts
 from controller.rl.job_assembly import JobAssembly
 from controller.rl.phase_flow import DRIVER, Phase, PhaseFlow
+from controller.rl.step_phases import STEP_PHASES
 from controller.rl.role_assembly import reference_role
 from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
@@ -112,7 +115,7 @@ class RLTrainer:
         with state.timed("adv"):
             batch = alg.advantages(ctx, state, batch)
         terms = alg.loss_terms(ctx, state, batch)  # the policy objective, the rollout correction
-        self.update(batch, terms, state)  # the critic, then the actor
+        self.update(batch, terms, state)  # the critic's and the actor's (at once where their pools differ)
         alg.after_update(ctx, state, batch)
         return self.finish_step(batch, state)  # metrics, validation, logging, checkpoint
 
@@ -120,11 +123,11 @@ class RLTrainer:
     def phase_pools(self) -> dict[str, str]:
         """The pool each phase of the step runs on, as the job places its roles (``"driver"``: the controller)."""
         where = self.placement
-        reference = reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn)
-        roles = {"rollout": "rollout", "gen_baseline": "rollout", "old_log_prob": "actor", "update_actor": "actor",
-                 "reward": "reward_model" if "reward_model" in self.specs else "reward", "ref": reference,
-                 "values": "critic", "update_critic": "critic"}
-        return {"adv": DRIVER, **{phase: where[role] for phase, role in roles.items() if role in where}}
+        stands_for = {"reference": reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn),
+                      "scorer": "reward_model" if "reward_model" in self.specs else "reward"}
+        roles = {name: stands_for.get(phase.role, phase.role) for name, phase in STEP_PHASES.items()}
+        return {name: DRIVER if role is None else where[role] for name, role in roles.items()
+                if role is None or role in where}
 
     def phase_flow(self) -> PhaseFlow:
         """Runs a stage's phases: at the same time on disjoint pools, where the pools are Ray's (under torchrun
@@ -189,12 +192,12 @@ class RLTrainer:
         scored = without_routes(batch)
         phases = []
         if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
-            phases.append(self.phase("old_log_prob", lambda: g["actor"].compute_log_prob(batch), "old_log_probs"))
+            phases.append(self.phase("old_log_prob", lambda: g["actor"].compute_log_prob(batch)))
         if reference is not None:  # the reference policy, or a LoRA actor's base (its adapters off)
-            phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored), "ref_log_probs"))
+            phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored)))
         if "critic" in g:
-            phases.append(self.phase("values", lambda: g["critic"].compute_values(scored), "values"))
-        out = self.phase_flow().run(phases, state, ready=("responses",))
+            phases.append(self.phase("values", lambda: g["critic"].compute_values(scored)))
+        out = self.phase_flow().run(phases, state, ready=("responses", "scores"))
         if "old_log_prob" in out:  # joined in this order whichever phase ended first
             old = out["old_log_prob"]
             state.metrics.update(old.meta_info.pop("router_replay", {}))  # router_replay/agreement
@@ -218,11 +221,9 @@ class RLTrainer:
             return
         if self.kl_loss_fn is not None:  # the user's term, called with this step
             terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
-        phases = [self.phase("update_actor", lambda: g["actor"].update_actor(batch, terms, self.old_log_probs_from_update),
-                             "actor_weights", reads=("advantages",))]
+        phases = [self.phase("update_actor", lambda: g["actor"].update_actor(batch, terms, self.old_log_probs_from_update))]
         if "critic" in g:
-            phases.insert(0, self.phase("update_critic", lambda: g["critic"].update_critic(without_routes(batch)),
-                                        "critic_weights", reads=("returns",)))
+            phases.insert(0, self.phase("update_critic", lambda: g["critic"].update_critic(without_routes(batch))))
         with state.timed("update"):  # both updates' wall time
             out = self.phase_flow().run(phases, state, ready=("advantages", "returns"))
         if "update_critic" in out:
@@ -240,9 +241,10 @@ class RLTrainer:
         if in_row is not None:
             state.metrics["training/bad_steps_in_row"] = in_row
 
-    def phase(self, name: str, run, writes: str, reads: tuple[str, ...] = ("responses",)) -> Phase:
-        """Phase ``name`` of the step on its role's pool (``phase_pools``)."""
-        return Phase(name, self.phase_pools()[name], run, reads=reads, writes=(writes,))
+    def phase(self, name: str, run) -> Phase:
+        """Phase ``name`` of the step, as ``STEP_PHASES`` declares it, on its role's pool (``phase_pools``)."""
+        declared = STEP_PHASES[name]
+        return Phase(name, self.phase_pools()[name], run, reads=declared.reads, writes=declared.writes)
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
         """The step's metrics; then validation, logging and the checkpoint where they are due."""

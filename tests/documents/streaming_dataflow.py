@@ -1,7 +1,8 @@
 """The second design document's placed DataFlow with the reward streaming on chunks, against the same flow
-unchunked and against its in-driver form.
+unchunked and against its in-driver form; first, in the same process, the document's own code as written
+(``dataflow_document.py``, run as a script: one Ray start for both).
 
-    python streaming_dataflow.py MODEL_DIR
+    python streaming_dataflow.py MODEL_DIR LOG_FILE
 
 The actor generates greedily with HF transformers: placed, on two CPU processes under the TP strategy with
 transformers' tensor-parallel plan; in the driver, on the whole model. The reward model is placed on a third
@@ -11,7 +12,9 @@ JSON line: each run's responses and rewards, and the chunked placed run's timeli
 
 import functools
 import json
+import runpy
 import sys
+from pathlib import Path
 
 import torch
 
@@ -53,6 +56,7 @@ placed_actor = register_parallelism("actor", strategy="TP")(
 placed_reward = register_placement("reward_model", devices=["cpu:2"])(functools.partial(score))
 
 if __name__ == "__main__":
+    runpy.run_path(str(Path(__file__).with_name("dataflow_document.py")), run_name="__main__")
     out = {}
     for name, dataflow in (("placed", flow(placed_actor, placed_reward)),
                            ("placed_chunked", flow(placed_actor, placed_reward, chunks=3)),
