@@ -17,9 +17,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 
@@ -262,6 +264,34 @@ def test_a_split_placement_runs_its_pools_at_the_same_time_and_trains_exactly_as
     assert [s["step"] for s in overlapped] == [s["step"] for s in in_turn]
     for a, b in zip(overlapped, in_turn):
         assert exact(a) == pytest.approx(exact(b), rel=1e-6, abs=1e-7)
+    for role in ("actor", "critic"):  # and the weights and Adam's moments the step left, bit for bit
+        ours, theirs = checkpoint(ppo_ray_split[0], 1, role), checkpoint(tmp_path, 1, role)
+        assert ours.keys() == theirs.keys() and any(k.startswith("optimizer.state.exp_avg") for k in ours)
+        assert all(torch.equal(ours[k], theirs[k]) if isinstance(ours[k], torch.Tensor) else ours[k] == theirs[k]
+                   for k in ours), role
+
+
+def checkpoint(run_dir, step: int, role: str = "actor") -> dict:
+    """``role``'s checkpoint at ``step`` read back whole (every rank's shards: weights and Adam's moments),
+    and its LR schedule."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = run_dir / "checkpoints" / role / f"step_{step:08d}"
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(str(directory), os.path.join(scratch, "whole.pt"))
+        whole = torch.load(os.path.join(scratch, "whole.pt"), weights_only=False)
+    flat: dict = {}
+
+    def walk(value, prefix):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(inner, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            flat[prefix[:-1]] = value
+
+    walk(whole, "")
+    flat["scheduler.num_steps"] = torch.load(directory / "extra.pt", weights_only=False)["scheduler"]["num_steps"]
+    return flat
 
 
 def exact(step: dict) -> dict:

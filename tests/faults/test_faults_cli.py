@@ -21,12 +21,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 
 import pytest
 import torch
 
-from test_train_cli import hybridflow, model  # noqa: F401  (model: a fixture)
+from test_train_cli import checkpoint, hybridflow, model  # noqa: F401  (model: a fixture)
 
 JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=tests.faults.nan_advantages:NaNAdvantages",
        "rollout.sampling.n=2", "trainer.nproc=2", "actor.engine.tensor_parallel=1", "actor.engine.pipeline_parallel=1",
@@ -37,29 +36,6 @@ JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=tests.faults.nan_ad
 
 # What a run measures rather than computes: left out where two runs are compared.
 TIMED = ("timing_s/", "perf/", "rollout/tokens_per_s", "job/")
-
-
-def checkpoint(run_dir, step: int) -> dict:
-    """The actor's checkpoint at ``step`` read back whole (every rank's shards: weights and Adam's moments),
-    and its LR schedule."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    directory = run_dir / "checkpoints" / "actor" / f"step_{step:08d}"
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(str(directory), os.path.join(scratch, "whole.pt"))
-        whole = torch.load(os.path.join(scratch, "whole.pt"), weights_only=False)
-    flat: dict = {}
-
-    def walk(value, prefix):
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                walk(inner, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            flat[prefix[:-1]] = value
-
-    walk(whole, "")
-    flat["scheduler.num_steps"] = torch.load(directory / "extra.pt", weights_only=False)["scheduler"]["num_steps"]
-    return flat
 
 
 def same(a: dict, b: dict) -> bool:
