@@ -89,5 +89,7 @@ setup(
     extras_require=EXTRAS,
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
-    entry_points={"console_scripts": ["hybridflow=controller.cli:run"]},
+    entry_points={"console_scripts": ["hybridflow=controller.cli:run"],
+                  # run in every vLLM process: the patches vLLM needs before it imports a model (vllm_compat)
+                  "vllm.general_plugins": ["hybridflow=workers.rollout.vllm_compat:vllm_plugin"]},
 )

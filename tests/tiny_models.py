@@ -161,3 +161,41 @@ def projection_shapes(spec) -> dict[str, tuple[int, int]]:
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def make_qwen2_5_vl(path: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL as a hub repository holds one: weights, the character tokenizer with Qwen's
+    vision tokens, and the image processor's ``preprocessor_config.json`` (written by transformers' PIL image
+    processor; no processor object, which needs torchvision). Text head_dim 32 (vLLM's CPU attention), mrope
+    sections 4 + 6 + 6; a two-block vision tower (head_dim 32) merging 2 x 2 patches of 14 pixels."""
+    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+
+    from controller.models.char_tokenizer import save_char_tokenizer
+
+    path = Path(path)
+    save_char_tokenizer(path, 256)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.save_pretrained(path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    specials = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, tie_word_embeddings=False,
+                         **specials),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], vocab_size=320,
+        tie_word_embeddings=False, **specials)
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    return path

@@ -13,12 +13,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
+import sys
+import types
 from typing import Any, Callable, Iterator
 
 from hybridengine.compat import LibraryShim, Patch
 
-__all__ = ["VLLM", "after_each_forward", "layerwise_reload", "permuted_groups", "shm_group_names", "shutdown_engine"]
+__all__ = ["VLLM", "after_each_forward", "image_only_processor", "layerwise_reload", "permuted_groups",
+           "shm_group_names", "shutdown_engine", "vllm_plugin"]
 
 VLLM = LibraryShim(
     "vLLM",
@@ -47,6 +51,14 @@ VLLM = LibraryShim(
                   "backend's padding and grouped-GEMM prepack never reach reloaded experts: raw weights land in "
                   "the packed tensors (wrong tokens, or a crash in cpu_fused_moe). It is rerun after a reload.",
               remove_when="vLLM's _setup_kernel reprocesses the experts on a weight update."),
+        Patch("image_only_processor",
+              why="vLLM's Qwen2.5-VL builds transformers' Qwen2_5_VLProcessor, whose video half needs torchvision, "
+                  "and imports image_processing_qwen2_vl, which imports it at the top; PyPI's torchvision is "
+                  "CUDA-linked and fails beside the CPU torch. Without torchvision that module is its PIL twin "
+                  "(image_processing_pil_qwen2_vl) and the processor is built without its video half, in every "
+                  "vLLM process (the vllm.general_plugins entry point, vllm_plugin).",
+              remove_when="transformers builds the Qwen-VL processors without torchvision, or a CPU torchvision "
+                          "installs beside the CPU torch."),
         Patch("engine_shutdown",
               why="LLM has no close(); its engine core (llm.llm_engine.engine_core) is shut down directly.",
               remove_when="vLLM's LLM has a public shutdown."),
@@ -207,3 +219,67 @@ def after_each_forward(runner: Any, then: Callable[[Any], None]) -> None:
         return out
 
     runner.execute_model = execute_model
+
+
+def vllm_plugin() -> None:
+    """vLLM's general plugin (the ``vllm.general_plugins`` entry point): run in every vLLM process, the model
+    registry's inspection subprocess included, before any model module is imported."""
+    image_only_processor()
+
+
+@functools.cache
+@VLLM.applies("image_only_processor")
+def image_only_processor() -> None:
+    """Without torchvision: transformers' Qwen2-VL image processing from its PIL twin, and ``Qwen2_5_VLProcessor``
+    (as vLLM builds it, ``from_pretrained``) made without its video half; once a process. With torchvision,
+    nothing."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    patch = "image_only_processor"
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    pil = VLLM.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", patch=patch)
+    twin = types.ModuleType(name, "transformers' Qwen2-VL image processing, its PIL backend (no torchvision)")
+    twin.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    twin.Qwen2VLImageProcessor = VLLM.require(pil, "Qwen2VLImageProcessorPil", patch=patch)
+    sys.modules[name] = twin
+    processing = VLLM.import_module("transformers.models.qwen2_5_vl.processing_qwen2_5_vl", patch=patch)
+    whole = VLLM.require(processing, "Qwen2_5_VLProcessor", patch=patch)
+    whole.from_pretrained = classmethod(_image_only_from_pretrained)
+
+
+def _image_only_from_pretrained(cls, path, *args, **kwargs):
+    """A Qwen2.5-VL processor from a checkpoint's tokenizer, image-processor config and chat template."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    loading = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token", "cache_dir") if k in kwargs}
+    tokenizer = AutoTokenizer.from_pretrained(path, **loading)
+    image_sizes = {k: kwargs[k] for k in ("min_pixels", "max_pixels", "size") if k in kwargs}
+    images = Qwen2VLImageProcessorPil.from_pretrained(path, **loading, **image_sizes)
+    return _image_only_class()(images, tokenizer, chat_template=getattr(tokenizer, "chat_template", None))
+
+
+@functools.cache
+def _image_only_class() -> type:
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin, VideosKwargs
+
+    class NoVideos:
+        """The video half's place: vLLM reads the kwargs it would take; anything else is refused."""
+
+        valid_kwargs = VideosKwargs
+
+        def __getattr__(self, name):
+            raise ValueError("videos are not supported: this Qwen2.5-VL processor is built without torchvision, "
+                             "for images and text only")
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        """Qwen2.5-VL's processor without its video half: images and text only."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.video_processor = NoVideos()
+
+    return ImageOnlyQwen2_5_VLProcessor
