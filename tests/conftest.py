@@ -24,7 +24,8 @@ LONGEST_MODULES = [
     "test_examples.py", "test_sandbox.py", "megatron/test_sft_parity.py", "rollout/test_agent_rollout.py",
     "rollout/test_family_generation.py", "test_torchrun_groups.py", "serving/test_rollout_server.py",
     "megatron/test_critic_parity.py", "test_multinode.py", "test_researcher_api.py", "test_ray_groups.py",
-    "megatron/test_actor_parity.py", "test_placed_dataflow.py", "megatron/test_moe_parity.py",
+    "megatron/test_actor_parity.py", "test_placed_dataflow.py", "rollout/test_vision_generation.py",
+    "megatron/test_moe_parity.py",
     "test_smollm2_pipeline.py", "megatron/test_hybrid_engine.py", "megatron/test_two_grids.py",
 ]
 
