@@ -23,7 +23,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=MODEL, dtype="float32", max_model_len=256, enforce_eager=True, limit_mm_per_prompt={"image": 1},
-              seed=0)
+              kv_cache_memory_bytes=16 << 20, seed=0)  # a fixed cache, not a share of the machine's memory
     outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in IMAGES],
                         SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True))
     processor = Qwen2_5_VLProcessor.from_pretrained(MODEL)  # the plugin's image-only processor
