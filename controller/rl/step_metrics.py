@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controller.metrics.timeline import busy_seconds
+from controller.metrics.timeline import IDLE_PREFIX, PHASE_PREFIX, busy_seconds
 from workers.data_proto import DataProto
 from workers.policy_losses import masked_mean, zero_padding
 
@@ -161,11 +161,11 @@ def timeline_metrics(phases: list[tuple[str, str, float, float]], step_s: float,
     of the job's ``pools`` ran no phase."""
     metrics: dict[str, float] = {}
     for pool, phase, start, end in phases:
-        key = f"timing_s/phase/{pool}/{phase}"
+        key = f"{PHASE_PREFIX}{pool}/{phase}"
         metrics[f"{key}/start"] = min(start, metrics.get(f"{key}/start", start))
         metrics[f"{key}/end"] = max(end, metrics.get(f"{key}/end", end))
     for pool in sorted(pools):
-        metrics[f"timing_s/idle/{pool}"] = max(0.0, step_s - busy_seconds(
+        metrics[f"{IDLE_PREFIX}{pool}"] = max(0.0, step_s - busy_seconds(
             [(start, end) for where, _, start, end in phases if where == pool]))
     return metrics
 

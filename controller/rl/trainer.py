@@ -192,11 +192,11 @@ class RLTrainer:
         scored = without_routes(batch)
         phases = []
         if not self.old_log_probs_from_update:  # on-policy, the update's own forward gives them, detached
-            phases.append(self.phase("old_log_prob", lambda: g["actor"].compute_log_prob(batch)))
+            phases.append(self.phase("old_log_prob", lambda: g["actor"].compute_log_prob(batch), state))
         if reference is not None:  # the reference policy, or a LoRA actor's base (its adapters off)
-            phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored)))
+            phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored), state))
         if "critic" in g:
-            phases.append(self.phase("values", lambda: g["critic"].compute_values(scored)))
+            phases.append(self.phase("values", lambda: g["critic"].compute_values(scored), state))
         out = self.phase_flow().run(phases, state, ready=("responses", "scores"))
         if "old_log_prob" in out:  # joined in this order whichever phase ended first
             old = out["old_log_prob"]
@@ -221,9 +221,11 @@ class RLTrainer:
             return
         if self.kl_loss_fn is not None:  # the user's term, called with this step
             terms = replace(terms, user_kl=UserKLTerm(self.kl_loss_fn, self.global_step))
-        phases = [self.phase("update_actor", lambda: g["actor"].update_actor(batch, terms, self.old_log_probs_from_update))]
+        from_update = self.old_log_probs_from_update
+        phases = [self.phase("update_actor", lambda: g["actor"].update_actor(batch, terms, from_update), state)]
         if "critic" in g:
-            phases.insert(0, self.phase("update_critic", lambda: g["critic"].update_critic(without_routes(batch))))
+            critic = self.phase("update_critic", lambda: g["critic"].update_critic(without_routes(batch)), state)
+            phases.insert(0, critic)
         with state.timed("update"):  # both updates' wall time
             out = self.phase_flow().run(phases, state, ready=("advantages", "returns"))
         if "update_critic" in out:
@@ -241,10 +243,11 @@ class RLTrainer:
         if in_row is not None:
             state.metrics["training/bad_steps_in_row"] = in_row
 
-    def phase(self, name: str, run) -> Phase:
-        """Phase ``name`` of the step, as ``STEP_PHASES`` declares it, on its role's pool (``phase_pools``)."""
+    def phase(self, name: str, run, state: StepState) -> Phase:
+        """Phase ``name`` of the step, as ``STEP_PHASES`` declares it, on its role's pool (``state.pools``, the
+        step's ``phase_pools``)."""
         declared = STEP_PHASES[name]
-        return Phase(name, self.phase_pools()[name], run, reads=declared.reads, writes=declared.writes)
+        return Phase(name, state.pools[name], run, reads=declared.reads, writes=declared.writes)
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:
         """The step's metrics; then validation, logging and the checkpoint where they are due."""
