@@ -43,10 +43,6 @@ def test_vllm_generates_from_images_through_the_image_only_processor(generated):
         assert (vllm - torch.tensor(result["hf_log_probs"])).abs().max() < 5e-3
 
 
-@pytest.mark.xfail(strict=True, reason="open (#59): vLLM's Qwen2.5-VL vision tower is not HF's on this tiny model in "
-                                       "fp32: its patch embedding, norms, MLP and merger agree to 2e-6 on the same inputs, "
-                                       "its whole output does not (0.15 on a one-colour image), so the log-probs differ "
-                                       "by 1.2e-3 (the text path agrees to 5e-7)")
 def test_vllm_log_probs_on_image_prompts_are_hfs_within_1e_4(generated):
     for result in generated:
         torch.testing.assert_close(torch.tensor(result["vllm_log_probs"]), torch.tensor(result["hf_log_probs"]),

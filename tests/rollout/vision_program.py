@@ -33,9 +33,11 @@ def main() -> None:
         sample = out.outputs[0]
         inputs = processor(text=[PROMPT], images=[image], return_tensors="pt")
         ids = torch.tensor([list(out.prompt_token_ids) + list(sample.token_ids)])
+        # which tokens are the image's: without them HF gives the image 1-D positions, not its 3-D (mrope) ones
+        kinds = (ids == model.config.image_token_id).int()
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs["pixel_values"],
-                           image_grid_thw=inputs["image_grid_thw"]).logits[0].float()
+                           image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=kinds).logits[0].float()
         start = len(out.prompt_token_ids)
         hf = torch.log_softmax(logits[start - 1:-1], -1).gather(-1, ids[0, start:, None])[:, 0]
         other = processor(text=[PROMPT], images=[IMAGES[0].resize(image.size, Image.NEAREST).rotate(90)
@@ -43,7 +45,7 @@ def main() -> None:
                           return_tensors="pt")  # another image of the same size: the pixels must matter
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=other["pixel_values"],
-                           image_grid_thw=other["image_grid_thw"]).logits[0].float()
+                           image_grid_thw=other["image_grid_thw"], mm_token_type_ids=kinds).logits[0].float()
         elsewhere = torch.log_softmax(logits[start - 1:-1], -1).gather(-1, ids[0, start:, None])[:, 0]
         results.append({"processor_ids": inputs["input_ids"][0].tolist(), "vllm_prompt_ids": list(out.prompt_token_ids),
                         "grid": inputs["image_grid_thw"][0].tolist(), "tokens": list(sample.token_ids),
