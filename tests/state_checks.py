@@ -7,9 +7,11 @@ from hybridengine.parallel.layout import ParallelLayout
 
 def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, precision: str, trains: bool,
                            distributed_optimizer: bool = False, vocab_multiple: int = 128, ep: int = 1,
-                           etp: int | None = None, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> None:
+                           etp: int | None = None, lora_rank: int = 0, lora_targets: tuple[str, ...] = (),
+                           train_vision: bool = False) -> None:
     """Every rank's weights, gradients and optimizer bytes equal the planner's prediction, to the byte (with
-    ``lora_rank``: a role training LoRA adapters on ``lora_targets``)."""
+    ``lora_rank``: a role training LoRA adapters on ``lora_targets``; ``train_vision``: a vision-language model's
+    tower trained too)."""
     spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
     layout = ParallelLayout.for_world(len(measured), tp, pp, ep, etp)
     for rank, got in enumerate(measured):
@@ -19,7 +21,7 @@ def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, pr
                               lora_rank, lora_targets)
         else:
             want = stage_state(spec, tp, pp, at.pp_rank, layout.dp, at.dp_rank, precision, trains,
-                               distributed_optimizer, ep, etp, layout.expert_coordinate(rank).edp_rank)
+                               distributed_optimizer, ep, etp, layout.expert_coordinate(rank).edp_rank, train_vision)
         expected = {"weights": want.weights, "gradients": want.gradients, "optimizer": want.optimizer}
         assert got == expected, (f"rank {rank} ({layout}, {precision}, distributed optimizer {distributed_optimizer}): "
                                  f"measured {got}, predicted {expected}")
@@ -27,12 +29,14 @@ def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, pr
 
 
 def assert_activations_predicted(model_dir, measured: list[dict], tp: int, precision: str, tolerance: float = 0.05,
-                                 vocab_multiple: int = 128) -> None:
+                                 vocab_multiple: int = 128, train_vision: bool = False) -> None:
     """What autograd keeps for one micro-batch's forward (PP 1, each rank) within ``tolerance`` of the planner's
-    activation model (CPU attention: the [heads, s, s] probabilities are kept)."""
+    activation model (CPU attention: the [heads, s, s] probabilities are kept; ``train_vision``: a
+    vision-language model's images through its trained tower)."""
     spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
     for rank, got in enumerate(measured):
-        shape = ActivationShape(got["rows"], got["seq_len"], precision, flash_attention=False)
+        shape = ActivationShape(got["rows"], got["seq_len"], precision, flash_attention=False,
+                                vision_patches=got.get("image_patches", 0) if train_vision else 0)
         predicted = stage_activation_bytes(spec, tp, 1, 0, shape)
         ratio = predicted / got["bytes"]
         print(f"activations rank {rank}: measured {got['bytes']} predicted {predicted} ratio {ratio:.3f}")

@@ -61,6 +61,56 @@ def make_rl_batch(batch_size: int = 8, prompt_length: int = 6, response_length: 
     })
 
 
+def make_vl_rl_batch(model_dir: Path, response_length: int = 5, seed: int = 0):
+    """A vision-language rollout batch of 8 rows for ``make_qwen2_5_vl``'s model: left-padded prompts holding
+    an image (two sizes: 4 and 12 image tokens; two rows text only), right-padded responses, and each row's
+    processor outputs (``multi_modal_inputs``) from transformers' PIL image processor."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from workers import DataProto
+
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    start, end, pad = config["vision_start_token_id"], config["vision_end_token_id"], config["image_token_id"]
+    rng = np.random.RandomState(seed)
+    g = torch.Generator().manual_seed(seed)
+    sizes = [(56, 56), (84, 112), None, (112, 84)] * 2
+    prompts, inputs = [], []
+    for size in sizes:
+        text = torch.randint(3, 256, (3,), generator=g).tolist()
+        if size is None:
+            prompts.append(text + torch.randint(3, 256, (2,), generator=g).tolist())
+            inputs.append(None)
+            continue
+        image = Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+        out = processor(images=[image], return_tensors="pt")
+        count = int(out["image_grid_thw"].prod()) // 4
+        prompts.append(text[:2] + [start] + [pad] * count + [end] + text[2:])
+        inputs.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+    width = max(map(len, prompts))
+    rows = len(prompts)
+    prompt_ids = torch.zeros(rows, width, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, width - len(p):] = torch.tensor(p)
+        prompt_mask[i, width - len(p):] = 1
+    responses = torch.randint(3, 256, (rows, response_length), generator=g)
+    response_mask = torch.ones(rows, response_length, dtype=torch.long)
+    for i in range(rows):
+        response_mask[i, response_length - (i % 3):] = 0
+    responses = responses * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return DataProto.from_dict({
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": responses,
+        "response_mask": response_mask,
+    }, non_tensors={"multi_modal_inputs": inputs})
+
+
 def _perturb_norms_and_save(model, path: Path) -> Path:
     with torch.no_grad():  # norms away from 1 and non-zero biases, so a mapping slip shows
         for name, p in model.named_parameters():
@@ -195,7 +245,7 @@ def make_qwen2_5_vl(path: Path, layers: int = 2, seed: int = 0) -> Path:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], vocab_size=320,
         tie_word_embeddings=False, **specials)
     torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    _perturb_norms_and_save(Qwen2_5_VLForConditionalGeneration(config), path)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
     return path

@@ -34,6 +34,7 @@ from functools import lru_cache
 
 from hybridengine.model.catalogue import EMBEDDING, OUTPUT_LAYER, ExpertShard, projections, stage_params
 from hybridengine.model.spec import ModelSpec
+from hybridengine.model.vision_catalogue import vision_shapes
 from hybridengine.parallel.layout import ParallelLayout
 
 __all__ = ["ActivationShape", "StateMemory", "activation_bytes", "dtype_bytes", "expert_weight_bytes", "kv_bytes_per_token",
@@ -102,10 +103,18 @@ def _stage_buffers(spec: ModelSpec, tp: int, pp: int, pp_rank: int, ep: int = 1,
     return dense, tuple((p.numel, False) for p in params if p.expert is not None)
 
 
+def _vision_numels(spec: ModelSpec, pp_rank: int) -> Numels:
+    """A vision-language model's tower and merger on the first stage (replicated over TP), in the module's order:
+    registered after the language model's parameters."""
+    if spec.vision is None or pp_rank != 0:
+        return ()
+    return tuple((math.prod(shape), False) for shape in vision_shapes(spec).values())
+
+
 def _stage_numels(spec: ModelSpec, tp: int, pp: int, pp_rank: int, ep: int = 1, etp: int | None = None) -> Numels:
     """(numel, is the shared embedding) of each parameter of the stage, in megatron's order."""
     dense, experts = _stage_buffers(spec, tp, pp, pp_rank, ep, etp)
-    return dense + experts
+    return dense + experts + _vision_numels(spec, pp_rank)
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -173,15 +182,27 @@ _MOMENTS = 8  # exp_avg and exp_avg_sq, fp32
 
 def stage_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank: int, precision: str, trains: bool,
                 distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None,
-                edp_rank: int = 0) -> StateMemory:
+                edp_rank: int = 0, train_vision: bool = False) -> StateMemory:
     """The model state of the rank at pipeline stage ``pp_rank`` and DP rank ``dp_rank`` (any TP rank: they hold
     alike). A mixture of experts' routed experts are those of one rank at EP ``ep`` x ETP ``etp`` (None: TP), in
-    a buffer of their own that the distributed optimizer shards over the expert-DP ranks (``edp_rank``)."""
+    a buffer of their own that the distributed optimizer shards over the expert-DP ranks (``edp_rank``). A
+    vision-language model's tower trains with the rest when ``train_vision``; frozen, it holds weights only."""
     size = dtype_bytes(precision)
     dense, experts = _stage_buffers(spec, tp, pp, pp_rank, ep, etp)
-    count = sum(n for n, _ in dense + experts)
+    vision = _vision_numels(spec, pp_rank)
     if not trains:
-        return StateMemory(count * size)
+        return StateMemory(sum(n for n, _ in dense + experts + vision) * size)
+    frozen = 0 if train_vision else sum(n for n, _ in vision) * size
+    if train_vision:
+        dense = dense + vision
+    count = sum(n for n, _ in dense + experts)
+    state = _trained_state(dense, experts, count, size, tp, dp, dp_rank, distributed_optimizer, ep, etp, edp_rank)
+    return StateMemory(state.weights + frozen, state.gradients, state.optimizer)
+
+
+def _trained_state(dense: Numels, experts: Numels, count: int, size: int, tp: int, dp: int, dp_rank: int,
+                   distributed_optimizer: bool, ep: int, etp: int | None, edp_rank: int) -> StateMemory:
+    """What megatron's DDP buffers and optimizer hold for the trained parameters ``dense`` and ``experts``."""
     master = 4 if size == 2 else 0  # bf16: an fp32 master copy; fp32: the parameter itself
     if not distributed_optimizer:
         params = len(dense) + len(experts)
@@ -293,6 +314,27 @@ class ActivationShape:
     flash_attention: bool = False  # True: no [heads, s, s] scores are kept (GPU attention kernels)
     recompute: str | None = None  # None, "full" or "selective" (megatron's recompute_granularity)
     recompute_num_layers: int = 1
+    # a vision-language model: the image patches per micro-batch through a trained vision tower (a frozen
+    # tower keeps nothing for backward)
+    vision_patches: int = 0
+
+
+def vision_activation_bytes(spec: ModelSpec, patches: int, precision: str) -> int:
+    """What a trained vision tower and merger (transformers' Qwen2.5-VL modules) keep for backward over ``patches``
+    image patches, as measured with autograd's saved-tensor hooks: linear in the patches (window attention and
+    the full-attention blocks keep no [s, s] scores on the CPU and GPU kernels alike).
+
+    Per patch: the patch embedding's input and the merger's tensors (F b + 6 d b, and the RMSNorms' fp32 copies in
+    bf16: 4 d), and per block 4 f b for the SwiGLU MLP, 13 d b for attention and the norms (and 4 d of fp32 in
+    bf16), and each head's log-sum-exp."""
+    if spec.vision is None or patches <= 0:
+        return 0
+    v, b = spec.vision, dtype_bytes(precision)
+    fp32_norms = 4 if b < 4 else 0
+    d, f = v.hidden_size, v.intermediate_size
+    base = v.patch_features * b + d * (6 * b + fp32_norms) + 8
+    block = 4 * f * b + d * (13 * b + fp32_norms) + 4 * (v.num_heads + 2)
+    return patches * (base + v.depth * block)
 
 
 def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> int:
@@ -354,7 +396,7 @@ def stage_activation_bytes(spec: ModelSpec, tp: int, pp: int, pp_rank: int, shap
     hidden = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
     total = len(spec.layers_of_stage(pp_rank, pp)) * layer_activation_bytes(spec, tp, shape)
     if pp_rank == 0:
-        total += hidden
+        total += hidden + vision_activation_bytes(spec, shape.vision_patches, shape.precision)
     if pp_rank == pp - 1:  # the final norm
         b = dtype_bytes(shape.precision)
         total += 2 * hidden if shape.flash_attention else hidden * (8 + b) // b

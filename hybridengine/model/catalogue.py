@@ -29,6 +29,7 @@ from typing import Callable
 
 from hybridengine.model.geometry import ShardGeometry
 from hybridengine.model.spec import ModelSpec
+from hybridengine.model.vision_catalogue import HF_VISION_PREFIX, VISION_PREFIX, is_vision_param, vision_shape
 
 __all__ = [
     "ShardKind", "ShardGeometry", "CatalogueEntry", "REPLICATED", "COLUMNS", "FC1", "StageParam", "LAYER_ENTRIES", "TRANSFORMER_ENGINE_ALIASES",
@@ -340,4 +341,7 @@ def lookup(name: str, spec: ModelSpec, pp_rank: int, pp: int, tp: int = 1,
             return _param(entry, spec, experts.size(tp), name, layers[local], held[int(routed.group(1))])
     elif name in (EMBEDDING, FINAL_NORM, OUTPUT_LAYER):
         return _param(_stage_entry(name, spec), spec, tp, name, None)
+    elif is_vision_param(name) and pp_rank == 0:
+        hf = HF_VISION_PREFIX + name.removeprefix(VISION_PREFIX)
+        return StageParam(name, vision_shape(name, spec), REPLICATED.kind, None, (hf,), None, REPLICATED)
     raise KeyError(f"no Hugging Face source known for megatron parameter {name!r}")

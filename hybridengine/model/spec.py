@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hybridengine.model.vision import VISION_LANGUAGE_ARCHITECTURES, VisionSpec, read_vision
 from hybridengine.parallel.layout import divisors
 
 __all__ = ["ModelSpec", "MoESpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfigError", "Llama3RopeScaling",
@@ -33,6 +34,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForSequenceClassification": ("qwen3", True),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False),
     "Qwen2MoeForCausalLM": ("qwen2_moe", False),
+    # vision-language: a Qwen2 language model with mrope, and a vision tower (hybridengine.model.vision)
+    **{architecture: (family, False) for architecture, family in VISION_LANGUAGE_ARCHITECTURES.items()},
 }
 # Families whose attention normalizes each query and key head (RMSNorm over head_dim) before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
@@ -106,6 +109,14 @@ class ModelSpec:
     # Embedding / output-layer rows; None: the vocabulary is not padded (see with_padded_vocab).
     padded_vocab_size: int | None = None
     moe: MoESpec | None = None  # a mixture of experts: every layer's MLP is routed experts
+    # Multimodal RoPE: head_dim / 2 frequencies split into (temporal, height, width) sections, each turned by
+    # its own position stream; None: 1-D RoPE
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionSpec | None = None  # a vision-language model's image side
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision is not None
 
     @property
     def is_moe(self) -> bool:
@@ -156,6 +167,9 @@ class ModelSpec:
             )
         architecture = known[0]
         family, value_head = SUPPORTED_ARCHITECTURES[architecture]
+        vision = read_vision(config, source) if architecture in VISION_LANGUAGE_ARCHITECTURES else None
+        if vision is not None:  # the language model's sizes are its text_config's
+            config = {**config, **(config.get("text_config") or {}), "architectures": architectures}
         activation = config.get("hidden_act", "silu")
         if activation != "silu":
             raise ModelConfigError(f"{source}: hidden_act {activation!r} is not supported; only 'silu' (SwiGLU)")
@@ -181,6 +195,8 @@ class ModelSpec:
             qk_layernorm=family in QK_NORM_FAMILIES,
             rope_scaling=rope_scaling,
             moe=_read_moe(config, source) if family in MOE_FAMILIES else None,
+            mrope_section=_read_mrope(config, head_dim, source) if vision is not None else None,
+            vision=vision,
             # HF writes id2label (one entry per label), not num_labels, into config.json.
             num_labels=(len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 1)))
             if value_head else 0,
@@ -231,6 +247,11 @@ class ModelSpec:
                     f"tensor_parallel {tp} does not divide the {what} {size}{hint}; "
                     f"TP sizes that divide every split dimension of this model: {valid}"
                 )
+        if self.vision is not None and pp != 1:
+            raise ModelConfigError(
+                f"pipeline_parallel {pp}: a vision-language model ({self.architecture}) trains at pipeline_parallel 1 "
+                "for now (the vision tower runs on the first stage, which is the only one); split it with "
+                "tensor_parallel instead")
         if self.num_layers % pp != 0:
             raise ModelConfigError(
                 f"pipeline_parallel {pp} does not divide the {self.num_layers} layers; "
@@ -288,6 +309,16 @@ def _read_moe(config: dict, source: str) -> MoESpec:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         shared_expert_ffn_hidden_size=int(config.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _read_mrope(config: dict, head_dim: int, source: str) -> tuple[int, ...]:
+    """A vision-language model's mrope sections: they split the head_dim / 2 rotary frequencies."""
+    rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ModelConfigError(f"{source}: mrope_section {list(section)} must be three sizes that sum to head_dim / 2 "
+                               f"= {head_dim // 2}")
+    return section
 
 
 def _read_rope(config: dict, source: str) -> tuple[float, Llama3RopeScaling | None]:

@@ -14,7 +14,7 @@ import torch
 
 from conftest import TESTS, run_torchrun
 from state_checks import assert_activations_predicted, assert_state_predicted
-from tiny_models import make_llama, make_rl_batch
+from tiny_models import make_llama, make_qwen2_5_vl, make_rl_batch, make_vl_rl_batch
 from workers import DataProto
 
 TEMPERATURE = 0.7
@@ -31,14 +31,27 @@ def model_dir(tmp_path_factory):
 
 
 def hf_model(path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    vision = "vision_config" in json.loads((path / "config.json").read_text())
+    kind = Qwen2_5_VLForConditionalGeneration if vision else AutoModelForCausalLM
+    return kind.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def image_kwargs(model, batch: DataProto) -> dict:
+    """A vision-language batch's images as transformers' model takes them (HF numbers the positions itself)."""
+    rows = [r for r in batch.non_tensor_batch.get("multi_modal_inputs", []) if r is not None]
+    if not rows:
+        return {"position_ids": batch.batch["position_ids"]}
+    ids = batch.batch["input_ids"]
+    return {"pixel_values": torch.cat([r["pixel_values"] for r in rows]),
+            "image_grid_thw": torch.cat([r["image_grid_thw"] for r in rows]),
+            "mm_token_type_ids": (ids == model.config.image_token_id).int()}
 
 
 def reference_log_probs(model, batch: DataProto):
     b = batch.batch
-    logits = model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    logits = model(b["input_ids"], attention_mask=b["attention_mask"], **image_kwargs(model, batch)).logits
     length = b["responses"].shape[1]
     log_p = torch.log_softmax(logits[:, -length - 1 : -1].float() / TEMPERATURE, dim=-1)
     token_log_p = log_p.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
@@ -65,7 +78,7 @@ def hand_written_ppo_loss(log_p, entropy, old, ref, adv, mask, mode):
 
 
 def make_inputs(model_dir):
-    batch = make_rl_batch()
+    batch = make_vl_rl_batch(model_dir) if (model_dir / "preprocessor_config.json").is_file() else make_rl_batch()
     with torch.no_grad():
         log_p, _ = reference_log_probs(hf_model(model_dir), batch)
     g = torch.Generator().manual_seed(3)
@@ -78,16 +91,18 @@ def make_inputs(model_dir):
     return batch, train
 
 
-def reference_step(model_dir, batch, train, mode):
+def reference_step(model_dir, batch, train, mode, train_vision=False):
     model = hf_model(model_dir)
+    if hasattr(model.model, "visual"):
+        model.model.visual.requires_grad_(train_vision)
     log_p, entropy = reference_log_probs(model, batch)
     t, mask = train.batch, batch.batch["response_mask"]
     loss, pg = hand_written_ppo_loss(log_p, entropy, t["old_log_probs"], t["ref_log_prob"], t["advantages"], mask, mode)
     loss.backward()
-    grads = [p.grad for p in model.parameters()]
-    grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=ADAM_EPS).step()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    torch.optim.Adam(trained, lr=LR, betas=(0.9, 0.999), eps=ADAM_EPS).step()
     masked = mask.bool()
     return {
         "log_probs": log_p.detach(), "entropy": entropy.detach(), "pg_loss": pg.item(), "grad_norm": grad_norm,
@@ -109,6 +124,11 @@ RUNS = {
     "dist-opt-TP2xDP2": ("llama", 2, 1, 4, "token-mean", ("--dist-opt", "--logits-output")),
     "qwen2-tied-PP2": ("qwen2", 1, 2, 2, "token-mean", ()),
     "bf16-TP2xDP2": ("llama", 2, 1, 4, "token-mean", ("--precision", "bf16", "--dist-opt")),
+    # Qwen2.5-VL: images through the vision tower (frozen, or trained with the language model), mrope positions.
+    "VL-TP1": ("vl", 1, 1, 1, "token-mean", ()),
+    "VL-TP2": ("vl", 2, 1, 2, "token-mean", ()),
+    "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision",)),
+    "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision",)),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -117,7 +137,8 @@ LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 def models(model_dir, tmp_path_factory):
     # Qwen2-style: QKV bias, and an embedding shared with the output layer across two stages.
     return {"llama": model_dir, "qwen2": make_llama(tmp_path_factory.mktemp("tiny_qwen2"), tie=True, qkv_bias=True,
-                                                      seed=2)}
+                                                      seed=2),
+            "vl": make_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +158,8 @@ def launched(models, tmp_path_factory):
                 torch.save({"batch": batch, "train": train}, out / "inputs.pt")
                 cases.append({"model": str(models[name]), "out": str(out), "tp": tp, "pp": pp, "agg": mode,
                               "dist_opt": "--dist-opt" in extra, "logits_output": "--logits-output" in extra,
-                              "precision": "bf16" if "bf16" in extra else "fp32"})
+                              "precision": "bf16" if "bf16" in extra else "fp32",
+                              "freeze_vision_tower": "--train-vision" not in extra})
                 done[r] = out
             listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
             listing.write_text(json.dumps(cases))
@@ -196,16 +218,38 @@ def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     inputs = torch.load(tmp_path / "inputs.pt", weights_only=False)
     batch, train = inputs["batch"], inputs["train"]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
-    ref = reference_step(model_dir, batch, train, mode)
+    ref = reference_step(model_dir, batch, train, mode, train_vision="--train-vision" in extra)
     dp = nproc // (tp * pp)
     assert result["layout"] == f"TP{tp}xPP{pp}xDP{dp}"
     # The planner's memory model, to the byte, against the engines' tensors (after the step: Adam's state exists).
     precision = "bf16" if "bf16" in extra else "fp32"
-    assert_state_predicted(model_dir, result["state_bytes"], tp, pp, precision, True, "--dist-opt" in extra)
+    assert_state_predicted(model_dir, result["state_bytes"], tp, pp, precision, True, "--dist-opt" in extra,
+                           train_vision="--train-vision" in extra)
     assert_state_predicted(model_dir, result["ref_state_bytes"], tp, pp, precision, False)
     if pp == 1:  # and its activation model against what autograd keeps for a micro-batch
-        assert_activations_predicted(model_dir, result["activations"], tp, precision)
+        assert_activations_predicted(model_dir, result["activations"], tp, precision,
+                                     train_vision="--train-vision" in extra)
     return result, batch, ref
+
+
+@pytest.mark.parametrize("run", ["VL-TP1", "VL-TP2", "VL-trained-tower-TP1", "VL-trained-tower-TP2"])
+def test_vision_language_actor_matches_hf_on_image_prompts(models, launched, run):
+    """Qwen2.5-VL: log-probs, entropy, loss, gradient norm and the weights after a step equal transformers' on
+    prompts with images of two sizes (and a text-only row), the tower frozen (the default) or trained."""
+    run_and_compare(models, launched, run)
+    model_dir = models["vl"]
+    batch = torch.load(launched(run) / "inputs.pt", weights_only=False)["batch"]
+    model = hf_model(model_dir)
+    with torch.no_grad():  # the images matter: other pixels give other log-probs
+        own, _ = reference_log_probs(model, batch)
+        for row in batch.non_tensor_batch["multi_modal_inputs"]:
+            if row is not None:
+                row["pixel_values"] = row["pixel_values"].flip(0)
+        other, _ = reference_log_probs(model, batch)
+    assert (own - other).abs().max() > 1e-3
+    after, before = hf_model(launched(run) / "after_step").state_dict(), model.state_dict()
+    tower = max((after[k] - before[k]).abs().max().item() for k in before if k.startswith("model.visual."))
+    assert (tower > 1e-4) if "trained" in run else tower == 0
 
 
 def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(models, launched):

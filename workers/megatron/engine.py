@@ -45,10 +45,18 @@ from workers.megatron.micro_batches import (
     token_budget_groups,
 )
 from workers.megatron.moe_padding import MoEPadding, padding_mask
+from workers.megatron.mrope import batch_mrope_positions
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
 from workers.megatron.routing_monitor import RoutingMonitor
 from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
+from workers.megatron.vision_tower import (
+    MULTI_MODAL_INPUTS,
+    VISION_MODULE,
+    image_embeddings,
+    row_grids,
+    scatter_image_embeddings,
+)
 
 __all__ = ["MegatronEngine", "MicroBatch", "StepFn"]  # MicroBatch: workers.megatron.micro_batches
 
@@ -93,6 +101,8 @@ class MegatronEngine:
             load_peft_adapter(module, self.spec, self.lora, layout.tp, g.tp_rank, g.pp_rank, layout.pp)
         if self.adapters and self.spec.is_value_model and hasattr(module, "output_layer"):
             module.output_layer.requires_grad_(True)
+        if hasattr(module, VISION_MODULE) and config.freeze_vision_tower:  # before DDP: a frozen tower gets no
+            getattr(module, VISION_MODULE).requires_grad_(False)           # gradient buffer, no optimizer state
         # Routing figures are an update's (run_ppo_epochs reads them): a forward-only engine keeps none.
         self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe and optim is not None else None
         self.replay: RoutingReplay | None = None  # built at the first batch with routes to replay
@@ -175,7 +185,12 @@ class MegatronEngine:
                 # The experts' all-to-all spans data-parallel ranks: every rank runs as many micro-batches.
                 groups = split_to_count(groups, int(self.dp_max([len(groups)])[0]))
         width_multiple = self.layout.tp if self.sequence_parallel else 1
-        return [build_micro_batch(batch.batch, rows, self.device, width_multiple) for rows in groups]
+        micro = [build_micro_batch(batch.batch, rows, self.device, width_multiple) for rows in groups]
+        images = batch.non_tensor_batch.get(MULTI_MODAL_INPUTS)
+        if images is not None:  # a vision-language batch: each row's images go with it
+            for mb, rows in zip(micro, groups):
+                mb[MULTI_MODAL_INPUTS] = [images[row] for row in rows]
+        return micro
 
     def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> RunOutputs:
         """Every micro-batch of ``batch`` through the schedule; the last stage's statistics, one dict per micro-batch.
@@ -205,9 +220,8 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            ids = mb["input_ids"]
             with self._routes_of(mb), self._padding_of(mb):
-                output = model(ids, _position_ids(ids), None, **keep_dtype)
+                output = self._forward(model, mb, **keep_dtype)
             return output, partial(loss_func, mb)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -222,6 +236,26 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return RunOutputs(stats, micro, padding)
+
+    def _forward(self, model, mb: MicroBatch, **kwargs) -> torch.Tensor:
+        """``model`` (this stage, wrapped or not) on micro-batch ``mb``; a vision-language model's images go in
+        through its vision tower."""
+        ids = mb["input_ids"]
+        if self.spec.vision is None:
+            return model(ids, _position_ids(ids), None, **kwargs)
+        positions, embeddings = self._multimodal_inputs(mb)
+        return model(ids, positions, None, decoder_input=embeddings, **kwargs)
+
+    def _multimodal_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A vision-language micro-batch's 3-D positions [3, B, S] and its token embeddings [S, B, H] with the
+        vision tower's image embeddings in place at the image tokens."""
+        ids, module = mb["input_ids"], self.module()
+        inputs = mb.get(MULTI_MODAL_INPUTS) or [None] * len(ids)
+        lengths = mb["attention_mask"].long().sum(-1).tolist()
+        positions = batch_mrope_positions(ids, lengths, row_grids(inputs), self.spec.vision)
+        embeddings = module.embedding(input_ids=ids, position_ids=None)
+        features = image_embeddings(getattr(module, VISION_MODULE), inputs, ids.device)
+        return positions, scatter_image_embeddings(embeddings, ids, features, self.spec.vision.image_token_id)
 
     def _padding_of(self, mb: MicroBatch):
         """Within: ``mb``'s forward, a mixture of experts' routers leaving its padding out of their losses and
@@ -343,7 +377,8 @@ class MegatronEngine:
         activations a training micro-batch holds between its forward and backward (PP 1 only), counted from
         the tensors autograd saves (each storage once). What the planner's activation model predicts.
 
-        Returns ``bytes``, and the micro-batch's ``rows`` and ``seq_len`` (trimmed to its longest row).
+        Returns ``bytes``, and the micro-batch's ``rows``, ``seq_len`` (trimmed to its longest row) and
+        ``image_patches`` (a vision-language batch's patches through the tower).
         """
         if self.layout.pp != 1:
             raise ValueError(f"saved_activation_bytes measures PP 1 layouts; this engine is {self.layout}")
@@ -362,9 +397,10 @@ class MegatronEngine:
 
         ids = mb["input_ids"]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = self.model(ids, _position_ids(ids), None)
+            output = self._forward(self.model, mb)
         del output
-        return {"bytes": total, "rows": int(ids.shape[0]), "seq_len": int(ids.shape[1])}
+        patches = sum(int(row["image_grid_thw"].prod(-1).sum()) for row in mb.get(MULTI_MODAL_INPUTS, ()) if row)
+        return {"bytes": total, "rows": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "image_patches": patches}
 
     def vocab_start(self) -> int:
         """The first vocabulary id of this TP rank's rows (of the padded vocabulary)."""

@@ -164,12 +164,14 @@ def export_hf_shard(
 
 def write_hf_index(out_dir: Path, weight_maps: list[dict[str, str]], config_source: Path,
                    dtype: torch.dtype | None = None) -> None:
-    """The safetensors index, the tokenizer files and config.json (its dtype set to ``dtype`` when given)."""
+    """The safetensors index, the tokenizer and chat template, a vision-language model's image processor config,
+    and config.json (its dtype set to ``dtype`` when given)."""
     weight_map = {k: v for m in weight_maps for k, v in m.items()}
     total = sum(os.path.getsize(out_dir / f) for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for extra in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for extra in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json"):
         if (config_source / extra).is_file():
             shutil.copy(config_source / extra, out_dir / extra)
     if dtype is not None and (out_dir / "config.json").is_file():

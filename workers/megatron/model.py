@@ -6,6 +6,10 @@ or untied embeddings, a vocabulary padded to ``spec.vocab_rows``. The local laye
 unless transformer-engine is installed and a GPU is present. A value model
 (critic, reward model) swaps the vocab output layer for a scalar head.
 
+A vision-language model (Qwen2.5-VL) is its language model with multimodal
+RoPE (three position streams) and, on the first stage, transformers' vision
+tower and merger (``workers.megatron.vision_tower``).
+
 Mixtures of experts (Qwen3-MoE, Qwen2-MoE) get megatron's MoE layer in every
 decoder layer: a top-k softmax router, the experts as a sequential MLP
 (grouped GEMM with transformer-engine on a GPU), an optional gated shared
@@ -24,6 +28,7 @@ from hybridengine.device import accelerator_available, compute_device
 from hybridengine.model.spec import ModelSpec
 from workers.megatron.config import RouterOptions
 from workers.megatron.rope import install_rope
+from workers.megatron.vision_tower import VISION_MODULE, build_vision_tower
 
 __all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "moe_config", "uses_transformer_engine",
            "ValueHead"]
@@ -143,6 +148,8 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        # a vision-language model's language model: multimodal RoPE over (temporal, height, width) sections
+        **({"mrope_section": list(spec.mrope_section)} if spec.mrope_section else {}),
         **recompute,
         **moe_config(spec, tp, ep, etp, router),
     )
@@ -161,7 +168,7 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if spec.mrope_section else "rope",
         rotary_base=int(spec.rope_theta),
         parallel_output=True,
         **kwargs,
@@ -182,4 +189,6 @@ def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torc
     model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype).to(compute_device())
+    if spec.vision is not None and pp_rank == 0:  # a vision-language model: the image side on the first stage
+        setattr(model, VISION_MODULE, build_vision_tower(spec, dtype, compute_device()))
     return config, model
