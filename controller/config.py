@@ -108,6 +108,9 @@ class DataConfig:
     answer_key: str | None = None  # None: reward_model.ground_truth, else a plain ground_truth column
     data_source_key: str = "data_source"  # routes the reward when reward.fn is "auto"
     extra_info_key: str = "extra_info"  # a mapping handed to the reward function
+    # a vision-language row's images: datasets Image structs ({"bytes": ...} / {"path": ...}), PIL images or
+    # paths, one per <image> placeholder in its prompt
+    image_key: str = "images"
     apply_chat_template: bool | str = "auto"  # "auto": when the tokenizer has a chat template
     chat_wrap: bool = False  # a string prompt becomes one user message
     system_prompt: str | None = None  # prepended as a system message to every chat

@@ -12,7 +12,7 @@ from hybridengine.model.spec import ModelConfigError, ModelSpec
 from hybridengine.model.vision_catalogue import vision_shapes
 from tiny_models import make_qwen2_5_vl, make_vl_rl_batch
 from workers.megatron.mrope import batch_mrope_positions, mrope_positions
-from workers.megatron.vision_tower import row_grids, scatter_image_embeddings
+from workers.megatron.vision_tower import image_token_mask, row_grids, scatter_image_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +93,20 @@ def test_mrope_positions_are_transformers_get_rope_index(vl_dir, hf):
         assert torch.equal(together[:, row, :n], theirs[:, row][:, mask[row].bool()])
     with pytest.raises(ValueError, match="holds 4 image tokens, its 1 images stand for 12"):
         mrope_positions(ids[0][mask[0].bool()], [(1, 8, 6)], spec.vision)
+    # an image token sampled after the prompt is text: it counts on as one
+    row = torch.cat([ids[0][mask[0].bool()], torch.tensor([spec.vision.image_token_id, 7])])
+    positions = mrope_positions(row, [(1, 4, 4)], spec.vision)
+    assert positions[:, -2:].tolist() == [[positions[0, -3] + 1, positions[0, -3] + 2]] * 3
 
 
 def test_image_embeddings_replace_the_image_tokens_row_by_row():
-    ids = torch.tensor([[5, 9, 9, 6], [9, 7, 0, 0]])
-    embeddings = torch.zeros(4, 2, 3)  # megatron's [S, B, H]
+    ids = torch.tensor([[5, 9, 9, 6, 9], [9, 7, 0, 0, 0]])  # row 0 sampled an image token at its end: text
+    mask = image_token_mask(ids, [2, 1], image_token_id=9)
+    assert mask.tolist() == [[False, True, True, False, False], [True, False, False, False, False]]
+    embeddings = torch.zeros(5, 2, 3)  # megatron's [S, B, H]
     features = torch.arange(9.0).reshape(3, 3)
-    out = scatter_image_embeddings(embeddings, ids, features, image_token_id=9)
+    out = scatter_image_embeddings(embeddings, mask, features)
     assert torch.equal(out[1, 0], features[0]) and torch.equal(out[2, 0], features[1])
-    assert torch.equal(out[0, 1], features[2]) and out[0, 0].abs().sum() == 0
+    assert torch.equal(out[0, 1], features[2]) and out[0, 0].abs().sum() == 0 and out[4, 0].abs().sum() == 0
     with pytest.raises(ValueError, match="holds 3 image tokens and its images make 2 embeddings"):
-        scatter_image_embeddings(embeddings, ids, features[:2], image_token_id=9)
+        scatter_image_embeddings(embeddings, mask, features[:2])

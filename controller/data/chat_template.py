@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.data.dataset import Prompt, PromptDataset
+from controller.data.images import IMAGE_PLACEHOLDER, ImageProcessing
 
 __all__ = ["PromptFormat", "apply_chat_template_problem", "encode_prompts", "render_prompt", "uses_chat_template"]
 
@@ -82,11 +83,33 @@ def render_prompt(prompt: Prompt, tokenizer: Any, fmt: PromptFormat, chat: bool,
 
 
 def encode_prompts(dataset: PromptDataset, tokenizer: Any, fmt: PromptFormat = PromptFormat(),
-                   name: str = "data") -> PromptDataset:
-    """``dataset`` with ``input_ids`` and ``prompt_texts`` filled in (already encoded: returned as is)."""
+                   name: str = "data", images: ImageProcessing | None = None) -> PromptDataset:
+    """``dataset`` with ``input_ids`` and ``prompt_texts`` filled in (already encoded: returned as is). A dataset
+    with images needs the model's ``images`` processing: each ``<image>`` becomes the image's run of tokens."""
     if dataset.input_ids is not None:
         return dataset
+    prompts = dataset.prompts
+    if dataset.images is not None and any(dataset.images):
+        if images is None:
+            raise ValueError(f"the {name} data has images (its images column), but the model is text only; "
+                             "train a vision-language model (Qwen2.5-VL) or drop the column")
+        prompts = tuple(_with_placeholders(p, images, len(dataset.images[i]), f"{name} row {i}")
+                        for i, p in enumerate(prompts))
     chat = uses_chat_template(fmt, tokenizer)
-    encoded = [render_prompt(p, tokenizer, fmt, chat, where=f"{name} row {i}") for i, p in enumerate(dataset.prompts)]
-    chats = [_chat(p, fmt) if chat else None for p in dataset.prompts]  # what a multi-turn rollout re-renders
-    return dataset.with_encoding([ids for ids, _ in encoded], [text for _, text in encoded], chats)
+    encoded = [render_prompt(p, tokenizer, fmt, chat, where=f"{name} row {i}") for i, p in enumerate(prompts)]
+    chats = [_chat(p, fmt) if chat else None for p in prompts]  # what a multi-turn rollout re-renders
+    ids = [ids for ids, _ in encoded]
+    if dataset.images is not None and images is not None:
+        ids = [images.expand(row, dataset.images[i], f"{name} row {i}") for i, row in enumerate(ids)]
+    return dataset.with_encoding(ids, [text for _, text in encoded], chats)
+
+
+def _with_placeholders(prompt: Prompt, images: ImageProcessing, count: int, where: str) -> Prompt:
+    """``prompt`` with its ``<image>`` placeholders (``count`` of them, over its messages) as vision tokens."""
+    if isinstance(prompt, str):
+        return images.placeholders(prompt, count, where)
+    found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in prompt)
+    if found != count:
+        raise ValueError(f"{where}: the prompt's messages hold {found} {IMAGE_PLACEHOLDER} placeholder(s) for its "
+                         f"{count} image(s); put one where each image goes")
+    return [{**m, "content": images.placeholders(m["content"], m["content"].count(IMAGE_PLACEHOLDER), where)} for m in prompt]

@@ -8,7 +8,9 @@ A row is::
      "extra_info": {...any dict, handed to reward functions...}}
 
 A plain ``ground_truth`` column works in place of ``reward_model``; every key
-can be renamed (``data.prompt_key``, ``data.answer_key``, ...).
+can be renamed (``data.prompt_key``, ``data.answer_key``, ...). A vision-language
+row adds its images (``images``, ``data.image_key``) and puts an ``<image>``
+placeholder in its prompt where each goes (``controller.data.images``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from controller.data.images import row_images
 
 __all__ = ["Prompt", "PromptDataset", "RowKeys", "lookup_key", "rows_to_dataset"]
 
@@ -38,6 +42,8 @@ class PromptDataset:
     input_ids: tuple[tuple[int, ...], ...] | None = None
     prompt_texts: tuple[str, ...] | None = None
     chats: tuple[tuple[dict[str, Any], ...] | None, ...] | None = None  # the messages rendered (None: plain text)
+    # a vision-language dataset: each row's images (PIL, decoded; () for none), where its <image>s go
+    images: tuple[tuple[Any, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -46,7 +52,7 @@ class PromptDataset:
             object.__setattr__(self, "data_sources", (None,) * n)
         if not self.extra_infos:
             object.__setattr__(self, "extra_infos", tuple({} for _ in range(n)))
-        for name in ("answers", "data_sources", "extra_infos", "input_ids", "prompt_texts", "chats"):
+        for name in ("answers", "data_sources", "extra_infos", "input_ids", "prompt_texts", "chats", "images"):
             column = getattr(self, name)
             if column is not None and len(column) != n:
                 raise ValueError(f"PromptDataset: {name} has {len(column)} rows, prompts has {n}")
@@ -60,7 +66,7 @@ class PromptDataset:
             return None if column is None else tuple(column[i] for i in rows)
 
         return PromptDataset(pick(self.prompts), pick(self.answers), pick(self.data_sources), pick(self.extra_infos),
-                             pick(self.input_ids), pick(self.prompt_texts))
+                             pick(self.input_ids), pick(self.prompt_texts), images=pick(self.images))
 
     def with_encoding(self, input_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                       chats: Sequence[Sequence[dict[str, Any]] | None] | None = None) -> PromptDataset:
@@ -71,8 +77,11 @@ class PromptDataset:
     def concat(parts: Sequence[PromptDataset]) -> PromptDataset:
         if any(p.input_ids is not None for p in parts):
             raise ValueError("concatenate datasets before encoding them")
+        images = None
+        if any(p.images is not None for p in parts):
+            images = tuple(row for p in parts for row in (p.images or ((),) * len(p)))
         return PromptDataset(*(tuple(row for p in parts for row in getattr(p, name))
-                               for name in ("prompts", "answers", "data_sources", "extra_infos")))
+                               for name in ("prompts", "answers", "data_sources", "extra_infos")), images=images)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class RowKeys:
     answer: str | None = None
     data_source: str = "data_source"
     extra_info: str = "extra_info"
+    images: str = "images"  # a vision-language row's images (data.image_key)
 
 
 def lookup_key(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -122,10 +132,11 @@ def _prompt(row: dict[str, Any], key: str, where: str) -> Prompt:
 
 def rows_to_dataset(rows: Iterable[dict[str, Any]], keys: RowKeys = RowKeys(), source: str = "data") -> PromptDataset:
     """A PromptDataset from verl-schema rows; errors name ``source`` and the row number."""
-    prompts, answers, data_sources, extra_infos = [], [], [], []
+    prompts, answers, data_sources, extra_infos, images = [], [], [], [], []
     for number, row in enumerate(rows):
         where = f"{source} row {number}"
         prompts.append(_prompt(row, keys.prompt, where))
+        images.append(row_images(row, keys.images, where))
         answers.append(_answer(row, keys.answer))
         data_source = lookup_key(row, keys.data_source)[1]
         if data_source is not None and not isinstance(data_source, str):
@@ -137,4 +148,5 @@ def rows_to_dataset(rows: Iterable[dict[str, Any]], keys: RowKeys = RowKeys(), s
         extra_infos.append(dict(extra or {}))
     if not prompts:
         raise ValueError(f"{source} holds no prompts")
-    return PromptDataset(tuple(prompts), tuple(answers), tuple(data_sources), tuple(extra_infos))
+    with_images = None if all(i is None for i in images) else tuple(i or () for i in images)
+    return PromptDataset(tuple(prompts), tuple(answers), tuple(data_sources), tuple(extra_infos), images=with_images)

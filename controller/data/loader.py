@@ -4,7 +4,8 @@ Batches are DataProtos of left-padded ``input_ids`` / ``attention_mask``
 with, per prompt, the non-tensor fields ``ground_truth``, ``uid`` (the group
 id of its n samples), ``prompt_text`` (the prompt as rendered, chat template
 included), ``messages`` (the prompt as chat messages, system prompt
-included), ``data_source`` and ``extra_info``. They travel with the samples
+included), ``data_source`` and ``extra_info``; a vision-language batch adds
+each prompt's images (``workers.multimodal``). They travel with the samples
 through the rollout to the reward function, which gets all but
 ``ground_truth`` in its ``extra`` argument.
 """
@@ -18,8 +19,10 @@ import torch
 
 from controller.data.chat_template import PromptFormat, encode_prompts
 from controller.data.dataset import PromptDataset
+from controller.data.images import ImageProcessing
 from controller.data.overlong import drop_or_refuse_overlong
 from workers.data_proto import DataProto
+from workers.multimodal import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS
 
 __all__ = ["PromptLoader", "prompt_messages"]
 
@@ -45,10 +48,12 @@ class PromptLoader:
     """
 
     def __init__(self, dataset: PromptDataset, tokenizer, batch_size: int, max_prompt_length: int | None,
-                 shuffle: bool = True, seed: int = 0, prompt_format: PromptFormat | None = None) -> None:
+                 shuffle: bool = True, seed: int = 0, prompt_format: PromptFormat | None = None,
+                 images: ImageProcessing | None = None) -> None:
         if batch_size > len(dataset):
             raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(dataset)} prompts)")
-        dataset = encode_prompts(dataset, tokenizer, prompt_format or PromptFormat())
+        dataset = encode_prompts(dataset, tokenizer, prompt_format or PromptFormat(), images=images)
+        self.images = images if dataset.images is not None else None
         if max_prompt_length is not None:
             dataset = drop_or_refuse_overlong(dataset, max_prompt_length, filter_overlong=False)
         self.dataset = dataset
@@ -81,14 +86,16 @@ class PromptLoader:
         for row, tokens in enumerate(rows):
             ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
             mask[row, width - len(tokens):] = 1
-        return DataProto(
-            {"input_ids": ids, "attention_mask": mask},
-            {"ground_truth": [data.answers[i] for i in index], "uid": [f"p{i}" for i in index],
-             "prompt_text": [data.prompt_texts[i] for i in index],
-             "messages": [prompt_messages(data, i) for i in index],
-             "data_source": [data.data_sources[i] for i in index],
-             "extra_info": [data.extra_infos[i] for i in index]},
-        )
+        fields = {"ground_truth": [data.answers[i] for i in index], "uid": [f"p{i}" for i in index],
+                  "prompt_text": [data.prompt_texts[i] for i in index],
+                  "messages": [prompt_messages(data, i) for i in index],
+                  "data_source": [data.data_sources[i] for i in index],
+                  "extra_info": [data.extra_infos[i] for i in index]}
+        if self.images is not None:  # the images for the rollout engine, and the vision tower's inputs
+            fields[MULTI_MODAL_DATA] = [{"image": list(data.images[i])} if data.images[i] else None for i in index]
+            fields[MULTI_MODAL_INPUTS] = [self.images.inputs(data.images[i]) if data.images[i] else None
+                                          for i in index]
+        return DataProto({"input_ids": ids, "attention_mask": mask}, fields)
 
     def all_batches(self) -> list[DataProto]:
         """Every prompt once, in order (validation)."""

@@ -17,6 +17,7 @@ from controller.data.code_expression import code_expression_prompts
 from controller.data.chat_template import PromptFormat, encode_prompts
 from controller.data.dataset import PromptDataset, RowKeys
 from controller.data.files import load_prompt_files
+from controller.data.images import ImageProcessing
 from controller.data.overlong import drop_or_refuse_overlong
 
 if TYPE_CHECKING:
@@ -51,13 +52,13 @@ def raw_job_prompts(data: DataConfig) -> JobPrompts:
             return code_expression_prompts(count, seed, data.max_operand, data.operators)
 
         return JobPrompts(targets(data.train_size, data.seed), targets(data.val_size, data.seed + 1) if data.val_size else None)
-    keys = RowKeys(data.prompt_key, data.answer_key, data.data_source_key, data.extra_info_key)
+    keys = RowKeys(data.prompt_key, data.answer_key, data.data_source_key, data.extra_info_key, data.image_key)
     val = load_prompt_files(data.val_paths, keys, data.cache_dir) if data.val_paths else None
     return JobPrompts(load_prompt_files(data.train_paths, keys, data.cache_dir), val)
 
 
 def load_job_prompts(data: DataConfig, tokenizer: Any, max_prompt_length: int, truncation: str = "error",
-                     log: Callable[[str], None] | None = None) -> JobPrompts:
+                     log: Callable[[str], None] | None = None, images: ImageProcessing | None = None) -> JobPrompts:
     """Encoded train / val prompts, overlong ones dropped (``data.filter_overlong_prompts``) or refused.
 
     With ``rollout.truncation: left`` the rollout keeps a long prompt's end,
@@ -71,7 +72,7 @@ def load_job_prompts(data: DataConfig, tokenizer: Any, max_prompt_length: int, t
         if dataset is None:
             out.append(None)
             continue
-        dataset = encode_prompts(dataset, tokenizer, fmt, name=name)
+        dataset = encode_prompts(dataset, tokenizer, fmt, name=name, images=images)
         if data.filter_overlong_prompts or truncation == "error":
             dataset = drop_or_refuse_overlong(dataset, max_prompt_length, data.filter_overlong_prompts, name, log)
         out.append(dataset)

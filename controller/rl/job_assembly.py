@@ -154,15 +154,19 @@ class JobAssembly:
         self.check()
         from transformers import AutoTokenizer
 
+        from controller.data.images import ImageProcessing
+
         tokenizer = AutoTokenizer.from_pretrained(self.specs["actor"].model_path)
+        images = ImageProcessing.for_model(self.specs["actor"].model_path)  # a vision-language model's
         # Loaders first: a prompt the rollout cannot take is an error before any worker starts.
         rollout_cfg = self.config.rollout
         # With truncation "left" the rollout keeps a long prompt's end; otherwise the loader refuses it up front.
         max_prompt = rollout_cfg.max_prompt_length if rollout_cfg.truncation == "error" else None
-        self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed)
+        self.loader = PromptLoader(self.train_data, tokenizer, self.batch_size, max_prompt, self.shuffle, self.seed,
+                                   images=images)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.val_loader = (PromptLoader(self.val_data, tokenizer, min(self.batch_size, len(self.val_data)), max_prompt,
-                                        shuffle=False) if self.val_data is not None else None)
+                                        shuffle=False, images=images) if self.val_data is not None else None)
         for name, shape in self.pool_shapes.items():
             if name in self.pools:
                 continue

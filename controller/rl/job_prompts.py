@@ -23,9 +23,12 @@ def rl_job_prompts(config: RLConfig, tokenizer_path: str, log: Callable[[str], N
 
     from workers.reward.router import AUTO, DATA_SOURCE_SCORERS, unknown_data_sources
 
+    from controller.data.images import ImageProcessing
+
     rollout = config.rollout
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    prompts = load_job_prompts(config.data, tokenizer, rollout.max_prompt_length, rollout.truncation, log)
+    images = ImageProcessing.for_model(tokenizer_path)  # a vision-language model's; None for a text model
+    prompts = load_job_prompts(config.data, tokenizer, rollout.max_prompt_length, rollout.truncation, log, images)
     if rollout.agent is not None:
         _check_agent_prompts(rollout, tokenizer, prompts)
     routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),

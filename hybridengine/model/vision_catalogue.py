@@ -5,15 +5,22 @@ whole HF tensor: megatron name ``vision_model.<name>``, HF name
 ``visual.<name>``, shapes from the ``VisionSpec``. The language model's
 parameters stay in ``hybridengine.model.catalogue``; ``lookup`` there answers
 for these names too.
+
+vLLM holds the tower whole on every generation rank (its encoder
+data-parallel, ``mm_encoder_tp_mode="data"``) under the HF names, each MLP's
+gate and up projections fused into ``gate_up_proj`` ([gate; up]), as it
+fuses the language model's.
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
+
 from hybridengine.model.spec import ModelSpec
 
-__all__ = ["VISION_PREFIX", "HF_VISION_PREFIX", "vision_shapes", "vision_shape", "is_vision_param"]
+__all__ = ["VISION_PREFIX", "HF_VISION_PREFIX", "vision_shapes", "vision_shape", "is_vision_param", "to_vllm_vision"]
 
 VISION_PREFIX = "vision_model."  # on the first stage's GPTModel (workers.megatron.vision_tower)
 HF_VISION_PREFIX = "visual."
@@ -39,7 +46,7 @@ def vision_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_GATE = re.compile(r"^(blocks\.\d+\.mlp)\.gate_proj\.(weight|bias)$")
 
 
 def is_vision_param(name: str) -> bool:
@@ -55,3 +62,23 @@ def vision_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
         raise KeyError(f"megatron parameter {name!r} is not a parameter of the vision tower "
                        f"(depth {spec.vision.depth})")
     return shape
+
+
+def to_vllm_vision(weights: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The tower's tensors among ``weights`` (megatron names) under vLLM's names and fusion; a block's gate and up
+    projections come together or not at all."""
+    out = {}
+    for name, tensor in weights.items():
+        if not is_vision_param(name):
+            continue
+        local = name.removeprefix(VISION_PREFIX)
+        vision_shape(name, spec)  # a known tower parameter
+        gate = _GATE.match(local)
+        if gate is not None:
+            up = f"{VISION_PREFIX}{gate.group(1)}.up_proj.{gate.group(2)}"
+            if up not in weights:
+                raise ValueError(f"{name} came without {up}: vLLM fuses them into one tensor")
+            out[f"{HF_VISION_PREFIX}{gate.group(1)}.gate_up_proj.{gate.group(2)}"] = torch.cat([tensor, weights[up]])
+        elif ".mlp.up_proj." not in local:
+            out[HF_VISION_PREFIX + local] = tensor
+    return out

@@ -18,6 +18,7 @@ import torch
 
 from hybridengine.model.catalogue import ExpertShard, stage_params
 from hybridengine.model.spec import ModelSpec
+from hybridengine.model.vision_catalogue import to_vllm_vision
 
 __all__ = ["to_vllm_shard"]
 
@@ -49,4 +50,6 @@ def to_vllm_shard(
             raise ValueError(f"{param.name} of a {spec.architecture} has no vLLM counterpart (a value head cannot generate)")
         out[param.vllm_name] = param.geometry.stacked(weights[param.name], tp_rank)
     out.update({name: torch.stack(tensors) for name, tensors in stacks.items()})
+    if spec.vision is not None and pp_rank == 0:  # the vision tower, whole on every generation rank
+        out.update(to_vllm_vision(weights, spec))
     return out

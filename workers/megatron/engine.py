@@ -54,6 +54,7 @@ from workers.megatron.vision_tower import (
     MULTI_MODAL_INPUTS,
     VISION_MODULE,
     image_embeddings,
+    image_token_mask,
     row_grids,
     scatter_image_embeddings,
 )
@@ -252,10 +253,12 @@ class MegatronEngine:
         ids, module = mb["input_ids"], self.module()
         inputs = mb.get(MULTI_MODAL_INPUTS) or [None] * len(ids)
         lengths = mb["attention_mask"].long().sum(-1).tolist()
-        positions = batch_mrope_positions(ids, lengths, row_grids(inputs), self.spec.vision)
+        vision, grids = self.spec.vision, row_grids(inputs)
+        positions = batch_mrope_positions(ids, lengths, grids, vision)
         embeddings = module.embedding(input_ids=ids, position_ids=None)
         features = image_embeddings(getattr(module, VISION_MODULE), inputs, ids.device)
-        return positions, scatter_image_embeddings(embeddings, ids, features, self.spec.vision.image_token_id)
+        mask = image_token_mask(ids, [sum(map(vision.image_tokens, row)) for row in grids], vision.image_token_id)
+        return positions, scatter_image_embeddings(embeddings, mask, features)
 
     def _padding_of(self, mb: MicroBatch):
         """Within: ``mb``'s forward, a mixture of experts' routers leaving its padding out of their losses and

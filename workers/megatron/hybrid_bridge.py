@@ -6,6 +6,8 @@ Each parameter group of the weight plan moves its own way and lands in one ``Wei
 
 - the dense shard, by the micro-DP gather (``Resharder``) or a baseline; a LoRA engine's frozen base once
   per generation layout, kept (at the training layout itself, the training shards: no copy);
+- a vision-language model's tower, whole: every rank of the training and generation first stages holds it
+  (sent once per generation layout while it is frozen);
 - a mixture of experts' routed experts and a LoRA engine's adapters, as their groups' pieces
   (``PieceMover``); the adapters arrive whole and are merged into the kept base's adapted linears
   (``lora_merge``), or handed whole to an engine that serves them."""
@@ -29,6 +31,7 @@ from hybridengine.reshard.transport import TorchTransport
 from hybridengine.reshard.weight_plan import WeightPlan, plan_weights
 from workers.megatron.engine import MegatronEngine
 from workers.megatron.lora_merge import merge_into
+from workers.megatron.vision_tower import VISION_MODULE
 from workers.rollout.weight_update import WeightUpdate, with_adapters
 
 __all__ = ["HybridBridge", "RESHARD_METHODS"]
@@ -52,6 +55,7 @@ class HybridBridge:
         self.merged: dict[GenerationLayout, dict[str, torch.Tensor]] = {}
         self._last_gen: GenerationLayout | None = None
         self._base_sent = False  # a LoRA engine's frozen base has crossed to the rollout pool
+        self._tower_sent: set[GenerationLayout] = set()  # layouts a vision tower has been sent to
 
     @property
     def spec(self):
@@ -117,8 +121,13 @@ class HybridBridge:
                 weights.update(arrived)
         if plan.experts is not None:  # under generation expert parallelism the routers follow the placement
             self._place_router(weights, plan.experts.placement)
+        tower = self._vision_tower()
+        weights.update(tower)
         if adapters is None:
-            self.update = WeightUpdate(weights)
+            # a frozen tower reaches an engine that keeps its weights once per generation layout
+            unchanged = set(tower) if tower and gen in self._tower_sent and not self._tower_trains() else set()
+            self.update = WeightUpdate(weights, set(weights) - unchanged if unchanged else None)
+            self._tower_sent.add(gen)
         else:  # the base kept: after the first sync at this layout only the adapters moved
             me, merged = plan.layout.ranks[rank], self.merged.setdefault(gen, {})
 
@@ -133,6 +142,18 @@ class HybridBridge:
         return {"timing_s/reshard": time.perf_counter() - start,
                 "reshard/bytes_received": self.transport.bytes_received - before, **metrics,
                 "gen_tp_rank": me.gen_tp_rank, "gen_pp_rank": me.gen_pp_rank, "gen_dp_rank": me.gen_dp_rank}
+
+    def _vision_tower(self) -> dict[str, torch.Tensor]:
+        """A vision-language model's tower and merger (megatron names), whole: every rank of the first stage holds
+        it and every generation rank takes it whole. Copies, so releasing the training shards leaves them."""
+        tower = getattr(self.engine.module(), VISION_MODULE, None)
+        if tower is None:
+            return {}
+        return {f"{VISION_MODULE}.{name}": p.detach().clone() for name, p in tower.named_parameters()}
+
+    def _tower_trains(self) -> bool:
+        tower = getattr(self.engine.module(), VISION_MODULE, None)
+        return tower is not None and any(p.requires_grad for p in tower.parameters())
 
     def _dense(self, plan: WeightPlan, params, method: str, release_training: bool) -> dict[str, torch.Tensor]:
         """The dense group (all but the routed experts): the micro-DP gather, its pieces (``pieces``), or a baseline

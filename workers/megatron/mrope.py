@@ -1,7 +1,8 @@
 """3-D (mrope) position ids of a vision-language sequence, as Qwen2.5-VL numbers them.
 
 A text token's three streams (temporal, height, width) are one position,
-counting up. An image's ``t * h * w / merge**2`` tokens take the position
+counting up (an image token the model sampled in its response is text, as it
+is to transformers and vLLM). An image's ``t * h * w / merge**2`` tokens take the position
 where the image starts plus their cell in the merged grid: temporal index,
 row, column. The text after it resumes at that start plus the merged grid's
 longer side. transformers' ``get_rope_index`` and vLLM's
@@ -24,8 +25,9 @@ def mrope_positions(ids: torch.Tensor, grids: Sequence[Sequence[int]], vision: V
     """[3, len(ids)] positions of one sequence ``ids`` (its real tokens, no padding) holding images of patch
     grids ``grids`` (t, h, w), in order."""
     positions = torch.empty(3, len(ids), dtype=torch.long, device=ids.device)
-    image_at = (ids == vision.image_token_id).nonzero()[:, 0].tolist()
     counts = [vision.image_tokens(tuple(int(x) for x in grid)) for grid in grids]
+    # the prompt's image runs come first; an <|image_pad|> the model sampled later is text
+    image_at = (ids == vision.image_token_id).nonzero()[:, 0].tolist()[:sum(counts)]
     if len(image_at) != sum(counts):
         raise ValueError(f"the sequence holds {len(image_at)} image tokens, its {len(counts)} images stand for "
                          f"{sum(counts)} ({counts}); a prompt's <|image_pad|> tokens must be its images' counts")

@@ -24,11 +24,11 @@ import torch
 
 from hybridengine.model.spec import ModelSpec
 from hybridengine.model.vision_catalogue import VISION_PREFIX
+from workers.multimodal import MULTI_MODAL_INPUTS
 
-__all__ = ["MULTI_MODAL_INPUTS", "VISION_MODULE", "build_vision_tower", "row_grids",
-           "image_embeddings", "scatter_image_embeddings"]
+__all__ = ["MULTI_MODAL_INPUTS", "VISION_MODULE", "build_vision_tower", "row_grids", "image_embeddings",
+           "image_token_mask", "scatter_image_embeddings"]
 
-MULTI_MODAL_INPUTS = "multi_modal_inputs"  # the non-tensor batch entry: per row its images' processor outputs
 VISION_MODULE = VISION_PREFIX.rstrip(".")  # the tower's attribute on the first stage's GPTModel
 
 
@@ -66,10 +66,17 @@ def image_embeddings(tower: torch.nn.Module, inputs: Sequence[Any], device: torc
     return tower(pixels, grid_thw=grids).pooler_output
 
 
-def scatter_image_embeddings(embeddings: torch.Tensor, ids: torch.Tensor, features: torch.Tensor | None,
-                             image_token_id: int) -> torch.Tensor:
-    """``embeddings`` [S, B, H] (megatron's order) with ``features`` in place at ``ids`` [B, S]'s image tokens."""
-    mask = ids == image_token_id  # [B, S]: features fill row after row, as the rows' images come
+def image_token_mask(ids: torch.Tensor, counts: Sequence[int], image_token_id: int) -> torch.Tensor:
+    """[B, S]: the image tokens of each row's images, the first ``counts[row]`` of its ``image_token_id`` tokens
+    (its prompt's image runs); one the model sampled in its response is text."""
+    mask = ids == image_token_id
+    seen = mask.long().cumsum(-1)
+    return mask & (seen <= torch.tensor(counts, device=ids.device).unsqueeze(-1))
+
+
+def scatter_image_embeddings(embeddings: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    """``embeddings`` [S, B, H] (megatron's order) with ``features`` in place where ``mask`` [B, S] is set (row
+    after row, as the rows' images come)."""
     count = int(mask.sum())
     have = 0 if features is None else features.shape[0]
     if count != have:

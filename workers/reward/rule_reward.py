@@ -23,6 +23,7 @@ from workers.base_worker import BaseWorker
 from workers.data_proto import DataProto
 from workers.deadline_threads import DeadlineThreads
 from workers.dispatch import Dispatch
+from workers.multimodal import MULTI_MODAL_INPUTS
 from workers.register import register
 from workers.reward.functions import REWARD_FUNCTIONS, RewardFn
 from workers.reward.router import DATA_SOURCE_SCORERS, resolve_scorer, score_by_data_source
@@ -131,7 +132,7 @@ class RuleReward(BaseWorker):
         offset = self.rank * len(data)  # DP_COMPUTE_PROTO hands every rank an equal chunk
 
         def score(i: int) -> float:
-            extra = {key: values[i] for key, values in fields.items() if key != "ground_truth"}
+            extra = {key: values[i] for key, values in fields.items() if key not in ("ground_truth", MULTI_MODAL_INPUTS)}
             truth = None if ground_truth is None else ground_truth[i]
             return self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
 

@@ -16,6 +16,7 @@ import torch
 
 from workers.data_proto import DataProto
 from workers.megatron.routing_replay import ROLLOUT_ROUTES
+from workers.multimodal import MULTI_MODAL_DATA
 from workers.rollout.sampling import SamplingConfig
 
 __all__ = [
@@ -40,6 +41,7 @@ class PromptError(ValueError):
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     seed: int | None  # None: the engine's own random stream
+    images: tuple = ()  # a vision-language prompt's images (PIL), in the order of its image-token runs
 
 
 @dataclass
@@ -107,20 +109,26 @@ def build_requests(
     input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     if input_ids.shape != mask.shape or input_ids.dim() != 2:
         raise PromptError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(mask.shape)} must be one [B, P] shape")
+    images = prompts.non_tensor_batch.get(MULTI_MODAL_DATA)
     requests = []
     for i in range(len(prompts)):
         ids = input_ids[i][mask[i].bool()].tolist()
+        row_images = tuple((images[i] or {}).get("image", ())) if images is not None else ()
         if not ids:
             raise PromptError(f"prompt {first_index + i} is empty (its attention_mask is all zeros)")
         if len(ids) > max_prompt_length:
-            if truncation == "error":
+            if truncation == "error" or row_images:
+                if row_images:
+                    raise PromptError(f"prompt {first_index + i} has {len(ids)} tokens with its images' tokens, "
+                                      f"more than max_prompt_length={max_prompt_length}; a prompt with images is "
+                                      f"never cut (its image tokens would be): raise max_prompt_length")
                 raise PromptError(
                     f"prompt {first_index + i} has {len(ids)} tokens, more than max_prompt_length={max_prompt_length}; "
                     f"shorten it, raise max_prompt_length, or set truncation='left'"
                 )
             ids = ids[-max_prompt_length:]
         for j in range(sampling.n):
-            requests.append(GenerationRequest(tuple(ids), sampling.request_seed(first_index + i, j)))
+            requests.append(GenerationRequest(tuple(ids), sampling.request_seed(first_index + i, j), row_images))
     return requests
 
 

@@ -73,6 +73,9 @@ class MegatronGenerator(GeneratorBase):
 
     @classmethod
     def from_context(cls, context: GeneratorContext) -> "MegatronGenerator":
+        if context.spec.vision is not None:
+            raise ValueError(f"the megatron rollout engine generates text only; {context.spec.architecture} is a "
+                             "vision-language model: generate with rollout.engine vllm")
         if not context.weights_pushed:
             raise ValueError("the megatron rollout generates from the actor's weights; colocate it with an "
                              "actor (actor_role), give it a pool of its own fed by the actor (training=...), "

@@ -35,6 +35,7 @@ from workers.keywords import check_constructor
 from workers.pretrained import resolve_pretrained
 from workers.register import register
 from workers.role_spec import RoleSpec
+from workers.multimodal import MULTI_MODAL_DATA
 from workers.rollout.batch import (
     Completion,
     GenerationRequest,
@@ -167,8 +168,10 @@ class Rollout(BaseWorker):
         lengths = response_mask.sum(-1).tolist()
         first_index = self.layout.coordinate(self.rank).dp_rank * len(partial)
         prompts, prompt_mask = partial.batch["prompts"], partial.batch["prompt_mask"].bool()
+        images = partial.non_tensor_batch.get(MULTI_MODAL_DATA, [None] * len(partial))
         requests = [GenerationRequest(tuple(prompts[i][prompt_mask[i]].tolist() + responses[i, :lengths[i]].tolist()),
-                                      sampling.request_seed(first_index + i, 0)) for i in range(len(partial))]
+                                      sampling.request_seed(first_index + i, 0), tuple((images[i] or {}).get("image", ())))
+                    for i in range(len(partial))]
         # Rows with fewer tokens left than a chunk run as a second batch, under their own limit.
         limits = [min(sampling.max_new_tokens, width - length) for length in lengths]
         if min(limits) < 1:

@@ -31,6 +31,7 @@ from hybridengine.reshard.plan import GenerationLayout, ReshardPlan
 from hybridengine.model.catalogue import ShardKind, stage_params
 from hybridengine.model.vllm_layout import to_vllm_shard
 from workers.megatron.lora import LoRAConfig
+from workers.multimodal import collapse_image_tokens
 from workers.rollout.batch import Completion, GenerationRequest
 from workers.rollout.engine_traits import VLLM_TRAITS
 from workers.rollout.generator import GeneratorBase, GeneratorContext
@@ -195,6 +196,10 @@ class VLLMGenerator(GeneratorBase):
                 enable_sleep_mode=self.sleeps,
                 # Routes are captured per request as computed (workers.rollout.vllm_routes): no shared prefixes.
                 enable_prefix_caching=not return_routed_experts,
+                # a vision-language model: its tower whole on every rank (hybridengine.model.vision_catalogue), and
+                # the pixels normalized by the image processor: vLLM's on-device normalization keeps the mean and
+                # std as buffers, which dummy weights (the engine fed by the hybrid engine) would randomize
+                **({"mm_encoder_tp_mode": "data", "mm_device_do_normalize": False} if spec.vision is not None else {}),
                 **(_lora_options(lora_adapter) if lora_adapter else {}),
                 **_cpu_scheduling(max_num_seqs, max_model_len),
             )
@@ -348,8 +353,13 @@ class VLLMGenerator(GeneratorBase):
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         params = [self._params(sampling, request.seed) for request in requests]
-        prompts = [{"prompt_token_ids": list(request.prompt_ids)} for request in requests]
+        prompts = [self._prompt(request) for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        for request, output in zip(requests, outputs):
+            if request.images and tuple(output.prompt_token_ids) != tuple(request.prompt_ids):
+                raise RuntimeError(f"vLLM expanded a prompt's images to {len(output.prompt_token_ids)} tokens, the "
+                                   f"batch holds {len(request.prompt_ids)}: its image processor sizes the images "
+                                   "otherwise than the trainer's (preprocessor_config.json min/max_pixels)")
         routes = [None] * len(outputs)
         if self.placement is not None:  # this rank's worker: [positions, layers, k] of each request
             ((routes, recomputed),) = self.llm.collective_rpc("take_routes", args=([o.request_id for o in outputs],))
@@ -367,6 +377,17 @@ class VLLMGenerator(GeneratorBase):
             completions.append(Completion(ids, log_probs, "stop" if sample.finish_reason == "stop" else "length",
                                           routed_experts=captured))
         return completions
+
+    def _prompt(self, request: GenerationRequest) -> dict:
+        """vLLM's prompt of ``request``: its ids, and a vision-language prompt's images with one placeholder each
+        (vLLM runs the image processor and expands them again)."""
+        if not request.images:
+            return {"prompt_token_ids": list(request.prompt_ids)}
+        if self.spec.vision is None:
+            raise ValueError(f"a prompt with images reached a text model ({self.spec.architecture})")
+        return {"prompt_token_ids": collapse_image_tokens(request.prompt_ids, self.spec.vision.image_token_id,
+                                                                len(request.images)),
+                "multi_modal_data": {"image": list(request.images)}}
 
     def release(self) -> None:
         """Free the KV cache and weights until the next update (GPU; nothing to free on CPU)."""

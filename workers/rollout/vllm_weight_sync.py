@@ -79,10 +79,13 @@ def _reprocess_tied_layers(model: torch.nn.Module, loaded: set[str]) -> None:
 
 
 def _engine_name(name: str, expected: set[str]) -> str:
-    """``name`` as the engine's model calls it: as is, a mixture of experts' fused tensor, or the base layer
-    of a layer vLLM wraps to serve LoRA adapters (``...qkv_proj.base_layer.weight``)."""
+    """``name`` as the engine's model calls it: as is, a mixture of experts' fused tensor, the base layer
+    of a layer vLLM wraps to serve LoRA adapters (``...qkv_proj.base_layer.weight``), or a vision-language
+    model's language model (``language_model.model.layers...``)."""
     if name in expected:
         return name
+    if f"language_model.{name}" in expected:
+        return _engine_name(f"language_model.{name}", expected)
     module, _, param = name.rpartition(".")
     if f"{module}.base_layer.{param}" in expected:
         return f"{module}.base_layer.{param}"
