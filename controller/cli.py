@@ -65,15 +65,24 @@ def _data_parser(commands) -> None:
     gsm8k.add_argument("--out", required=True)
     gsm8k.add_argument("--split", default="train")
     gsm8k.add_argument("--instruction", default=GSM8K_INSTRUCTION, help="appended to each question")
+    images = kinds.add_parser("images", help="rows with images (paths or bytes) into OUT/SPLIT.parquet, each image "
+                                             "checked and stored in the file")
+    images.add_argument("--input", required=True, help="a .parquet / .jsonl / .json file or a save_to_disk directory")
+    images.add_argument("--out", required=True)
+    images.add_argument("--split", default="train")
+    images.add_argument("--image-key", default="images", help="the column holding each row's images")
+    images.add_argument("--prompt-key", default="prompt", help="the prompt column, with an <image> per image")
 
 
 def _data(args) -> int:
-    from controller.data.writers import write_arithmetic_files, write_gsm8k_file
+    from controller.data.writers import write_arithmetic_files, write_gsm8k_file, write_image_rows
 
     try:
         if args.kind == "arithmetic":
             paths = write_arithmetic_files(args.out, args.train_size, args.val_size, args.seed, args.max_operand,
                                            args.operators, args.instruction)
+        elif args.kind == "images":
+            paths = [write_image_rows(args.input, args.out, args.split, args.image_key, args.prompt_key)]
         else:
             paths = [write_gsm8k_file(args.input, args.out, args.split, args.instruction)]
     except (FileNotFoundError, ValueError) as exc:
