@@ -53,6 +53,9 @@ class RoleConfig:
     worker: str | type | None = None
     # LoRA adapters trained on the frozen base (trained roles: actor, critic); rank 0: every weight trains
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # a vision-language actor: its vision tower and merger keep their weights (as the peers default); false:
+    # they train with the language model
+    freeze_vision_tower: bool = True
 
     def __post_init__(self) -> None:
         if self.device_map not in (None, "auto"):

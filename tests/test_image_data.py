@@ -120,3 +120,17 @@ def test_train_refuses_a_bad_image_before_any_launch(tmp_path, vl_dir, monkeypat
                      "data.batch_size=2", "ppo.ppo_mini_batch_size=8"])
     assert (code, calls) == (2, [])
     assert "row 1 image 0: the image cannot be read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.engine=megatron", "rollout.engine 'megatron' generates text only; Qwen2_5_VLForConditionalGeneration is a "
+                                "vision-language model: generate with rollout.engine vllm"),
+    ("algorithm.name=ppo", "algorithm 'ppo' trains a critic, and a critic on a vision-language model"),
+])
+def test_train_refuses_what_does_not_take_images_yet(tmp_path, vl_dir, monkeypatch, capsys, override, message):
+    calls = []
+    monkeypatch.setattr(cli, "_torchrun", lambda nproc, argv: calls.append(argv) or 0)
+    code = cli.main(["train", "--config", str(ROOT / "examples" / "vision" / "grpo_colour.yaml"), f"model_path={vl_dir}",
+                     f"trainer.run_dir={tmp_path / 'run'}", override])
+    assert (code, calls) == (2, [])
+    assert message in capsys.readouterr().err

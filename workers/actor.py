@@ -109,8 +109,9 @@ class PolicyUpdateTerms:
 class _LogProbRole(EngineRole):
     """Shared by the actor and the reference policy: log-probs of response tokens."""
 
-    def _build_engine(self, model_path: str, engine, optim, value_model: bool = False, lora=None) -> None:
-        super()._build_engine(model_path, engine, optim, value_model, lora)
+    def _build_engine(self, model_path: str, engine, optim, value_model: bool = False, lora=None,
+                      freeze_vision_tower: bool = True) -> None:
+        super()._build_engine(model_path, engine, optim, value_model, lora, freeze_vision_tower)
         if self.engine.config.fused_output_layer:
             self.engine.defer_output_layer()
 
@@ -147,11 +148,14 @@ class Actor(_LogProbRole):
         optim: OptimConfig | None = None,
         ppo: PPOActorConfig | None = None,
         lora: LoRAConfig | None = None,
+        freeze_vision_tower: bool = True,
     ) -> None:
         """Each section typed (a ``RoleSpec`` or ``WorkerGroup`` builds one given as a dict); None: its
-        defaults. ``lora``: train LoRA adapters on the frozen base (rank 0 or None: every weight trains)."""
+        defaults. ``lora``: train LoRA adapters on the frozen base (rank 0 or None: every weight trains).
+        ``freeze_vision_tower``: a vision-language model's tower keeps its weights (False: it trains too)."""
         self.ppo = ppo or PPOActorConfig()
-        self._build_engine(model_path, engine, optim or OptimConfig(), lora=lora)
+        self._build_engine(model_path, engine, optim or OptimConfig(), lora=lora,
+                           freeze_vision_tower=freeze_vision_tower)
         self.hybrid = HybridBridge(self.engine)
 
     @register(Dispatch.MESH_COMPUTE_PROTO)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from controller.checks import (algorithm, data, layouts, lora, placement, reward, roles, router_replay, sandbox,
-                               schedule, serving, trainer)
+                               schedule, serving, trainer, vision)
 from controller.checks.facts import JobFacts
 
 __all__ = ["CHECKS", "JobFacts", "register_check", "run_checks"]
@@ -32,6 +32,7 @@ CHECKS: list[Check] = [
     serving.server_port_problems,
     layouts.layout_problems,
     roles.role_problems,
+    vision.vision_problems,
 ]
 
 

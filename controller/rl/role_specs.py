@@ -114,7 +114,8 @@ def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
     ValueError) on a role that cannot be declared."""
     actor_path = config.actor.model_path or policy_path
     actor = _engine_role(worker_class(config.actor.worker, Actor, "actor.worker"), actor_path, config.actor,
-                         optim=config.actor.optim, ppo=config.ppo)
+                         optim=config.actor.optim, ppo=config.ppo,
+                         **({} if config.actor.freeze_vision_tower else {"freeze_vision_tower": False}))
     rollout_cfg = config.rollout
     isolation = config.sandbox.isolation
     sandbox = {"sandbox_isolation": isolation} if isolation != "auto" else {}  # the workers' default otherwise

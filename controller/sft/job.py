@@ -88,7 +88,8 @@ def _fine_tune(config: SFTConfig, model: str, data: SFTData, pool, fields: dict[
     actor = Actor.from_pretrained(model_path, engine=engine, tensor_parallel=engine.tensor_parallel,
                                   pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
                                   optim=config.actor.optim,
-                                  **({"lora": config.actor.lora} if config.actor.lora.enabled else {}))
+                                  **({"lora": config.actor.lora} if config.actor.lora.enabled else {}),
+                                  **({} if config.actor.freeze_vision_tower else {"freeze_vision_tower": False}))
     logger = MetricsLogger(run_dir, backends=trainer_cfg.logger, total_steps=trainer_cfg.total_steps,
                            config=sft_config_to_dict(config), resume=trainer_cfg.resume, fields=fields)
     trainer = SFTTrainer(actor=actor, train=data.train, val=data.val, batch_size=config.data.batch_size,

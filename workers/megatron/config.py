@@ -84,9 +84,6 @@ class EngineConfig:
     # [tokens, vocab] logits are never held. False: megatron's output layer
     # makes the logits, then the fused log-prob op reads them.
     fused_output_layer: bool = True
-    # a vision-language model: its vision tower and merger keep their weights (as the peers default); false:
-    # they train with the language model
-    freeze_vision_tower: bool = True
     # As megatron's (which uses 128): embedding and output-layer rows are padded to a multiple of this
     # x tensor_parallel, so any TP size fits any vocabulary; padded ids take no probability mass and are
     # never exported. None: no padding, TP must divide the vocabulary.
@@ -128,8 +125,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.freeze_vision_tower, bool):
-            raise ValueError(f"freeze_vision_tower must be true or false, got {self.freeze_vision_tower!r}")
         if not isinstance(self.fused_output_layer, bool):
             raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
 

@@ -75,8 +75,11 @@ class MegatronEngine:
         optim: OptimConfig | None = None,
         process_group: Any = None,
         lora: LoRAConfig | None = None,
+        freeze_vision_tower: bool = True,
     ) -> None:
-        """``lora``: train low-rank adapters on a frozen base (``workers.megatron.lora``) instead of every weight."""
+        """``lora``: train low-rank adapters on a frozen base (``workers.megatron.lora``) instead of every weight.
+        ``freeze_vision_tower``: a vision-language model's tower and merger keep their weights (False: they train
+        with the language model)."""
         self.model_path = Path(model_path)
         self.config = config
         self.lora = lora if lora is not None and lora.enabled else None
@@ -102,7 +105,7 @@ class MegatronEngine:
             load_peft_adapter(module, self.spec, self.lora, layout.tp, g.tp_rank, g.pp_rank, layout.pp)
         if self.adapters and self.spec.is_value_model and hasattr(module, "output_layer"):
             module.output_layer.requires_grad_(True)
-        if hasattr(module, VISION_MODULE) and config.freeze_vision_tower:  # before DDP: a frozen tower gets no
+        if hasattr(module, VISION_MODULE) and freeze_vision_tower:  # before DDP: a frozen tower gets no
             getattr(module, VISION_MODULE).requires_grad_(False)           # gradient buffer, no optimizer state
         # Routing figures are an update's (run_ppo_epochs reads them): a forward-only engine keeps none.
         self.routing = RoutingMonitor(module, self.spec, g) if self.spec.is_moe and optim is not None else None

@@ -54,7 +54,7 @@ class EngineRole(BaseWorker):
 
     def _build_engine(
         self, model_path: str, engine: EngineConfig | None, optim: OptimConfig | None, value_model: bool = False,
-        lora: LoRAConfig | None = None,
+        lora: LoRAConfig | None = None, freeze_vision_tower: bool = True,
     ) -> None:
         spec = ModelSpec.from_pretrained(model_path)  # checked before any megatron group forms
         if spec.is_value_model != value_model:
@@ -62,8 +62,10 @@ class EngineRole(BaseWorker):
             raise ValueError(f"{type(self).__name__} needs {wanted}; {model_path} is a {spec.architecture}")
         lora = lora or LoRAConfig()
         check_lora(spec, lora)  # named problems (targets, rank) before any megatron group forms
+        if not freeze_vision_tower and spec.vision is None:
+            raise ValueError(f"freeze_vision_tower false: {model_path} ({spec.architecture}) has no vision tower")
         self.engine = MegatronEngine(model_path, engine or EngineConfig(), self.world_size, optim,
-                                     self.process_group, lora)
+                                     self.process_group, lora, freeze_vision_tower)
         self.set_layout(self.engine.layout)
 
     @register(Dispatch.ONE_TO_ALL)

@@ -31,6 +31,8 @@ class GeneratorTraits:
     experts_at_tensor_parallel: bool = False
     # its KV cache's block, in tokens, where attention has no flash kernel (a CPU); 16 with one
     kv_block_tokens_without_flash: int = 16
+    # generates from images: a vision-language model's prompts with their images (``GenerationRequest.images``)
+    takes_images: bool = False
 
     @property
     def serves_adapters(self) -> bool:
@@ -49,6 +51,6 @@ class GeneratorTraits:
 # max_lora_rank choices, experts cut over TP; on a CPU its paged KV cache comes in 128-token blocks.
 VLLM_TRAITS = GeneratorTraits(pipeline_parallel=False, serves_requests=True,
                               adapter_ranks=(1, 8, 16, 32, 64, 128, 256, 320, 512),
-                              experts_at_tensor_parallel=True, kv_block_tokens_without_flash=128)
+                              experts_at_tensor_parallel=True, kv_block_tokens_without_flash=128, takes_images=True)
 # megatron's own generation: batches over pipeline stages; adapters merged; a mixture of experts at TP 1.
 MEGATRON_TRAITS = GeneratorTraits(pipeline_parallel=True)
