@@ -46,7 +46,7 @@ def test_overrides_reach_nested_fields_and_parse_yaml_scalars():
 
 
 def test_bad_keys_values_and_overrides_name_the_key():
-    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['device_map', 'engine', 'lora', 'model_path', 'optim', 'worker'\]"):
+    with pytest.raises(ConfigError, match=r"actor: unknown key\(s\) \['engin'\]; valid keys: \['device_map', 'engine', 'freeze_vision_tower', 'lora', 'model_path', 'optim', 'worker'\]"):
         load_config(None, ["actor.engin.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"actor.engine.tensor_parallel: expected an integer, got 'two'"):
         load_config(None, ["actor.engine.tensor_parallel=two"])
