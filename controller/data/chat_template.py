@@ -16,7 +16,8 @@ from typing import Any
 from controller.data.dataset import Prompt, PromptDataset
 from controller.data.images import IMAGE_PLACEHOLDER, ImageProcessing
 
-__all__ = ["PromptFormat", "apply_chat_template_problem", "encode_prompts", "render_prompt", "uses_chat_template"]
+__all__ = ["PromptFormat", "apply_chat_template_problem", "encode_prompts", "render_prompt", "uses_chat_template",
+           "with_placeholders"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def encode_prompts(dataset: PromptDataset, tokenizer: Any, fmt: PromptFormat = P
         if images is None:
             raise ValueError(f"the {name} data has images (its images column), but the model is text only; "
                              "train a vision-language model (Qwen2.5-VL) or drop the column")
-        prompts = tuple(_with_placeholders(p, images, len(dataset.images[i]), f"{name} row {i}")
+        prompts = tuple(with_placeholders(p, images, len(dataset.images[i]), f"{name} row {i}")
                         for i, p in enumerate(prompts))
     chat = uses_chat_template(fmt, tokenizer)
     encoded = [render_prompt(p, tokenizer, fmt, chat, where=f"{name} row {i}") for i, p in enumerate(prompts)]
@@ -104,7 +105,7 @@ def encode_prompts(dataset: PromptDataset, tokenizer: Any, fmt: PromptFormat = P
     return dataset.with_encoding(ids, [text for _, text in encoded], chats)
 
 
-def _with_placeholders(prompt: Prompt, images: ImageProcessing, count: int, where: str) -> Prompt:
+def with_placeholders(prompt: Prompt, images: ImageProcessing, count: int, where: str) -> Prompt:
     """``prompt`` with its ``<image>`` placeholders (``count`` of them, over its messages) as vision tokens."""
     if isinstance(prompt, str):
         return images.placeholders(prompt, count, where)

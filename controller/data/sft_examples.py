@@ -13,6 +13,10 @@ same layout as a rollout's and trains through the same engine.
   end-of-turn token (a newline in ChatML) is not learned, nor is any other role's turn. A template whose
   longer renderings do not start with the shorter ones' ids is refused (its turns cannot be cut out).
 * **Text**: the first token is the context, every later token and EOS is learned.
+
+A pair's prompt or a chat's user turns may hold images (``<image>`` placeholders, the row's images in
+order): each becomes its full run of image tokens (``controller.data.images``), context, never learned,
+and the example keeps its images for the batch (``with_images``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Sequence
 
 from controller.data.chat_template import PromptFormat, render_prompt
 
-__all__ = ["SFTExample", "encode_pair", "encode_messages", "encode_text", "ChatTemplateError"]
+__all__ = ["SFTExample", "encode_pair", "encode_messages", "encode_text", "with_images", "ChatTemplateError"]
 
 
 class ChatTemplateError(ValueError):
@@ -34,6 +38,7 @@ class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]  # one per response id: 1 learned, 0 context
+    images: tuple = ()  # a vision-language example's images (PIL), in the order of its image-token runs
 
     def __post_init__(self) -> None:
         if len(self.loss_mask) != len(self.response_ids):
@@ -111,3 +116,20 @@ def encode_messages(messages: Sequence[dict[str, Any]], tokenizer, where: str = 
             mask[i] = 1
         first = len(before) if first is None else first
     return SFTExample(full[:first], full[first:], mask[first:])
+
+
+def with_images(example: SFTExample, images: Sequence, processing, where: str) -> SFTExample:
+    """``example`` (rendered with one image token per image) with each image's full run of image tokens, wherever
+    its turn falls; the runs are context (not learned)."""
+    pad = processing.vision.image_token_id
+    count = sum(1 for t in example.prompt_ids + example.response_ids if t == pad)
+    if count != len(images):
+        raise ValueError(f"{where}: the rendered example holds {count} image tokens for {len(images)} image(s)")
+    runs = iter([processing.tokens(image, where) for image in images])
+    prompt = [t for token in example.prompt_ids for t in ([pad] * next(runs) if token == pad else [token])]
+    response, mask = [], []
+    for token, learned in zip(example.response_ids, example.loss_mask):
+        n = next(runs) if token == pad else 1
+        response += [token] * n
+        mask += [0 if token == pad else learned] * n
+    return SFTExample(prompt, response, mask, tuple(images))

@@ -1,7 +1,8 @@
 """An SFT job's examples: rows of files (or the built-in arithmetic pairs) encoded with the model's tokenizer.
 
 Each row is a prompt/response pair, a chat (``messages``: the loss on assistant turns) or plain text,
-by ``data.format`` or, with "auto", by the keys the row has. Examples longer than ``data.max_length``
+by ``data.format`` or, with "auto", by the keys the row has; a pair or chat may hold images
+(``data.image_key``, ``<image>`` placeholders), for a vision-language model. Examples longer than ``data.max_length``
 are refused, naming how many and the longest, or dropped with ``data.drop_overlong``.
 """
 
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from controller.data.chat_template import PromptFormat, uses_chat_template
+from controller.data.chat_template import PromptFormat, uses_chat_template, with_placeholders
 from controller.data.dataset import lookup_key
 from controller.data.files import read_rows
-from controller.data.sft_examples import SFTExample, encode_messages, encode_pair, encode_text
+from controller.data.images import ImageProcessing, row_images
+from controller.data.sft_examples import SFTExample, encode_messages, encode_pair, encode_text, with_images
 
 __all__ = ["SFTData", "load_sft_examples", "arithmetic_pairs"]
 
@@ -30,11 +32,29 @@ def arithmetic_pairs(count: int, seed: int, max_operand: int, operators: str) ->
             for p in arithmetic_problems(count, seed, max_operand, operators)]
 
 
-def _encoder(data, tokenizer) -> Callable[[dict[str, Any], str], SFTExample]:
+def _encoder(data, tokenizer, images: ImageProcessing | None = None) -> Callable[[dict[str, Any], str], SFTExample]:
     fmt = PromptFormat(data.apply_chat_template, data.chat_wrap, data.system_prompt)
     chat = uses_chat_template(fmt, tokenizer)
 
     def encode(row: dict[str, Any], where: str) -> SFTExample:
+        row_imgs = row_images(row, data.image_key, where)
+        if not row_imgs:
+            return encode_text_or_chat(row, where)
+        if images is None:
+            raise ValueError(f"{where} has images (its {data.image_key!r} column), but the model is text only; "
+                             "fine-tune a vision-language model (Qwen2.5-VL) or drop the column")
+        row = dict(row)
+        for key in (data.messages_key, data.prompt_key):
+            found, value = lookup_key(row, key)
+            if found and "." not in key:
+                row[key] = with_placeholders(value, images, len(row_imgs), where)
+                break
+        else:
+            raise ValueError(f"{where} has images: a pair's prompt or a chat's messages must hold their <image> "
+                             "placeholders (plain text takes no images)")
+        return with_images(encode_text_or_chat(row, where), row_imgs, images, where)
+
+    def encode_text_or_chat(row: dict[str, Any], where: str) -> SFTExample:
         found = {key: lookup_key(row, getattr(data, f"{key}_key"))
                  for key in ("messages", "prompt", "response", "text")}
         kind = data.format
@@ -74,10 +94,12 @@ def _encode_all(rows: list[dict[str, Any]], source: str, encode, data, log) -> l
     return kept
 
 
-def load_sft_examples(data, tokenizer, log: Callable[[str], None] | None = None) -> SFTData:
-    """The train and validation examples of ``data`` (an SFTDataConfig), encoded; raises on bad rows."""
+def load_sft_examples(data, tokenizer, log: Callable[[str], None] | None = None,
+                      images: ImageProcessing | None = None) -> SFTData:
+    """The train and validation examples of ``data`` (an SFTDataConfig), encoded; raises on bad rows. ``images``:
+    a vision-language model's image processing (rows with images need it)."""
     log = log or print
-    encode = _encoder(data, tokenizer)
+    encode = _encoder(data, tokenizer, images)
     if data.task == "arithmetic":
         train_rows = arithmetic_pairs(data.train_size, data.seed, data.max_operand, data.operators)
         val_rows = arithmetic_pairs(data.val_size, data.seed + 1, data.max_operand, data.operators) if data.val_size else []

@@ -43,6 +43,8 @@ class SFTDataConfig:
     response_key: str = "response"  # pair: the response string's column
     messages_key: str = "messages"  # messages: the chat's column (a list of {role, content})
     text_key: str = "text"  # text: the plain text's column
+    # a vision-language model's images: one per <image> placeholder in the prompt or the chat's user turns
+    image_key: str = "images"
     apply_chat_template: bool | str = "auto"  # pairs: "auto" renders the prompt through the tokenizer's template
     chat_wrap: bool = False  # pairs: a string prompt becomes one user message
     system_prompt: str | None = None  # pairs: prepended as a system message to a chat prompt that has none

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from controller.config import ConfigError
+from controller.data.images import ImageProcessing
 from controller.data.sft_rows import SFTData, load_sft_examples
 from controller.models.builtin import resolve_model_path
 from controller.sft.config import SFTConfig, check_sft_config, sft_config_to_dict
@@ -34,7 +35,7 @@ def prepare_sft(config: SFTConfig, log: Callable[[str], None] | None = None) -> 
     check_sft_config(config, ModelSpec.from_pretrained(config.actor.model_path or model))
     tokenizer = AutoTokenizer.from_pretrained(config.actor.model_path or model)
     try:
-        data = load_sft_examples(config.data, tokenizer, log)
+        data = load_sft_examples(config.data, tokenizer, log, ImageProcessing.for_model(config.actor.model_path or model))
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data: {exc}") from None
     return model, data
@@ -96,7 +97,7 @@ def _fine_tune(config: SFTConfig, model: str, data: SFTData, pool, fields: dict[
                          pad_token_id=pad, pool=pool, run_dir=run_dir, logger=logger,
                          save_every=trainer_cfg.save_every, val_every=trainer_cfg.val_every,
                          seed=trainer_cfg.seed, shuffle=config.data.shuffle, max_bad_steps=trainer_cfg.max_bad_steps,
-                         hang_timeout_s=trainer_cfg.hang_timeout_s)
+                         hang_timeout_s=trainer_cfg.hang_timeout_s, images=ImageProcessing.for_model(model_path))
     try:
         if trainer_cfg.resume:
             step = trainer.resume()

@@ -33,10 +33,13 @@ class SFTTrainer:
     def __init__(self, *, actor: RoleSpec, train: Sequence[SFTExample], batch_size: int, pad_token_id: int,
                  val: Sequence[SFTExample] = (), pool: ResourcePool | None = None, run_dir: str | Path | None = None,
                  logger=None, save_every: int = 0, val_every: int = 0, seed: int = 0, shuffle: bool = True,
-                 max_bad_steps: int = 5, hang_timeout_s: float | None = None) -> None:
+                 max_bad_steps: int = 5, hang_timeout_s: float | None = None, images=None) -> None:
+        """``images``: a vision-language model's image processing (``controller.data.images.ImageProcessing``),
+        for examples with images."""
         self.spec, self.pool, self.logger = actor, pool, logger
-        self.loader = SFTLoader(train, batch_size, pad_token_id, shuffle, seed)
-        self.val_loader = SFTLoader(val, min(batch_size, len(val)), pad_token_id, shuffle=False) if val else None
+        self.loader = SFTLoader(train, batch_size, pad_token_id, shuffle, seed, images)
+        self.val_loader = (SFTLoader(val, min(batch_size, len(val)), pad_token_id, shuffle=False, images=images)
+                           if val else None)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.save_every, self.val_every = save_every, val_every
         self.global_step = 0

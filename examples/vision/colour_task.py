@@ -3,7 +3,8 @@ alone (no hybridflow import, no download, no processor object: torchvision is no
 
 Each image shows a coloured square beside a circle of another colour; the prompt asks which colour the square
 is. The rows follow verl's schema: a chat ``prompt`` with an ``<image>`` placeholder, the ``images`` column as
-datasets' Image feature, ``reward_model.ground_truth`` the colour's name.
+datasets' Image feature, ``reward_model.ground_truth`` the colour's name (and ``response``, the same name, for
+supervised fine-tuning on the pairs).
 
     python examples/vision/colour_task.py --out DIR [--train 256] [--val 32] [--seed 0]
 
@@ -49,6 +50,7 @@ def rows(count: int, seed: int, split: str) -> list[dict]:
         draw(square, circle, rng.random() < 0.5).save(buffer, format="PNG")
         out.append({"prompt": [{"role": "user", "content": QUESTION}], "images": [{"bytes": buffer.getvalue(),
                                                                                   "path": None}],
+                    "response": square,  # SFT's pair (prompt, response); RL reads the ground truth
                     "data_source": "colour_square", "reward_model": {"style": "rule", "ground_truth": square},
                     "extra_info": {"split": split, "index": index, "circle": circle}})
     return out
@@ -60,6 +62,7 @@ def write_parquet(path: Path, data: list[dict]) -> None:
     features = Features({
         "prompt": [{"role": Value("string"), "content": Value("string")}],
         "images": Sequence(Image()),
+        "response": Value("string"),
         "data_source": Value("string"),
         "reward_model": {"style": Value("string"), "ground_truth": Value("string")},
         "extra_info": {"split": Value("string"), "index": Value("int64"), "circle": Value("string")},

@@ -91,7 +91,15 @@ def run_actor(pool, case, temperature, suffix=""):
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
     actor.save_hf(str(out / "after_step"))
-    torch.save({"log_probs": log_probs, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
+    restored = None
+    if case.get("checkpoint"):  # the stepped actor through a checkpoint into a fresh one: its log-probs
+        actor.save_checkpoint(str(out / "checkpoints"), 1)
+        fresh = WorkerGroup(pool, Actor, role=f"restored{suffix}", kwargs=dict(
+            model_path=case["model"], engine={**layout, "micro_batch_size": 2},
+            freeze_vision_tower=case.get("freeze_vision_tower", True)))
+        fresh.load_checkpoint(str(out / "checkpoints"))
+        restored = fresh.compute_log_prob(batch)
+    torch.save({"log_probs": log_probs, "restored_log_probs": restored, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(),
                 "activations": actor.saved_activation_bytes(batch) if case["pp"] == 1 else None}, out / "result.pt")
 

@@ -128,7 +128,7 @@ RUNS = {
     "VL-TP1": ("vl", 1, 1, 1, "token-mean", ()),
     "VL-TP2": ("vl", 2, 1, 2, "token-mean", ()),
     "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision",)),
-    "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision",)),
+    "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision", "--checkpoint")),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -159,7 +159,8 @@ def launched(models, tmp_path_factory):
                 cases.append({"model": str(models[name]), "out": str(out), "tp": tp, "pp": pp, "agg": mode,
                               "dist_opt": "--dist-opt" in extra, "logits_output": "--logits-output" in extra,
                               "precision": "bf16" if "bf16" in extra else "fp32",
-                              "freeze_vision_tower": "--train-vision" not in extra})
+                              "freeze_vision_tower": "--train-vision" not in extra,
+                              "checkpoint": "--checkpoint" in extra})
                 done[r] = out
             listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
             listing.write_text(json.dumps(cases))
@@ -250,6 +251,17 @@ def test_vision_language_actor_matches_hf_on_image_prompts(models, launched, run
     after, before = hf_model(launched(run) / "after_step").state_dict(), model.state_dict()
     tower = max((after[k] - before[k]).abs().max().item() for k in before if k.startswith("model.visual."))
     assert (tower > 1e-4) if "trained" in run else tower == 0
+    restored = torch.load(launched(run) / "result.pt", weights_only=False)["restored_log_probs"]
+    assert (restored is not None) == ("--checkpoint" in RUNS[run][5])
+    if restored is not None:  # the stepped actor through a checkpoint, its tower too: the stepped model's log-probs
+        with torch.no_grad():
+            stepped, _ = reference_log_probs(hf_model(launched(run) / "after_step"), batch_of(launched(run)))
+        mask = batch.batch["response_mask"].bool()
+        torch.testing.assert_close(restored.batch["old_log_probs"][mask], stepped[mask], atol=1e-5, rtol=0)
+
+
+def batch_of(out):
+    return torch.load(out / "inputs.pt", weights_only=False)["batch"]
 
 
 def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(models, launched):
