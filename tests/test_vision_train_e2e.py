@@ -1,8 +1,9 @@
-"""End to end, a vision-language model through ``hybridflow train``: a tiny Qwen2.5-VL and a parquet of image rows
-in verl's schema, both made outside the project (``examples/vision/colour_task.py`` imports transformers, tokenizers
-and datasets only), train 2 GRPO steps at actor TP2, the vision tower trained too, with vLLM generating from the
-same images on the synced weights (the tower's among them); a user's reward function sees each sample's image; the
-export loads in transformers and answers an image prompt."""
+"""End to end, a vision-language model through the CLI: a tiny Qwen2.5-VL and a parquet of image rows in verl's
+schema, both made outside the project (``examples/vision/colour_task.py`` imports transformers, tokenizers and
+datasets only); ``hybridflow sft`` fine-tunes it on the rows' (image prompt, answer) pairs for 2 steps, then
+``hybridflow train`` takes 2 GRPO steps from that export at actor TP2, the vision tower trained too, with vLLM
+generating from the same images on the synced weights (the tower's among them); a user's reward function sees each
+sample's image; the export loads in transformers and answers an image prompt."""
 
 import json
 import os
@@ -34,24 +35,41 @@ def trained(tmp_path_factory):
                              timeout=300, env={**os.environ, "PYTHONPATH": ""}, cwd=str(tmp_path))
     assert outside.returncode == 0, outside.stderr[-3000:]
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
-    task, run = tmp_path / "task", tmp_path / "run"
+    task, sft, run = tmp_path / "task", tmp_path / "sft", tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "sft", "--config", "examples/vision/sft_colour.yaml",
+         f"model_path={task / 'model'}", f"trainer.run_dir={sft}", f"data.train_files={task / 'train.parquet'}",
+         f"data.val_files={task / 'val.parquet'}", "trainer.total_steps=2", "data.batch_size=8", "trainer.val_every=0",
+         "trainer.save_every=0", "trainer.logger=[jsonl]", "trainer.plots=false"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    proc = subprocess.run(
         [sys.executable, "-m", "controller.cli", "train", "--config", "examples/vision/grpo_colour.yaml",
-         f"model_path={task / 'model'}", f"trainer.run_dir={run}", "data.task=files",
+         f"model_path={sft / 'hf_actor'}", f"trainer.run_dir={run}", "data.task=files",
          f"data.train_files={task / 'train.parquet'}", f"data.val_files={task / 'val.parquet'}",
          "reward.fn=user_reward:varied", "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_before_train=false",
          "trainer.save_every=0", "rollout.sampling.n=2", "data.batch_size=4", "ppo.ppo_mini_batch_size=8",
          "actor.optim.lr=1e-2", "actor.freeze_vision_tower=false", "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.export_hf=true"],
         capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return task, run
+    return task, sft, run
+
+
+def test_sft_learns_the_answers_of_image_prompts_and_not_their_image_tokens(trained):
+    task, sft, _ = trained
+    steps = [json.loads(line) for line in (sft / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and steps[1]["sft/loss"] < steps[0]["sft/loss"]
+    answers = [row["response"] for row in __import__("datasets").Dataset.from_parquet(str(task / "train.parquet"))]
+    # each step is a whole epoch of the 8 rows: each learns its colour's characters and the end of turn, never the
+    # prompt's 8 image tokens
+    assert [s["sft/learned_tokens"] for s in steps] == [sum(len(a) + 1 for a in answers)] * 2
 
 
 def test_two_grpo_steps_at_tp2_generate_from_the_images_and_train_on_them(trained):
     from hybridengine.model.spec import ModelSpec
 
-    task, run = trained
+    task, _, run = trained
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     spec = ModelSpec.from_pretrained(task / "model")
@@ -66,9 +84,9 @@ def test_the_export_loads_in_transformers_and_answers_an_image_prompt(trained):
     from PIL import Image
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    task, run = trained
+    task, sft, run = trained
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "hf_actor", dtype=torch.float32).eval()
-    before = Qwen2_5_VLForConditionalGeneration.from_pretrained(task / "model", dtype=torch.float32).state_dict()
+    before = Qwen2_5_VLForConditionalGeneration.from_pretrained(sft / "hf_actor", dtype=torch.float32).state_dict()
     after = model.state_dict()
     for part in ("visual", "language_model"):  # both trained
         assert max((after[k] - before[k]).abs().max().item() for k in before if f".{part}." in k) > 1e-4, part
