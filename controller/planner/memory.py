@@ -288,20 +288,21 @@ def lora_state(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dp: int, dp_rank
 @lru_cache(maxsize=8192)
 def state_memory(spec: ModelSpec, tp: int, pp: int, dp: int, precision: str, trains: bool,
                  distributed_optimizer: bool = False, ep: int = 1, etp: int | None = None, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = ()) -> StateMemory:
+                 lora_targets: tuple[str, ...] = (), train_vision: bool = False) -> StateMemory:
     """The largest model state any rank holds for a role at TP ``tp`` x PP ``pp`` x DP ``dp`` (a mixture of
     experts' at EP ``ep`` x ETP ``etp``; ``spec`` padded as the engine pads it); with ``lora_rank``, a role
-    training LoRA adapters on ``lora_targets`` over its frozen base."""
+    training LoRA adapters on ``lora_targets`` over its frozen base; ``train_vision``: a vision-language model's
+    tower trained too."""
     if trains and lora_rank:
         return max((lora_state(spec, tp, pp, s, dp, d, precision, distributed_optimizer, lora_rank, lora_targets)
                     for s in range(pp) for d in (range(dp) if distributed_optimizer else (0,))),
                    key=lambda m: m.total)
     if not (trains and distributed_optimizer):
-        return max((stage_state(spec, tp, pp, s, dp, 0, precision, trains, False, ep, etp) for s in range(pp)),
-                   key=lambda m: m.total)
+        return max((stage_state(spec, tp, pp, s, dp, 0, precision, trains, False, ep, etp, 0, train_vision)
+                    for s in range(pp)), key=lambda m: m.total)
     layout = ParallelLayout(tp, pp, dp, ep, etp)
     return max((stage_state(spec, tp, pp, layout.coordinate(r).pp_rank, dp, layout.coordinate(r).dp_rank, precision,
-                            trains, True, ep, etp, layout.expert_coordinate(r).edp_rank)
+                            trains, True, ep, etp, layout.expert_coordinate(r).edp_rank, train_vision)
                 for r in range(layout.world_size)), key=lambda m: m.total)
 
 

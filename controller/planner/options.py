@@ -161,8 +161,10 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     dp = n // (tp * pp)
     spec = work.padded(tp)
     seq = workload.seq_len
+    patches = workload.image_tokens * spec.vision.spatial_merge_size ** 2 if spec.vision is not None else 0
     shape = ActivationShape(micro_batch, seq, work.precision, workload.flash_attention, work.recompute,
-                            work.recompute_num_layers)
+                            work.recompute_num_layers, micro_batch * patches if work.train_vision else 0)
+    images = dict(image_tokens=workload.image_tokens, vision_trains=work.train_vision)
     tp_link, dp_link, pp_link = links_for(cluster, tp), links_for(cluster, n), links_for(cluster, tp * pp)
     experts = ExpertGrid(ep, etp, links_for(cluster, ep * (tp if etp is None else etp)))
     memory: dict[str, int] = {}
@@ -173,14 +175,15 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         memory["weights"] = state_weights
     else:
         state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer, ep, etp,
-                             work.lora_rank, work.lora_targets)
+                             work.lora_rank, work.lora_targets, work.train_vision)
         memory.update(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer)
         state_weights = state.total
     if work.forward_passes:
         forward_act = activation_bytes(spec, tp, pp, shape, 1, trains=False)
         memory["forward activations"] = forward_act
         extra[1] = forward_act
-        times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch),
+        times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch,
+                                                                                  workload.image_tokens),
                                                       device, work.precision, tp_link, efficiency, pp_link, experts)
     if work.trains:
         steps = work.epochs * max(1, workload.sequences // work.mini_batch)
@@ -188,7 +191,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         train_act = activation_bytes(spec, tp, pp, shape, micro, trains=True)
         memory["training activations"] = train_act
         extra[2] = train_act
-        times[2] = train_time(spec, tp, pp, dp, PassShape(workload.sequences * work.epochs, seq, micro_batch), steps,
+        times[2] = train_time(spec, tp, pp, dp, PassShape(workload.sequences * work.epochs, seq, micro_batch, **images), steps,
                               device, work.precision, tp_link, dp_link, efficiency, work.distributed_optimizer,
                               work.recompute, pp_link, experts)
     reshard, transfer = 0, None
@@ -228,7 +231,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
             times[0] += weight_load_time(work.spec, gen_shard, device, efficiency)
         times[0] += generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
                                     workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
-                                    workload.generation_precision)
+                                    workload.generation_precision, workload.image_tokens)
     return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
                   gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp,
                   lora_sync if work.generates else None, transfer)

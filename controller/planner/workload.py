@@ -66,6 +66,7 @@ class RoleWork:
     etp: int | None = None
     lora_rank: int = 0  # LoRA adapters on the frozen base (trained roles); 0: every weight trains
     lora_targets: tuple[str, ...] = ()
+    train_vision: bool = False  # a vision-language actor's tower trains (actor.freeze_vision_tower false)
 
     def padded(self, tp: int) -> ModelSpec:
         return self.spec.with_padded_vocab(self.vocab_multiple, tp)
@@ -98,6 +99,9 @@ class Workload:
     # Phases on disjoint pools run at once (``trainer.overlap``); False: the sequential controller, every phase
     # in turn (``search.critical_path``).
     overlap: bool = True
+    # A vision-language policy: the image tokens of a prompt (of prompt_len), each merge_size**2 patches through
+    # the vision tower in every pass and in generation's prefill (``vision_image_tokens``)
+    image_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -130,6 +134,25 @@ class Workload:
         return tuple(w.role for w in self.roles)
 
 
+def vision_image_tokens(spec: ModelSpec, model_path: str, prompt_len: int) -> int:
+    """A vision-language prompt's image tokens as planned: one image as large as the checkpoint's image processor
+    makes one (its max_pixels), within ``prompt_len``; ``prompt_len`` where there is no preprocessor_config.json
+    (a planning-only directory). 0 for a text model."""
+    if spec.vision is None:
+        return 0
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "preprocessor_config.json"
+    if not config.is_file():
+        return prompt_len
+    values = json.loads(config.read_text())
+    size = values.get("size") or {}
+    max_pixels = int(size.get("longest_edge") or values.get("max_pixels") or 0)
+    side = spec.vision.patch_size * spec.vision.spatial_merge_size
+    return min(prompt_len, max_pixels // side ** 2) if max_pixels else prompt_len
+
+
 def job_workload(config, flash_attention: bool = True, load=load_spec) -> Workload:
     """The planner's view of ``config`` (an RLConfig); ``flash_attention`` False: the CPU path (attention keeps
     its scores, and vLLM's CPU backend caches KV in 128-token blocks)."""
@@ -157,6 +180,7 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
     roles = [RoleWork("actor", policy, trains=True, distributed_optimizer=config.actor.optim.use_distributed_optimizer,
                       forward_passes=int(recompute_old) + int(ref_in_actor), epochs=config.ppo.ppo_epochs,
                       mini_batch=config.ppo.ppo_mini_batch_size, generates=not separate_rollout,
+                      train_vision=policy.vision is not None and not config.actor.freeze_vision_tower,
                       **engine_fields(config.actor, trains=True))]
     if separate_rollout:
         roles.append(RoleWork("rollout", policy, trains=False, generates=True, vocab_multiple=None))
@@ -186,5 +210,7 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
                     kv_block_tokens=16 if flash_attention else generator_traits(rollout.engine).kv_block_tokens_without_flash,
                     generation_sleeps=rollout.sleep_between_rollouts and flash_attention,
                     overlap=trainer.overlap,
+                    image_tokens=vision_image_tokens(policy, config.actor.model_path or config.model_path,
+                                                     rollout.max_prompt_length),
                     **(dict(lora_rank=config.actor.lora.rank, lora_targets=config.actor.lora.targets,
                             lora_sync=rollout.lora_sync) if config.actor.lora.enabled else {}))

@@ -54,3 +54,34 @@ def test_bad_devices_and_pins_exit_2_naming_the_value(capsys):
     for extra, message in cases:
         assert main(["plan", *PAPER_7B, *extra]) == 2, extra
         assert message in capsys.readouterr().err, (extra, message)
+
+
+def test_a_vision_language_job_plans_its_tower_and_image_tokens(tmp_path, capsys):
+    """Qwen2.5-VL-7B: each device of the actor holds the tower (replicated over TP) beside its language-model shard,
+    and the tower's work on the prompts' image tokens makes the step longer than the same job on its text twin."""
+    vl = MODELS / "qwen2.5-vl-7b"
+    config = json.loads((vl / "config.json").read_text())
+    text = tmp_path / "text-twin"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({**config["text_config"], "architectures": ["Qwen2ForCausalLM"],
+                                                  "model_type": "qwen2"}))
+    job = ["--config", str(ROOT / "examples/vision/grpo_colour.yaml"), "rollout.max_prompt_length=1024",
+           "rollout.sampling.max_new_tokens=512", "data.batch_size=64", "rollout.sampling.n=8",
+           "ppo.ppo_mini_batch_size=256", "actor.engine.precision=bf16", "trainer.nproc=8"]
+    plans = {}
+    for name, model in (("vl", vl), ("text", text)):
+        out = tmp_path / f"{name}.json"
+        assert main(["plan", *job, f"model_path={model}", "--cluster", "1x8xA100-80GB", "--pin", "actor.tp=4",
+                     "--json", str(out)]) == 0
+        plans[name] = json.loads(out.read_text())["plans"][0]
+    capsys.readouterr()
+    tower = ModelSpec.from_pretrained(vl).vision.parameter_count
+    assert 670e6 < tower < 680e6  # Qwen2.5-VL-7B's ViT and merger
+
+    def actor(plan):
+        return next(r for s in plan["sets"] for r in s["roles_detail"] if r["role"] == "actor")
+
+    vl_set, text_set = actor(plans["vl"]), actor(plans["text"])
+    assert (vl_set["tp"], text_set["tp"]) == (4, 4)
+    assert vl_set["memory_bytes"]["weights"] - text_set["memory_bytes"]["weights"] == 2 * tower  # bf16, whole
+    assert plans["vl"]["step_time_s"] > plans["text"]["step_time_s"]
