@@ -106,3 +106,15 @@ def test_the_moe_section_reaches_the_summary():
     assert ("moe (tiny Qwen3-MoE actor vs transformers, cuda:0): fp32 log-prob max diff 2.0e-06, update 900 tok/s, "
             "expert load max/mean 1.75; bf16") in text
     assert "megatron rollout after the reshard over experts: greedy equals HF's (0.5 s)" in text
+
+
+def test_the_vision_section_reaches_the_summary():
+    from tools.bench_gpu_train import build_summary, format_summary
+
+    figures = {"max_abs_log_prob_difference": 3.9e-3, "grad_norm": 3.42, "hf_grad_norm": 3.42,
+               "grad_norm_relative_difference": 7e-5, "ok": True}
+    summary = build_summary([("vision", "ok", 30.0)], {"vision": {"device": "cuda:0", "fp32": figures,
+                                                                  "bf16": figures}})
+    assert summary["ok"] and summary["vision"]["bf16"] == figures
+    assert ("vision (tiny Qwen2.5-VL actor, tower trained, vs transformers, cuda:0): fp32 log-prob max diff 3.9e-03, "
+            "grad norm 7.0e-05 relative; bf16") in format_summary(summary)

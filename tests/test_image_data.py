@@ -126,6 +126,8 @@ def test_train_refuses_a_bad_image_before_any_launch(tmp_path, vl_dir, monkeypat
     ("rollout.engine=megatron", "rollout.engine 'megatron' generates text only; Qwen2_5_VLForConditionalGeneration is a "
                                 "vision-language model: generate with rollout.engine vllm"),
     ("algorithm.name=ppo", "algorithm 'ppo' trains a critic, and a critic on a vision-language model"),
+    ("trainer.mode=one_step_off", "a rollout on a pool of its own takes its weights across pools, which carry no "
+                                  "vision tower yet"),
 ])
 def test_train_refuses_what_does_not_take_images_yet(tmp_path, vl_dir, monkeypatch, capsys, override, message):
     calls = []
@@ -134,3 +136,33 @@ def test_train_refuses_what_does_not_take_images_yet(tmp_path, vl_dir, monkeypat
                      f"trainer.run_dir={tmp_path / 'run'}", override])
     assert (code, calls) == (2, [])
     assert message in capsys.readouterr().err
+
+
+def test_sft_examples_with_images_learn_the_answers_not_the_image_tokens(vl_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from controller.data.sft_rows import _encoder
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    images = ImageProcessing.for_model(vl_dir)
+    data = SimpleNamespace(apply_chat_template="auto", chat_wrap=False, system_prompt=None, format="auto",
+                           messages_key="messages", prompt_key="prompt", response_key="response", text_key="text",
+                           image_key="images")
+    encode = _encoder(data, tokenizer, images)
+    pad = images.vision.image_token_id
+    small, large = {"bytes": png((56, 56), (1, 2, 3))}, {"bytes": png((84, 112), (4, 5, 6))}
+    pair = encode({"prompt": "<image>colour?", "response": "red", "images": [small]}, "row 0")
+    assert pair.prompt_ids.count(pad) == 4 and pad not in pair.response_ids and pair.loss_mask == [1] * 4
+    assert len(pair.images) == 1
+    chat = encode({"messages": [{"role": "user", "content": "<image>a?"}, {"role": "assistant", "content": "x"},
+                                {"role": "user", "content": "and <image>?"}, {"role": "assistant", "content": "y"}],
+                   "images": [small, large]}, "row 1")
+    assert chat.prompt_ids.count(pad) == 4 and chat.response_ids.count(pad) == 12  # the second image, 12 tokens
+    learned = [t for t, m in zip(chat.response_ids, chat.loss_mask) if m]
+    assert pad not in learned and tokenizer.decode(learned) == "x</s>y</s>"
+    with pytest.raises(ValueError, match=r"row 2 has images: .* \(plain text takes no images\)"):
+        encode({"text": "<image> words", "images": [small]}, "row 2")

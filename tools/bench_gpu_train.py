@@ -99,7 +99,7 @@ def build_summary(sections: list[tuple[str, str, float]], results: dict[str, obj
             "speedup_geomean": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3) if speedups else None,
             "slowest": f"{worst['op']} {worst['case']}: {worst['speedup']}x",
         }
-    for name in ("reward", "train", "lora", "rollout", "moe", "grpo"):
+    for name in ("reward", "train", "lora", "rollout", "moe", "vision", "grpo"):
         if isinstance(results.get(name), dict):
             summary[name] = results[name]
     return summary
@@ -133,6 +133,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  rollout ({r['model']}, megatron engine, TP{r['gen_tp']}, {r['device']}): "
                      f"{r['gen_tokens_per_s']:.0f} generated tok/s in generation, {r['tokens_per_s']:.0f} over the call; "
                      f"gen {r['gen_s']} s, reshard {r['reshard_s']} s ({r['prompts']} prompts)")
+    if "vision" in summary:
+        v = summary["vision"]
+        lines.append("  vision (tiny Qwen2.5-VL actor, tower trained, vs transformers, " + v["device"] + "): " + "; ".join(
+            f"{p} log-prob max diff {v[p]['max_abs_log_prob_difference']:.1e}, grad norm "
+            f"{v[p]['grad_norm_relative_difference']:.1e} relative" for p in ("fp32", "bf16") if p in v))
     if "moe" in summary:
         m = summary["moe"]
         lines.append("  moe (tiny Qwen3-MoE actor vs transformers, " + m["device"] + "): " + "; ".join(
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append((name, status, float(seconds)))
         results = {}
         for name, file in (("kernels", "bench_kernels_gpu.json"), ("reward", "reward.json"), ("train", "train.json"),
-                           ("rollout", "rollout.json"), ("moe", "moe.json"), ("grpo", "grpo.json")):
+                           ("rollout", "rollout.json"), ("moe", "moe.json"), ("vision", "vision.json"),
+                           ("grpo", "grpo.json")):
             path = Path(args.results or out / "sections") / file
             if path.is_file():
                 results[name] = json.loads(path.read_text())

@@ -31,6 +31,7 @@ MEGATRON="megatron-core==0.16.1"
 REQUIREMENTS=(
   transformers==5.19.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface-hub==2.4.0
   cloudpickle==3.1.3 psutil==7.2.2 numpy==2.3.5 pyyaml==6.0.4 einops==0.8.2 tqdm==4.70.1
+  pillow==13.0.0
 )
 # pip matches a manylinux_2_N tag only when N is named; 2_28 is what torch's CUDA 13 wheels need anyway.
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)

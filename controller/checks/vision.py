@@ -23,6 +23,11 @@ def vision_problems(job: JobFacts) -> list[str]:
     if rollout.agent is not None:
         problems.append(f"rollout.agent: multi-turn agents carry text observations only; {spec.architecture} is a "
                         "vision-language model (train it single-turn: drop rollout.agent)")
+    trainer = config.trainer
+    if trainer.mode != "sync" or "rollout" in trainer.placement:
+        problems.append(f"trainer.mode {trainer.mode!r} / trainer.placement: a rollout on a pool of its own takes its "
+                        "weights across pools, which carry no vision tower yet; a vision-language model trains with "
+                        "the rollout colocated (trainer.mode sync, no placement.rollout)")
     if job.needs_critic:
         problems.append(f"algorithm {config.algorithm.name!r} trains a critic, and a critic on a vision-language "
                         f"model ({spec.architecture}) is not supported yet; use a critic-free algorithm "

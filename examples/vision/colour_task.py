@@ -3,8 +3,9 @@ alone (no hybridflow import, no download, no processor object: torchvision is no
 
 Each image shows a coloured square beside a circle of another colour; the prompt asks which colour the square
 is. The rows follow verl's schema: a chat ``prompt`` with an ``<image>`` placeholder, the ``images`` column as
-datasets' Image feature, ``reward_model.ground_truth`` the colour's name (and ``response``, the same name, for
-supervised fine-tuning on the pairs).
+datasets' Image feature, ``reward_model.ground_truth`` the colour's name. ``response`` is the pair a supervised warm
+start learns from: the colour of either shape at random, so that it learns the answer's form (a colour of the
+picture) and leaves which shape is asked about to RL.
 
     python examples/vision/colour_task.py --out DIR [--train 256] [--val 32] [--seed 0]
 
@@ -48,9 +49,10 @@ def rows(count: int, seed: int, split: str) -> list[dict]:
         square, circle = rng.sample(sorted(COLOURS), 2)
         buffer = io.BytesIO()
         draw(square, circle, rng.random() < 0.5).save(buffer, format="PNG")
+        either = rng.choice((square, circle))
         out.append({"prompt": [{"role": "user", "content": QUESTION}], "images": [{"bytes": buffer.getvalue(),
                                                                                   "path": None}],
-                    "response": square,  # SFT's pair (prompt, response); RL reads the ground truth
+                    "response": either,  # SFT's pair: a colour of the picture, either shape's; RL's truth: the square's
                     "data_source": "colour_square", "reward_model": {"style": "rule", "ground_truth": square},
                     "extra_info": {"split": split, "index": index, "circle": circle}})
     return out

@@ -45,7 +45,7 @@ def build_vision_tower(spec: ModelSpec, dtype: torch.dtype, device: torch.device
         fullatt_block_indexes=list(v.fullatt_block_indexes), in_channels=v.in_channels, hidden_act="silu",
         tokens_per_second=v.tokens_per_second)
     config._attn_implementation = "sdpa"
-    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, torch_dtype=dtype)
+    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
     return tower.to(device=device, dtype=dtype)
 
 
