@@ -76,7 +76,8 @@ def run_actor(pool, case, temperature, suffix=""):
         pool, Actor, role=f"actor{suffix}",
         kwargs=dict(
             model_path=case["model"],
-            engine={**layout, "micro_batch_size": 2, "fused_output_layer": not case["logits_output"]},
+            engine={**layout, "micro_batch_size": 2, "fused_output_layer": not case["logits_output"],
+                    **({"max_tokens_per_micro_batch": case["token_budget"]} if case.get("token_budget") else {})},
             freeze_vision_tower=case.get("freeze_vision_tower", True),
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": case["dist_opt"]},
             ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,

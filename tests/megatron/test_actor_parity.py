@@ -127,7 +127,8 @@ RUNS = {
     # Qwen2.5-VL: images through the vision tower (frozen, or trained with the language model), mrope positions.
     "VL-TP1": ("vl", 1, 1, 1, "token-mean", ()),
     "VL-TP2": ("vl", 2, 1, 2, "token-mean", ()),
-    "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision",)),
+    # ... its rows grouped by a token budget (micro-batches of unequal rows, each with its own images)
+    "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision", "--token-budget")),
     "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision", "--checkpoint")),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
@@ -160,7 +161,8 @@ def launched(models, tmp_path_factory):
                               "dist_opt": "--dist-opt" in extra, "logits_output": "--logits-output" in extra,
                               "precision": "bf16" if "bf16" in extra else "fp32",
                               "freeze_vision_tower": "--train-vision" not in extra,
-                              "checkpoint": "--checkpoint" in extra})
+                              "checkpoint": "--checkpoint" in extra,
+                              "token_budget": 80 if "--token-budget" in extra else None})
                 done[r] = out
             listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
             listing.write_text(json.dumps(cases))
