@@ -20,11 +20,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id resolves from a cache a
 LONGEST_MODULES = [
     "test_train_cli.py", "test_sft_cli.py", "test_ray_multinode.py", "rollout/test_rollout_engines.py",
     "megatron/test_checkpoint_resume.py", "test_algorithm_cli.py", "faults/test_faults_cli.py",
-    "serving/test_agent_cli.py", "test_one_step_off.py", "test_async_mode.py", "test_docs_examples.py",
+    "serving/test_agent_cli.py", "test_one_step_off.py", "test_async_mode.py", "test_vision_train_e2e.py",
+    "test_docs_examples.py",
     "test_examples.py", "test_sandbox.py", "megatron/test_sft_parity.py", "rollout/test_agent_rollout.py",
     "rollout/test_family_generation.py", "test_torchrun_groups.py", "serving/test_rollout_server.py",
     "megatron/test_critic_parity.py", "test_multinode.py", "test_researcher_api.py", "test_ray_groups.py",
-    "megatron/test_actor_parity.py", "test_placed_dataflow.py", "rollout/test_vision_generation.py",
+    "megatron/test_actor_parity.py", "test_placed_dataflow.py",
     "megatron/test_moe_parity.py",
     "test_smollm2_pipeline.py", "megatron/test_hybrid_engine.py", "megatron/test_two_grids.py",
 ]

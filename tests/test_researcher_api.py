@@ -168,7 +168,7 @@ def test_keywords_are_refused_where_written():
     from workers.actor import Actor
 
     with pytest.raises(TypeError, match=r"Actor: unknown keyword 'optimizer' \(did you mean 'optim'\?\); valid keywords: "
-                                        r"\['engine', 'lora', 'model_path', 'optim', 'ppo'\]"):
+                                        r"\['engine', 'freeze_vision_tower', 'lora', 'model_path', 'optim', 'ppo'\]"):
         check_constructor(Actor, {"model_path": "m", "optimizer": {}})
     with pytest.raises(TypeError, match=r"Actor\(optim=...\): unknown keyword 'learning_rate'; valid keywords: "
                                         r"\['adam_beta1'"):
@@ -224,8 +224,8 @@ def test_every_front_door_refuses_a_wrong_keyword_before_anything_starts(tmp_pat
 
     model = resolve_model_path("builtin:tiny-arithmetic", tmp_path)
     with pytest.raises(TypeError, match=r"Actor.from_pretrained: unknown keyword 'lr' \(it is a field of optim: "
-                                        r"optim=\{'lr': ...\}\); valid keywords: \['engine', 'lora', 'model_path', "
-                                        r"'optim', 'ppo'\]"):
+                                        r"optim=\{'lr': ...\}\); valid keywords: \['engine', 'freeze_vision_tower', "
+                                        r"'lora', 'model_path', 'optim', 'ppo'\]"):
         Actor.from_pretrained(model, device_map="auto", lr=1e-3)
     with pytest.raises(TypeError, match=r"Critic.from_pretrained\(critic=...\): unknown keyword 'ppo_epoch' \(did you "
                                         r"mean 'ppo_epochs'\?\)"):

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from tools.torchrun_job import run_torchrun_job  # noqa: E402
 
 TOLERANCE = {"fp32": dict(log_prob=1e-3, grad_norm=1e-3), "bf16": dict(log_prob=0.1, grad_norm=0.05)}
 
@@ -108,8 +109,6 @@ def inner(args) -> dict:
         results[precision] = {"max_abs_log_prob_difference": difference, "grad_norm": norm, "hf_grad_norm": hf_norm,
                               "grad_norm_relative_difference": relative,
                               "ok": difference <= limits["log_prob"] and relative <= limits["grad_norm"]}
-        print(f"{precision}: log-prob difference from HF {difference:.2e}, gradient norm {norm:.5g} vs HF's "
-              f"{hf_norm:.5g} ({relative:.2e} relative; tolerances {limits})")
     return results
 
 
@@ -133,15 +132,14 @@ def main() -> int:
         task = Path(tmp) / "task"
         (task / "model").mkdir(parents=True)
         colour_task()["tiny_model"](task / "model", 0)
-        out = Path(tmp) / "vision.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
-                   "--inner", str(out), "--task", str(task), "--batch", str(args.batch),
-                   "--response", str(args.response)]
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        code = subprocess.call(command, env={**os.environ, "PYTHONPATH": path})
-        if code != 0 or not out.exists():
-            raise SystemExit(f"the torchrun job failed (exit code {code})")
-        results = json.loads(out.read_text())
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # an installed set too
+        results = run_torchrun_job(__file__, 1, ["--task", str(task), "--batch", str(args.batch), "--response",
+                                                 str(args.response)], "the vision check", env={"PYTHONPATH": path})
+    for precision in ("fp32", "bf16"):
+        r = results[precision]
+        print(f"{precision}: log-prob difference from HF {r['max_abs_log_prob_difference']:.2e}, gradient norm "
+              f"{r['grad_norm']:.5g} vs HF's {r['hf_grad_norm']:.5g} ({r['grad_norm_relative_difference']:.2e} "
+              f"relative; tolerances {TOLERANCE[precision]})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0 if all(results[p]["ok"] for p in ("fp32", "bf16")) else 1

@@ -113,4 +113,5 @@ def with_placeholders(prompt: Prompt, images: ImageProcessing, count: int, where
     if found != count:
         raise ValueError(f"{where}: the prompt's messages hold {found} {IMAGE_PLACEHOLDER} placeholder(s) for its "
                          f"{count} image(s); put one where each image goes")
-    return [{**m, "content": images.placeholders(m["content"], m["content"].count(IMAGE_PLACEHOLDER), where)} for m in prompt]
+    return [{**m, "content": images.placeholders(m["content"], m["content"].count(IMAGE_PLACEHOLDER), where)}
+            for m in prompt]

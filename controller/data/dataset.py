@@ -66,7 +66,7 @@ class PromptDataset:
             return None if column is None else tuple(column[i] for i in rows)
 
         return PromptDataset(pick(self.prompts), pick(self.answers), pick(self.data_sources), pick(self.extra_infos),
-                             pick(self.input_ids), pick(self.prompt_texts), images=pick(self.images))
+                             pick(self.input_ids), pick(self.prompt_texts), pick(self.chats), pick(self.images))
 
     def with_encoding(self, input_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                       chats: Sequence[Sequence[dict[str, Any]] | None] | None = None) -> PromptDataset:

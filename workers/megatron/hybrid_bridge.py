@@ -145,11 +145,13 @@ class HybridBridge:
 
     def _vision_tower(self) -> dict[str, torch.Tensor]:
         """A vision-language model's tower and merger (megatron names), whole: every rank of the first stage holds
-        it and every generation rank takes it whole. Copies, so releasing the training shards leaves them."""
+        it and every generation rank takes it whole. A trained tower's are copies (its weights live in the DDP
+        buffer, which releasing the training shards frees); a frozen one's, views."""
         tower = getattr(self.engine.module(), VISION_MODULE, None)
         if tower is None:
             return {}
-        return {f"{VISION_MODULE}.{name}": p.detach().clone() for name, p in tower.named_parameters()}
+        return {f"{VISION_MODULE}.{name}": p.detach().clone() if p.requires_grad else p.detach()
+                for name, p in tower.named_parameters()}
 
     def _tower_trains(self) -> bool:
         tower = getattr(self.engine.module(), VISION_MODULE, None)

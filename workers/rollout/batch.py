@@ -117,11 +117,11 @@ def build_requests(
         if not ids:
             raise PromptError(f"prompt {first_index + i} is empty (its attention_mask is all zeros)")
         if len(ids) > max_prompt_length:
-            if truncation == "error" or row_images:
-                if row_images:
-                    raise PromptError(f"prompt {first_index + i} has {len(ids)} tokens with its images' tokens, "
-                                      f"more than max_prompt_length={max_prompt_length}; a prompt with images is "
-                                      f"never cut (its image tokens would be): raise max_prompt_length")
+            if row_images:
+                raise PromptError(f"prompt {first_index + i} has {len(ids)} tokens with its images' tokens, more "
+                                  f"than max_prompt_length={max_prompt_length}; a prompt with images is never cut "
+                                  f"(its image tokens would be): raise max_prompt_length")
+            if truncation == "error":
                 raise PromptError(
                     f"prompt {first_index + i} has {len(ids)} tokens, more than max_prompt_length={max_prompt_length}; "
                     f"shorten it, raise max_prompt_length, or set truncation='left'"

@@ -196,10 +196,11 @@ class VLLMGenerator(GeneratorBase):
                 enable_sleep_mode=self.sleeps,
                 # Routes are captured per request as computed (workers.rollout.vllm_routes): no shared prefixes.
                 enable_prefix_caching=not return_routed_experts,
-                # a vision-language model: its tower whole on every rank (hybridengine.model.vision_catalogue), and
-                # the pixels normalized by the image processor: vLLM's on-device normalization keeps the mean and
-                # std as buffers, which dummy weights (the engine fed by the hybrid engine) would randomize
-                **({"mm_encoder_tp_mode": "data", "mm_device_do_normalize": False} if spec.vision is not None else {}),
+                # a vision-language model: its tower whole on every rank (hybridengine.model.vision_catalogue); the
+                # pixels normalized by the image processor (vLLM's on-device normalization keeps the mean and std as
+                # buffers, which dummy weights, the engine fed by the hybrid engine, would randomize); images only
+                **({"mm_encoder_tp_mode": "data", "mm_device_do_normalize": False, "limit_mm_per_prompt": {"video": 0}}
+                   if spec.vision is not None else {}),
                 **(_lora_options(lora_adapter) if lora_adapter else {}),
                 **_cpu_scheduling(max_num_seqs, max_model_len),
             )
