@@ -130,6 +130,7 @@ RUNS = {
     # ... its rows grouped by a token budget (micro-batches of unequal rows, each with its own images)
     "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision", "--token-budget")),
     "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision", "--checkpoint")),
+    "VL-bf16-TP2": ("vl", 2, 1, 2, "token-mean", ("--precision", "bf16", "--train-vision")),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -271,17 +272,20 @@ def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(models, launched):
     run_and_compare(models, launched, "qwen2-tied-PP2")
 
 
-def test_bf16_actor_stays_close_to_the_fp32_reference(model_dir, launched):
+@pytest.mark.parametrize("run", ["bf16-TP2xDP2", "VL-bf16-TP2"])
+def test_bf16_actor_stays_close_to_the_fp32_reference(models, launched, run):
     """bf16 parameters and activations with fp32 master weights (megatron's mixed-precision optimizer), over
-    TP2 x DP2 with the distributed optimizer, against the fp32 HF reference. Tolerances (measured: log-prob
+    TP2 x DP2 with the distributed optimizer (and a Qwen2.5-VL at TP2 on image prompts, its tower trained in bf16
+    too), against the fp32 HF reference. Tolerances (measured: log-prob
     0.025 max / 0.007 mean, loss 1.4e-3, grad norm 0.14%, KL 2e-3):
       log-probs within 0.05 (max) and 0.015 (mean), entropies within 0.01;
       the PPO loss and KL within 5e-3, the gradient norm within 1%;
       each weight after the Adam step within half a bf16 spacing of its value (2^-8 relative) plus
       2 x lr (Adam's near-sign step may differ for gradients near zero), and the update as a whole
       pointing the reference's way (cosine > 0.95)."""
-    tmp_path = launched("bf16-TP2xDP2")
-    result, batch, ref = run_parity_program(model_dir, tmp_path, *RUNS["bf16-TP2xDP2"][1:])
+    tmp_path = launched(run)
+    model_dir = models[RUNS[run][0]]
+    result, batch, ref = run_parity_program(model_dir, tmp_path, *RUNS[run][1:])
     mask = batch.batch["response_mask"].bool()
     got = result["log_probs"].batch
     diff = (got["old_log_probs"] - ref["log_probs"]).abs()[mask]
