@@ -29,14 +29,17 @@ def assert_state_predicted(model_dir, measured: list[dict], tp: int, pp: int, pr
 
 
 def assert_activations_predicted(model_dir, measured: list[dict], tp: int, precision: str, tolerance: float = 0.05,
-                                 vocab_multiple: int = 128, train_vision: bool = False) -> None:
+                                 vocab_multiple: int = 128, train_vision: bool = False, context_parallel: int = 1,
+                                 packed: bool = False) -> None:
     """What autograd keeps for one micro-batch's forward (PP 1, each rank) within ``tolerance`` of the planner's
-    activation model (CPU attention: the [heads, s, s] probabilities are kept; ``train_vision``: a
-    vision-language model's images through its trained tower)."""
+    activation model (CPU attention: the [heads, s, s] probabilities are kept, or with ``packed`` sequences and
+    ``context_parallel`` the engine's own attention's; ``train_vision``: a vision-language model's images
+    through its trained tower)."""
     spec = ModelSpec.from_pretrained(model_dir).with_padded_vocab(vocab_multiple, tp)
     for rank, got in enumerate(measured):
         shape = ActivationShape(got["rows"], got["seq_len"], precision, flash_attention=False,
-                                vision_patches=got.get("image_patches", 0) if train_vision else 0)
+                                vision_patches=got.get("image_patches", 0) if train_vision else 0,
+                                context_parallel=context_parallel, packed=packed or context_parallel > 1)
         predicted = stage_activation_bytes(spec, tp, 1, 0, shape)
         ratio = predicted / got["bytes"]
         print(f"activations rank {rank}: measured {got['bytes']} predicted {predicted} ratio {ratio:.3f}")

@@ -272,3 +272,30 @@ def _problems_of(path, *overrides) -> str:
     with pytest.raises(ConfigError) as info:
         check_config(load_config(path, list(overrides)))
     return str(info.value)
+
+
+def test_context_parallel_and_packing_settings_are_checked_before_launch(tmp_path):
+    """What CP and packed sequences do not take yet is refused before any process starts, naming the setting."""
+    from tiny_models import make_qwen3_moe
+
+    with pytest.raises(ConfigError, match="context_parallel 2 with expert_parallel 2: context parallelism does not "
+                                          "take expert parallelism yet"):
+        load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.engine.context_parallel=2", "actor.engine.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="actor.engine.pack_sequences: expected true or false, got 'maybe'"):
+        load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.engine.pack_sequences=maybe"])
+    spec = ModelSpec.from_pretrained(make_llama(tmp_path / "m", layers=2))
+    # CP2 at TP2 x PP2 needs 8 processes; DP is counted without the CP ranks
+    assert "tensor_parallel * pipeline_parallel * context_parallel = 2 * 2 * 2 = 8" in problems(
+        "actor.engine.context_parallel=2", spec=spec)
+    text = problems("trainer.nproc=8", "actor.engine.context_parallel=2", "actor.lora.rank=4",
+                    "ppo.ppo_mini_batch_size=3", "data.batch_size=3", "critic_ppo.ppo_mini_batch_size=3",
+                    "actor.engine.max_tokens_per_micro_batch=4", "reward.model_path=" + str(tmp_path / "m"),
+                    "reward.engine.pack_sequences=true", spec=spec)
+    assert "actor.lora: LoRA with actor.engine.context_parallel 2: context parallelism does not take LoRA" in text
+    assert "actor: ppo_mini_batch_size 3 does not divide over 1 data-parallel ranks" not in text  # DP 1: it does
+    assert "max_tokens_per_micro_batch 4 x context_parallel 2 is below the longest sequence" in text
+    assert "raise it to 7 or more" in text  # 8 + 6 tokens over two CP ranks
+    assert "reward.engine: a reward model scores padded rows" in text
+    moe = ModelSpec.from_pretrained(make_qwen3_moe(tmp_path / "moe"))
+    assert "is a mixture of experts, whose routing replay and padding masks work on padded rows" in problems(
+        "actor.engine.pack_sequences=true", spec=moe)

@@ -178,3 +178,14 @@ def test_mesh_compute_proto_over_a_generation_mesh():
     assert chunk[4] == chunk[6] == [4, 5] and chunk[5] == chunk[7] == [6, 7]
     assert out["y"].tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
     assert out["rank"].tolist() == [0, 0, 1, 1, 4, 4, 5, 5]  # generation TP rank 0 of each replica answers
+
+
+def test_mesh_compute_proto_gives_a_context_parallel_group_the_same_rows():
+    # TP2 x CP2 x DP2: rank = tp + 2 * (cp + 2 * dp); ranks 0-3 split the rows of replica 0, ranks 4-7 replica 1
+    layout = ParallelLayout(tensor_parallel=2, data_parallel=4, context_parallel=2)
+    calls, out = run(Dispatch.MESH_COMPUTE_PROTO, GroupView(8, layout), DataProto({"x": torch.arange(4)}),
+                     fn=double_rows)
+    chunk = {rank: c.args[0]["x"].tolist() for rank, c in enumerate(calls)}
+    assert all(chunk[rank] == [0, 1] for rank in range(4)) and all(chunk[rank] == [2, 3] for rank in range(4, 8))
+    # one answer per replica: TP rank 0 of CP rank 0
+    assert out["y"].tolist() == [0, 2, 4, 6] and out["rank"].tolist() == [0, 0, 4, 4]

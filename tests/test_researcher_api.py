@@ -149,7 +149,7 @@ def test_the_trainer_writes_device_map_auto_layouts_into_its_config_before_the_c
     config = auto.config
     for role, section in (("actor", config.actor), ("critic", config.critic), ("ref_policy", config.ref_policy)):
         layout = (section.engine.tensor_parallel, section.engine.pipeline_parallel)
-        assert layout == expected[role], (role, layout)
+        assert layout == expected[role][:2] and expected[role][2] == section.engine.context_parallel == 1, (role, layout)
         assert role == "ref_policy" or layout[0] * layout[1] >= 2  # a trained role's DP splits its mini-batch of 2
         assert section.device_map is None
     assert auto.specs["ref_policy"].kwargs["engine"].tensor_parallel == config.ref_policy.engine.tensor_parallel

@@ -200,7 +200,7 @@ class Actor(_LogProbRole):
         terms = terms or PolicyUpdateTerms(ppo.policy_loss_spec())
         temperature = float(data.meta_info.get("temperature", 1.0))
         from_update = bool(old_log_probs_from_update)
-        sequences = len(data) * self.engine.layout.dp
+        sequences = len(data) * self.engine.grid.data_replicas
         if from_update and not agreement.old_log_probs_from_update(
                 "auto", ppo.ppo_epochs, ppo.ppo_mini_batch_size, sequences, read_before_update=False):
             raise ValueError(
@@ -223,7 +223,7 @@ class Actor(_LogProbRole):
         """One supervised step on ``data`` (prompt | response rows, as a rollout hands them over): the
         token mean of -log p(response token) over ``response_mask``, over every row of every DP rank, one
         optimizer step. Metrics ``sft/loss``, ``sft/grad_norm``, ``sft/lr`` (one value each)."""
-        sequences = len(data) * self.engine.layout.dp
+        sequences = len(data) * self.engine.grid.data_replicas
         metrics = run_ppo_epochs(self.engine, data, sequences, epochs=1, shuffle=False, seed=0,
                                  make_step=lambda normalizer: partial(self._sft_loss, normalizer=normalizer),
                                  prefix="sft")

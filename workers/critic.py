@@ -68,7 +68,7 @@ class Critic(EngineRole):
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto | None:
         def step(mb: MicroBatch, output: torch.Tensor):
-            return output.new_zeros(()), {"values": response_values(mb, output)}
+            return output.new_zeros(()), {"values": response_values(self.engine, mb, output)}
 
         outputs = self.engine.run(data, step, forward_only=True)
         return DataProto({"values": outputs.rows("values")}) if outputs else None
@@ -88,6 +88,6 @@ class Critic(EngineRole):
     def _value_loss(self, mb: MicroBatch, output: torch.Tensor, *, normalizer: LossNormalizer):
         cfg, mask = self.critic, mb["response_mask"]
         loss, stats = value_loss(
-            response_values(mb, output), mb["values"], mb["returns"], mask, cfg.clip_range_value, cfg.loss_agg_mode, normalizer
+            response_values(self.engine, mb, output), mb["values"], mb["returns"], mask, cfg.clip_range_value, cfg.loss_agg_mode, normalizer
         )
         return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"] * token_share(mask, normalizer)}

@@ -173,16 +173,16 @@ def _mesh_layout(view: GroupView) -> ParallelLayout | GenerationMesh:
 
 def _dispatch_mesh_proto(view: GroupView, args: tuple, kwargs: dict):
     layout = _mesh_layout(view)
-    per_replica, pad = _split_protos("MESH_COMPUTE_PROTO", args, kwargs, layout.dp)
-    # Every rank of one model replica (its TP x PP ranks) gets the same chunk.
-    calls = [per_replica[layout.coordinate(rank).dp_rank] for rank in range(view.world_size)]
+    per_replica, pad = _split_protos("MESH_COMPUTE_PROTO", args, kwargs, layout.data_replicas)
+    # Every rank of one model replica (its TP x PP ranks, and its CP group's) gets the same chunk.
+    calls = [per_replica[layout.data_rank(rank)] for rank in range(view.world_size)]
     return calls, pad
 
 
 def _collect_mesh_proto(view: GroupView, outputs: dict[int, Any], pad: _Padding) -> Any:
     layout = _mesh_layout(view)
-    by_replica = {layout.coordinate(r).dp_rank: outputs[r] for r in outputs if layout.is_collect_rank(r)}
-    return _join_outputs([by_replica[d] for d in range(layout.dp)], pad)
+    by_replica = {layout.data_rank(r): outputs[r] for r in outputs if layout.is_collect_rank(r)}
+    return _join_outputs([by_replica[d] for d in range(layout.data_replicas)], pad)
 
 
 _RULES: dict[str, DispatchRule] = {

@@ -7,7 +7,7 @@ from typing import Any
 
 from controller.checks.facts import JobFacts
 
-__all__ = ["layout_problems", "model_split_problem", "response_limit"]
+__all__ = ["layout_problems", "model_split_problem", "response_limit", "sequence_layout_problem"]
 
 
 def layout_problems(job: JobFacts) -> list[str]:
@@ -36,7 +36,6 @@ def _roles(job: JobFacts) -> list[tuple[str, str, Any, int | None]]:
 
 def _role_layouts(job: JobFacts):
     """The problems of each role's grid, and the actor's layout (None where it has none)."""
-    from hybridengine.parallel.layout import ParallelLayout
 
     config, pools, problems, actor_layout = job.config, job.pools, [], None
     trainer, data, n = config.trainer, config.data, config.rollout.sampling.n
@@ -51,14 +50,15 @@ def _role_layouts(job: JobFacts):
             problems.append(f"{key}: tensor_parallel x pipeline_parallel = {mp} does not divide {where} {world}")
             continue
         try:
-            layout = ParallelLayout.for_world(world, eng.tensor_parallel, eng.pipeline_parallel, eng.expert_parallel,
-                                              eng.expert_tensor_parallel)
+            layout = eng.layout(world)
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
+        spec = job.role_specs.get(key)
+        if problem := sequence_layout_problem(key, spec, eng):
+            problems.append(problem)
         if role == "actor":
             actor_layout = layout
-        spec = job.role_specs.get(key)
         if spec is not None and (problem := model_split_problem(key, spec, eng)):
             problems.append(problem)
         if mini is not None:
@@ -71,15 +71,19 @@ def _mini_batch_problems(job: JobFacts, role: str, eng, mini: int, layout, seque
     if sequences % mini:
         problems.append(f"{role}: a step's {sequences} sequences (data.batch_size {data.batch_size} x n "
                         f"{rollout.sampling.n}) do not divide into PPO mini-batches of {mini}")
-    elif mini % layout.dp:
-        problems.append(f"{role}: ppo_mini_batch_size {mini} does not divide over {layout.dp} data-parallel ranks")
-    elif (mini // layout.dp) % eng.micro_batch_multiple:
-        problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.dp} sequences, not a multiple of "
-                        f"micro_batch_size {eng.micro_batch_size}")
+    elif mini % layout.data_replicas:
+        problems.append(f"{role}: ppo_mini_batch_size {mini} does not divide over {layout.data_replicas} "
+                        "data-parallel ranks")
+    elif (mini // layout.data_replicas) % eng.micro_batch_multiple:
+        problems.append(f"{role}: a mini-batch gives each DP rank {mini // layout.data_replicas} sequences, not a "
+                        f"multiple of micro_batch_size {eng.micro_batch_size}")
     longest = rollout.max_model_len
-    if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch < longest:
-        problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch} is below the "
-                        f"longest sequence, rollout.max_prompt_length + {response_limit(rollout)} = {longest}")
+    if eng.max_tokens_per_micro_batch is not None and eng.max_tokens_per_micro_batch * eng.context_parallel < longest:
+        per_rank = -(-longest // eng.context_parallel)
+        cp = f" x context_parallel {eng.context_parallel}" if eng.context_parallel > 1 else ""
+        problems.append(f"{role}: engine.max_tokens_per_micro_batch {eng.max_tokens_per_micro_batch}{cp} is below "
+                        f"the longest sequence, rollout.max_prompt_length + {response_limit(rollout)} = {longest}; "
+                        f"raise it to {per_rank} or more")
     return problems
 
 
@@ -125,6 +129,22 @@ def _generation_layout(job: JobFacts, actor_layout) -> list[str]:
 def response_limit(rollout) -> str:
     """The key that bounds a response: one reply's max_new_tokens, or a whole conversation's."""
     return "agent.max_response_length" if rollout.agent is not None else "max_new_tokens"
+
+
+def sequence_layout_problem(key: str, spec: Any, engine) -> str | None:
+    """Why ``engine``'s context parallelism or packed sequences cannot run the role ``key`` or its model (its
+    ``ModelSpec``, None where unread); None when they can."""
+    from workers.megatron.preflight import check_sequence_layout
+
+    if key == "reward.engine" and engine.packed:
+        return (f"{key}: a reward model scores padded rows: context_parallel and pack_sequences are for the actor, "
+                "critic and reference")
+    try:
+        if spec is not None:
+            check_sequence_layout(spec, engine)
+    except ValueError as exc:
+        return f"{key}: {exc}"
+    return None
 
 
 def model_split_problem(key: str, spec: Any, engine) -> str | None:

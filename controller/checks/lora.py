@@ -42,6 +42,10 @@ def lora_problems(roles: dict[str, tuple[Any, Any]]) -> list[str]:
             problems.append(f"{key}.lora: LoRA trains adapters, and the {key} does not train; only actor.lora and "
                             f"critic.lora are valid (a LoRA actor's reference is its base, the adapters off)")
             continue
+        cp = getattr(getattr(role, "engine", None), "context_parallel", 1)
+        if cp > 1:
+            problems.append(f"{key}.lora: LoRA with {key}.engine.context_parallel {cp}: context parallelism does not "
+                            "take LoRA adapters yet; set context_parallel 1 or train every weight (lora.rank 0)")
         if lora.adapter_path is not None and not (Path(lora.adapter_path) / "adapter_config.json").is_file():
             problems.append(f"{key}.lora.adapter_path {lora.adapter_path!r} is not a PEFT adapter directory (no "
                             f"adapter_config.json)")

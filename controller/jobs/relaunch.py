@@ -42,14 +42,11 @@ T = TypeVar("T")
 
 
 def data_parallel(config) -> int:
-    """The actor's data-parallel size under ``config``'s pools and its TP x PP (x EP) split."""
-    from hybridengine.parallel.layout import ParallelLayout
-
+    """The actor's data-parallel size (the replicas that take rows of their own) under ``config``'s pools and its
+    TP x PP (x EP, x CP) split."""
     pools = job_pools(config.trainer)
-    engine = config.actor.engine
     world = pools.get("actor", pools["default"]).world_size
-    return ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel, engine.expert_parallel,
-                                    engine.expert_tensor_parallel).dp
+    return config.actor.engine.layout(world).data_replicas
 
 
 def healthy_node_count(nodes: list[dict], nproc: int, gpus: bool) -> int:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the planner loads only when the command runs: `hybridflow -
 
 __all__ = ["add_plan_parser", "parse_pins", "run_plan"]
 
-_PIN_KEYS = {"tp": int, "pp": int, "ep": int, "micro_batch": int, "gen_tp": int, "devices": int, "colocate_with": str}
+_PIN_KEYS = {"tp": int, "pp": int, "ep": int, "cp": int, "micro_batch": int, "gen_tp": int, "devices": int, "colocate_with": str}
 
 
 def add_plan_parser(commands) -> None:
@@ -94,6 +94,10 @@ def check_pins(pins: "dict[str, Pin]", workload: "Workload", cluster) -> None:
                             f"into {pin.pp} stages")
         if pin.devices is not None and pin.tp is not None and pin.devices % (pin.tp * (pin.pp or 1)):
             raise PlanError(f"--pin {role}: tp x pp = {pin.tp * (pin.pp or 1)} does not divide devices={pin.devices}")
+        if pin.cp is not None and pin.cp > 1 and (role == "rollout" or work.spec.moe is not None or work.lora_rank
+                                                   or work.spec.vision is not None):
+            raise PlanError(f"--pin {role}.cp={pin.cp}: context parallelism splits a dense megatron role's sequences "
+                            "(not a rollout's, a mixture of experts', a LoRA role's or a vision-language model's)")
         if pin.colocate_with == role:
             raise PlanError(f"--pin {role}.colocate_with={role}: a role is always with itself; name another role")
         if workload.mode != "sync" and "rollout" in (role, pin.colocate_with) and pin.colocate_with is not None:

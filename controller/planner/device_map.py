@@ -5,7 +5,7 @@ devices); every role the user laid out keeps its TP / PP, every role keeps
 its micro-batch. For the ``auto`` roles the search (``search.best_on_split``
 on that one placement and split) picks, among the layouts that fit a device
 in every stage beside their pool's other roles, the one with the fastest
-predicted step: TP x PP for a megatron role, the generation TP for the
+predicted step: TP x PP (and CP where a long sequence needs it) for a megatron role, the generation TP for the
 rollout (at the KV cache the config gives it). Nothing fits: a ValueError
 with the smallest footprint tried.
 
@@ -62,9 +62,9 @@ def _size(nbytes: int) -> str:
 
 
 def auto_layouts(config, auto: set[str], cluster: Cluster, efficiency: Efficiency | None = None,
-                 flash_attention: bool = True) -> dict[str, tuple[int, int]]:
-    """(TP, PP) of each role of ``auto`` (the rollout's: its generation TP x PP) in the fastest plan that fits;
-    ``flash_attention``: GPU kernels (the CPU path keeps attention's scores)."""
+                 flash_attention: bool = True) -> dict[str, tuple[int, int, int]]:
+    """(TP, PP, CP) of each role of ``auto`` (the rollout's: its generation TP x PP, CP 1) in the fastest plan that
+    fits; ``flash_attention``: GPU kernels (the CPU path keeps attention's scores)."""
     workload = job_workload(config, flash_attention=flash_attention)
     sets = job_sets(config, workload)
     pins = {}
@@ -78,6 +78,7 @@ def auto_layouts(config, auto: set[str], cluster: Cluster, efficiency: Efficienc
             else:
                 fixed = role not in auto
                 pins[role] = Pin(tp=work.tp if fixed else None, pp=work.pp if fixed else None,
+                                 cp=work.cp if fixed else None,
                                  micro_batch=work.micro_batch, gen_tp=gen_tp, kv_cache_bytes=kv)
     placement, split = tuple(roles for roles, _ in sets), tuple(n for _, n in sets)
     plan, need = best_on_split(workload, cluster, placement, split, efficiency, pins)
@@ -91,8 +92,8 @@ def auto_layouts(config, auto: set[str], cluster: Cluster, efficiency: Efficienc
     for role in auto:
         if role == "rollout":
             generating = next(o for s in plan.sets for o in s.options if o.gen_tp is not None)
-            layouts[role] = (generating.gen_tp, generating.gen_pp)
+            layouts[role] = (generating.gen_tp, generating.gen_pp, 1)
         elif role in workload.role_names:
             option = plan.option(role)
-            layouts[role] = (option.tp, option.pp)
+            layouts[role] = (option.tp, option.pp, option.cp)
     return layouts

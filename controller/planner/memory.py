@@ -318,6 +318,25 @@ class ActivationShape:
     # a vision-language model: the image patches per micro-batch through a trained vision tower (a frozen
     # tower keeps nothing for backward)
     vision_patches: int = 0
+    context_parallel: int = 1  # CP: each rank holds a CP-th of every sequence's tokens
+    packed: bool = False  # packed sequences (the engine's own attention; CP > 1 runs packed too)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank (a CP-th of each sequence, its length rounded up to 2 x CP)."""
+        cp = self.context_parallel
+        length = self.seq_len if cp == 1 else -(-self.seq_len // (2 * cp)) * 2
+        return self.micro_batch * length
+
+    def mask_bytes(self, element: int) -> int:
+        """The packed attention's masks on the CPU path, kept once per micro-batch (every layer shares them) on
+        the busiest CP rank: the last, whose two middle chunks (2c queries) see (CP + 1) c keys, c = s / 2CP.
+        CP 1 needs none (plain causal attention)."""
+        cp = self.context_parallel
+        if not self.packed or cp == 1 or self.flash_attention:
+            return 0
+        chunk = -(-self.seq_len // (2 * cp))
+        return self.micro_batch * 2 * chunk * (cp + 1) * chunk * element
 
 
 def vision_activation_bytes(spec: ModelSpec, patches: int, precision: str) -> int:
@@ -353,19 +372,33 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape) -> 
     - fused (``flash_attention``: the GPU's kernels): each norm its input and output (2 T h, twice);
       attention q, k, v at their own heads and the output ((2a + 2g) d); the MLP fc1's output and fc2's
       input (3 T f); no [heads, s, s] scores.
+
+    Per-head q/k norms (Qwen3) keep what a norm keeps over every query and key head.
+
+    Packed sequences and context parallelism (the engine's own attention, ``workers.megatron.context_attention``):
+    T is a CP-th of the tokens; attention keeps q, each row's keys and values in position order (gathered from
+    the CP ranks: CP x the local ones; on the CPU repeated to every query head), its output, the context, the
+    log-sum-exp per head and RoPE's cos and sin for q and k (4 d), and no [heads, s, s] scores on either
+    kernel set (on the CPU its masks, kept once per micro-batch: ``ActivationShape.mask_bytes``).
     """
-    t_tokens = shape.micro_batch * shape.seq_len
+    t_tokens = shape.tokens
     b = dtype_bytes(shape.precision)
+    cp = shape.context_parallel
     heads = spec.num_attention_heads // tp
     groups = max(spec.num_query_groups // tp, 1)
     d, h, f = spec.head_dim, spec.hidden_size, spec.ffn_hidden_size // tp
     if spec.moe is not None:  # a mixture of experts' MLP, by formula (balanced routing; not measured to the byte)
         return _moe_layer_activation_bytes(spec, tp, shape)
+    qk = (heads + groups) * d if spec.qk_layernorm else 0  # the elements the per-head q/k norms see
     if shape.flash_attention:
-        per_token = 4 * h + (2 * heads + 2 * groups) * d + 3 * f
+        per_token = 4 * h + (2 * heads + 2 * cp * groups) * d + 3 * f + 2 * qk
         scores = 0
+    elif shape.packed:  # the CPU's fused attention takes K/V at every query head: grouped ones are repeated
+        norms = (2 * h + qk) * (8 + b)
+        return t_tokens * (norms + (((3 + 2 * cp) * heads + 4) * d + 5 * f) * b + 4 * heads)
     else:
-        norms = 2 * h * (8 + b)  # two norms: input and normalized input in fp32, output in the model's dtype
+        # two norms (and the q/k norms): input and normalized input in fp32, output in the model's dtype
+        norms = (2 * h + qk) * (8 + b)
         scores = 0 if shape.recompute == "selective" else (
             shape.micro_batch * heads * shape.seq_len * shape.seq_len * (4 + (b if b < 4 else 0))
             + shape.seq_len * shape.seq_len)
@@ -380,9 +413,10 @@ def _moe_layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape
     experts see k copies of its share of the tokens, whatever the expert parallelism (megatron runs an MoE
     with TP > 1 sequence-parallel, so the hidden states split over TP too)."""
     moe = spec.moe
-    dense = replace(spec, moe=None, ffn_hidden_size=0)
+    # (its q/k norms are not counted apart: this formula is held to the measured MoE layers as a whole)
+    dense = replace(spec, moe=None, ffn_hidden_size=0, qk_layernorm=False)
     attention = layer_activation_bytes(dense, tp, shape)
-    t_tokens = shape.micro_batch * shape.seq_len
+    t_tokens = shape.tokens
     b = dtype_bytes(shape.precision)
     mlp_factor = 3 if shape.flash_attention else 5
     h, k = spec.hidden_size, moe.topk
@@ -394,8 +428,9 @@ def _moe_layer_activation_bytes(spec: ModelSpec, tp: int, shape: ActivationShape
 def stage_activation_bytes(spec: ModelSpec, tp: int, pp: int, pp_rank: int, shape: ActivationShape) -> int:
     """One micro-batch's activations on stage ``pp_rank``: its layers, the embedding's output on the first
     stage, the final norm's on the last."""
-    hidden = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
+    hidden = shape.tokens * spec.hidden_size * dtype_bytes(shape.precision)
     total = len(spec.layers_of_stage(pp_rank, pp)) * layer_activation_bytes(spec, tp, shape)
+    total += shape.mask_bytes(dtype_bytes(shape.precision))
     if pp_rank == 0:
         total += hidden + vision_activation_bytes(spec, shape.vision_patches, shape.precision)
     if pp_rank == pp - 1:  # the final norm
@@ -419,7 +454,7 @@ def activation_bytes(spec: ModelSpec, tp: int, pp: int, shape: ActivationShape, 
     if shape.recompute == "full":
         layers = math.ceil(spec.num_layers / pp)
         blocks = math.ceil(layers / shape.recompute_num_layers)
-        block_input = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(shape.precision)
+        block_input = shape.tokens * spec.hidden_size * dtype_bytes(shape.precision)
         return in_flight * blocks * block_input + shape.recompute_num_layers * per_layer
     return in_flight * max(stage_activation_bytes(spec, tp, pp, r, shape) for r in range(pp))
 

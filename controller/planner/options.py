@@ -4,7 +4,9 @@ An ``Option`` is a role at one layout: TP x PP x DP and the micro-batch (a
 mixture of experts also its expert parallelism EP, with each expert whole on
 a rank or cut over TP: ETP 1 or TP); for the role that generates, also the
 generation layout the hybrid engine reaches from it and how many sequences a
-generation engine runs at once (what its KV cache holds). ``role_options`` lists the options that fit one
+generation engine runs at once (what its KV cache holds). A dense megatron role may also split each
+sequence over context-parallel ranks (CP): the planner tries CP 2, 4, ... at a layout only where the
+sizes below it leave the role's activations too large for a device. ``role_options`` lists the options that fit one
 device's memory by themselves, keeping only those no other option beats on
 every stage time and every memory figure (the search combines roles, and a
 dominated option never makes a better combination).
@@ -42,6 +44,7 @@ class Pin:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None  # a mixture of experts' expert parallelism
+    cp: int | None = None  # context parallelism
     micro_batch: int | None = None
     gen_tp: int | None = None
     devices: int | None = None
@@ -69,6 +72,7 @@ class Option:
     etp: int | None = None  # and its expert TP (None: the TP size)
     lora_sync: str | None = None  # a LoRA actor's generation: its adapters merged or served (rollout.lora_sync)
     transfer_bytes: int | None = None  # a rollout pool's: what crosses from the actor's pool each step (None: resident)
+    cp: int = 1  # context parallelism: each sequence over this many ranks (``dp`` counts the replicas without them)
 
     def dominates(self, other: "Option") -> bool:
         mine = (*self.times, self.resident, *self.extra)
@@ -77,7 +81,7 @@ class Option:
 
     @property
     def layout(self) -> str:
-        text = f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        text = f"TP{self.tp} " + (f"CP{self.cp} " if self.cp > 1 else "") + f"PP{self.pp} DP{self.dp}"
         if self.ep > 1 or self.etp is not None:
             text += f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp is not None else "")
         text += f" mb{self.micro_batch}"
@@ -133,6 +137,27 @@ def _layouts(work: RoleWork, n: int, cluster: Cluster, pin: Pin) -> list[tuple[i
     return found
 
 
+def _context_parallel_sizes(work: RoleWork, workload: Workload, cluster: Cluster, n: int, tp: int, pp: int,
+                            pin: Pin) -> list[int]:
+    """CP sizes to try at TP x PP on ``n`` devices: the pinned one; else 1, and for a dense megatron role without
+    LoRA or a vision tower each next power of two that divides the DP ranks while the one before does not fit a
+    device at one sequence per micro-batch (its state and its training, or forward, activations)."""
+    if pin.cp is not None:
+        return [pin.cp] if (n // (tp * pp)) % pin.cp == 0 else []
+    sizes = [1]
+    if work.role == "rollout" or work.spec.moe is not None or work.lora_rank or work.spec.vision is not None:
+        return sizes
+    spec, dp = work.padded(tp), n // (tp * pp)
+    state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer).total
+    while dp % (sizes[-1] * 2) == 0:
+        shape = ActivationShape(1, workload.seq_len, work.precision, workload.flash_attention, work.recompute,
+                                work.recompute_num_layers, context_parallel=sizes[-1], packed=sizes[-1] > 1)
+        if state + activation_bytes(spec, tp, pp, shape, pp, trains=work.trains) <= cluster.accelerator.usable_bytes:
+            break
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def _micro_batches(work: RoleWork, workload: Workload, dp: int, pin: Pin) -> list[int]:
     if work.trains:
         if work.mini_batch % dp:
@@ -147,9 +172,10 @@ def _micro_batches(work: RoleWork, workload: Workload, dp: int, pin: Pin) -> lis
 def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, tp: int,
                     pp: int, micro_batch: int, gen: tuple[int, int] | None = None,
                     concurrency: int | None = None, ep: int = 1, etp: int | None = None,
-                    lora_sync: str | None = None) -> Option:
+                    lora_sync: str | None = None, cp: int = 1) -> Option:
     """One role at one layout on ``n`` devices: memory and stage times (``ep`` / ``etp``: a mixture of
-    experts' expert parallelism; ``lora_sync``: how a LoRA actor's adapters reach the generating role)."""
+    experts' expert parallelism; ``lora_sync``: how a LoRA actor's adapters reach the generating role; ``cp``:
+    context parallelism, among the ``n / (TP x PP)`` data-parallel ranks)."""
     # The option's times are its set's working alone: only its set's devices busy (what matters for CPU
     # processes sharing a machine's cores). Where sets work at once the search stretches them by the cores they
     # then share (``search.shared_host``); a rollout pool of its own generating beside them under one-step-off
@@ -163,9 +189,11 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     seq = workload.seq_len
     patches = workload.image_tokens * spec.vision.spatial_merge_size ** 2 if spec.vision is not None else 0
     shape = ActivationShape(micro_batch, seq, work.precision, workload.flash_attention, work.recompute,
-                            work.recompute_num_layers, micro_batch * patches if work.train_vision else 0)
-    images = dict(image_tokens=workload.image_tokens, vision_trains=work.train_vision)
+                            work.recompute_num_layers, micro_batch * patches if work.train_vision else 0,
+                            context_parallel=cp, packed=cp > 1 or work.packed)
     tp_link, dp_link, pp_link = links_for(cluster, tp), links_for(cluster, n), links_for(cluster, tp * pp)
+    images = dict(image_tokens=workload.image_tokens, vision_trains=work.train_vision, context_parallel=cp,
+                  cp_link=links_for(cluster, tp * cp))
     experts = ExpertGrid(ep, etp, links_for(cluster, ep * (tp if etp is None else etp)))
     memory: dict[str, int] = {}
     times = [0.0, 0.0, 0.0]
@@ -183,11 +211,13 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         memory["forward activations"] = forward_act
         extra[1] = forward_act
         times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch,
-                                                                                  workload.image_tokens),
+                                                                                  workload.image_tokens,
+                                                                                  context_parallel=cp,
+                                                                                  cp_link=images["cp_link"]),
                                                       device, work.precision, tp_link, efficiency, pp_link, experts)
     if work.trains:
         steps = work.epochs * max(1, workload.sequences // work.mini_batch)
-        micro = work.mini_batch // dp // micro_batch
+        micro = work.mini_batch // (dp // cp) // micro_batch
         train_act = activation_bytes(spec, tp, pp, shape, micro, trains=True)
         memory["training activations"] = train_act
         extra[2] = train_act
@@ -232,9 +262,9 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         times[0] += generation_time(work.spec, gen_tp, replicas, workload.sequences, workload.prompt_len,
                                     workload.response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
                                     workload.generation_precision, workload.image_tokens)
-    return Option(work.role, n, tp, pp, dp, micro_batch, tuple(times), state_weights, tuple(extra),
+    return Option(work.role, n, tp, pp, dp // cp, micro_batch, tuple(times), state_weights, tuple(extra),
                   gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp,
-                  lora_sync if work.generates else None, transfer)
+                  lora_sync if work.generates else None, transfer, cp)
 
 
 def _lora_generation(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, device, n: int,
@@ -343,16 +373,18 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
 def _all_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, pin: Pin):
     """Every option of ``work`` on ``n`` devices, whatever its memory."""
     for tp, pp, ep, etp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1, 1, None)]:
-        dp = n // (tp * pp)
-        micro_batches = _micro_batches(work, workload, dp, pin) if work.role != "rollout" else [1]
-        for micro in micro_batches:
-            gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
-            modes = workload.lora_modes() if work.generates else (None,)
-            for gen, concurrency in gens:
-                at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own is laid out as it generates
-                for mode in modes:
-                    yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency, ep,
-                                          etp, mode)
+        sizes = _context_parallel_sizes(work, workload, cluster, n, tp, pp, pin) if work.role != "rollout" else [1]
+        for cp in sizes:
+            replicas = n // (tp * pp * cp)
+            micro_batches = _micro_batches(work, workload, replicas, pin) if work.role != "rollout" else [1]
+            for micro in micro_batches:
+                gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
+                modes = workload.lora_modes() if work.generates else (None,)
+                for gen, concurrency in gens:
+                    at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own: as it generates
+                    for mode in modes:
+                        yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency,
+                                              ep, etp, mode, cp)
 
 
 def footprint(option: Option) -> int:
@@ -371,6 +403,8 @@ def role_options(work: RoleWork, workload: Workload, cluster: Cluster, efficienc
 
 
 def smallest_footprint(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency,
-                       n: int) -> int | None:
-    """The least a device holds for ``work`` on ``n`` devices over every option (None: no legal layout)."""
-    return min((footprint(o) for o in _all_options(work, workload, cluster, efficiency, n, Pin())), default=None)
+                       n: int, pin: Pin | None = None) -> int | None:
+    """The least a device holds for ``work`` on ``n`` devices over every option ``pin`` allows (None: no legal
+    layout)."""
+    return min((footprint(o) for o in _all_options(work, workload, cluster, efficiency, n, pin or Pin())),
+               default=None)

@@ -6,14 +6,17 @@ pool its roles (an entry naming another role shares its pool), each role at
 its configured TP / PP / micro-batch, the rollout at its TP / PP with as many
 sequences at once as ``rollout.kv_cache_bytes`` holds. ``check_job_memory``
 refuses a job whose plan does not fit a device in some stage, with the
-table of what each role holds and the nearest plan that fits (the search's
-best, as overrides). ``check_before_launch`` runs it on GPU jobs: from
+table of what each role holds, the context parallelism that makes it fit at
+its own layout where one does (``context_parallel_fix``), and the nearest
+plan that fits (the search's best, as overrides). ``check_before_launch`` runs it on GPU jobs: from
 ``hybridflow train`` before any process starts, and from ``RLTrainer.build``
 before any worker (the Python API, pools declared with ``register_placement``
 included); ``trainer.memory_check=false`` (``hybridflow train --force``) skips it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from controller.planner.hardware import GIB, Cluster
 from controller.planner.options import Option, evaluate_option, kv_concurrency
@@ -23,8 +26,8 @@ from controller.planner.timing import Efficiency
 from controller.planner.workload import Workload, job_workload
 from hybridengine.model.spec import ModelConfigError
 
-__all__ = ["MemoryCheckError", "check_before_launch", "check_job_memory", "gpu_cluster", "job_plan", "job_sets",
-           "local_cluster"]
+__all__ = ["MemoryCheckError", "check_before_launch", "check_job_memory", "context_parallel_fix", "gpu_cluster",
+           "job_plan", "job_sets", "local_cluster"]
 
 
 class MemoryCheckError(PlanError):
@@ -69,15 +72,17 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
                 concurrency = kv_concurrency(workload, work.spec, gen[0], config.rollout.kv_cache_bytes)
                 if role == "rollout":
                     tp, pp = gen
-            if devices % (tp * pp):
-                raise ValueError(f"{role}: TP {tp} x PP {pp} does not divide its pool's {devices} devices")
+            cp = 1 if role == "rollout" else work.cp
+            if devices % (tp * pp * cp):
+                raise ValueError(f"{role}: TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
+                                 + f" does not divide its pool's {devices} devices")
             try:
                 work.padded(tp).check_layout(tp, pp)
             except ModelConfigError as exc:
                 raise ValueError(f"{role}: {exc}") from None
             ep, etp = (1, None) if role == "rollout" else (work.ep, work.etp)
             options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
-                                           work.micro_batch, gen, concurrency, ep, etp, mode))
+                                           work.micro_batch, gen, concurrency, ep, etp, mode, cp))
         groups.append(SetPlan(roles, devices, tuple(options)))
     transfer = sum(weight_transfer_time(o, cluster, efficiency) for g in groups if g.roles == ("rollout",)
                    for o in g.options)
@@ -112,6 +117,9 @@ def check_job_memory(config, cluster: Cluster, efficiency: Efficiency | None = N
     message = [f"the job is predicted not to fit its devices ({cluster}, {usable / GIB:.2f} GiB usable each): "
                f"the pool of {'+'.join(worst.roles)} needs {max(worst.memory) / GIB:.2f} GiB a device in the "
                f"{('generation', 'preparation', 'training')[stage]} stage", _table(plan, usable)]
+    fix = context_parallel_fix(config, cluster, worst.roles, efficiency)
+    if fix is not None:
+        message.append(fix)
     best = search(workload, cluster, efficiency, top=1)
     if best.plans:
         overrides = plan_overrides(best.plans[0], cluster)
@@ -121,6 +129,55 @@ def check_job_memory(config, cluster: Cluster, efficiency: Efficiency | None = N
         message.append(f"no plan fits {cluster} (hybridflow plan shows the smallest); use more or larger devices")
     message.append("hybridflow train --force (trainer.memory_check=false) skips this check")
     raise MemoryCheckError("\n".join(message))
+
+
+_CP_SECTIONS = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy"}
+
+
+def _with_context_parallel(config, role: str, cp: int):
+    section = getattr(config, _CP_SECTIONS[role])
+    if section is None:  # the reference: the actor's model and engine until set
+        from controller.config import RoleConfig
+
+        section = RoleConfig(engine=config.actor.engine)
+    engine = replace(section.engine, context_parallel=cp)
+    return replace(config, **{_CP_SECTIONS[role]: replace(section, engine=engine)})
+
+
+def context_parallel_fix(config, cluster: Cluster, roles: tuple[str, ...],
+                         efficiency: Efficiency | None = None) -> str | None:
+    """The context parallelism that makes the job fit at its own TP / PP, as a sentence naming the setting: the
+    smallest CP for one of ``roles`` (the pool that does not fit), else for all of them; None when none does
+    (or the roles' sequences cannot be split: not a dense megatron role without LoRA)."""
+    workload = job_workload(config)
+    usable = cluster.accelerator.usable_bytes
+    devices = dict(job_sets(config, workload))
+    candidates = []
+    for role in roles:
+        work = workload.role(role)
+        if (role in _CP_SECTIONS and work.cp == 1 and work.spec.moe is None and not work.lora_rank
+                and work.spec.vision is None):
+            candidates.append(role)
+    if not candidates:
+        return None
+    pool = devices[next(r for r in devices if roles[0] in r)]
+    for group in [(role,) for role in candidates] + ([tuple(candidates)] if len(candidates) > 1 else []):
+        cp = 2
+        while pool % (cp * max(workload.role(r).tp * workload.role(r).pp for r in group)) == 0:
+            changed = config
+            for role in group:
+                changed = _with_context_parallel(changed, role, cp)
+            try:
+                plan = job_plan(changed, cluster, efficiency=efficiency)
+            except ValueError:
+                break
+            if all(max(g.memory) <= usable for g in plan.sets):
+                settings = " ".join(f"{_CP_SECTIONS[r]}.engine.context_parallel={cp}" for r in group)
+                return (f"each sequence split over {cp} context-parallel ranks makes it fit at its own layout "
+                        f"({plan.peak_memory / GIB:.2f} GiB a device at most, {plan.step_time:.3g} s a step): "
+                        f"{settings}")
+            cp *= 2
+    return None
 
 
 def check_before_launch(config) -> Plan | None:

@@ -59,6 +59,8 @@ def _layout_overrides(option: Option) -> list[str]:
     section = _SECTION[option.role]
     out = [f"{section}.tensor_parallel={option.tp}", f"{section}.pipeline_parallel={option.pp}",
            f"{section}.micro_batch_size={option.micro_batch}"]
+    if option.cp > 1:
+        out.append(f"{section}.context_parallel={option.cp}")
     if option.ep > 1 or option.etp is not None:  # a mixture of experts' expert parallelism
         out += [f"{section}.expert_parallel={option.ep}",
                 f"{section}.expert_tensor_parallel={'null' if option.etp is None else option.etp}"]
@@ -111,7 +113,8 @@ def plan_json(plan: Plan, cluster: Cluster) -> dict:
         "transfer_time_s": plan.transfer_time,
         "placement": [list(s) for s in plan.placement],
         "sets": [{"roles": list(s.roles), "devices": s.devices, "memory_bytes": dict(zip(STAGES, s.memory)),
-                  "roles_detail": [{"role": o.role, "tp": o.tp, "pp": o.pp, "dp": o.dp, "micro_batch": o.micro_batch,
+                  "roles_detail": [{"role": o.role, "tp": o.tp, "pp": o.pp, "cp": o.cp, "dp": o.dp,
+                                    "micro_batch": o.micro_batch,
                                     "gen_tp": o.gen_tp, "gen_pp": o.gen_pp, "concurrency": o.concurrency,
                                     "lora_sync": o.lora_sync,
                                     "times_s": dict(zip(STAGES, o.times)), "state_bytes": o.resident,

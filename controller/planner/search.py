@@ -312,7 +312,7 @@ class _Search:
         key = (role, n)
         if key not in self._footprints:
             self._footprints[key] = smallest_footprint(self.workload.role(role), self.workload, self.cluster,
-                                                       self.efficiency, n)
+                                                       self.efficiency, n, self.pins.get(role))
         return self._footprints[key]
 
     def transfer_of(self, option: Option) -> float:
@@ -470,5 +470,5 @@ def _fixed_devices(roles: tuple[str, ...], pins: dict[str, Pin]) -> int | None:
 
 
 def _signature(plan: Plan) -> tuple:
-    return tuple((s.roles, s.devices, tuple((o.tp, o.pp, o.micro_batch, o.gen_tp or 0, o.concurrency or 0)
+    return tuple((s.roles, s.devices, tuple((o.tp, o.pp, o.cp, o.micro_batch, o.gen_tp or 0, o.concurrency or 0)
                                             for o in s.options)) for s in plan.sets)

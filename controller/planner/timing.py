@@ -169,6 +169,8 @@ class PassShape:
     micro_batch: int
     image_tokens: int = 0  # a vision-language model's image tokens per sequence (of seq_len)
     vision_trains: bool = False  # its tower trains (a training pass runs its backward too)
+    context_parallel: int = 1  # CP: each sequence split over this many of the DP ranks
+    cp_link: Link | None = None  # the link the CP group's K/V all-gather takes (None: the TP group's)
 
 
 def vision_flops_per_image_token(spec: ModelSpec) -> float:
@@ -204,19 +206,30 @@ def _pass_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, dev
     """One pass on one DP replica: the busiest stage's compute and host time per micro-batch, stretched by
     the 1F1B bubble, plus TP's all-reduces, PP's sends between stages and a mixture of experts' all-to-alls
     (no call cost: see the callers). Balanced routing gives every rank the same expert work whatever the
-    expert parallelism: it changes the memory, the all-to-all and the gradient reduction."""
-    per_rank = math.ceil(shape.sequences / dp)
-    stage = stage_flops_per_token(spec, pp) * per_rank * shape.seq_len
-    attention = _attention_flops(spec, shape.seq_len) * per_rank * math.ceil(spec.num_layers / pp) / spec.num_layers
+    expert parallelism: it changes the memory, the all-to-all and the gradient reduction.
+
+    Context parallelism (``dp`` counts its ranks; ``dp / CP`` replicas take rows of their own): each rank
+    computes a CP-th of every sequence, attention's included (the zigzag split evens the causal work), and
+    each layer all-gathers the K/V of its sequences over the CP group (a reduce-scatter of their gradients in
+    the backward pass)."""
+    cp = shape.context_parallel
+    per_rank = math.ceil(shape.sequences / max(1, dp // cp))
+    stage = stage_flops_per_token(spec, pp) * per_rank * shape.seq_len / cp
+    attention = (_attention_flops(spec, shape.seq_len) * per_rank * math.ceil(spec.num_layers / pp)
+                 / spec.num_layers / cp)
     compute = flops_factor * (stage + attention) / (tp * device.flops(precision) * mfu)
     # the vision tower on the first stage, replicated over TP: every TP rank runs the replica's images
     vision = vision_flops_per_image_token(spec) * per_rank * shape.image_tokens
     compute += (flops_factor if shape.vision_trains else 1.0) * vision / (device.flops(precision) * mfu)
     micro = max(1, math.ceil(per_rank / shape.micro_batch))
     bubble = (pp - 1) / micro
-    hidden = shape.micro_batch * shape.seq_len * spec.hidden_size * dtype_bytes(precision)
+    hidden = shape.micro_batch * shape.seq_len / cp * spec.hidden_size * dtype_bytes(precision)
     layers = math.ceil(spec.num_layers / pp)
     tp_comm = micro * layers * tp_collectives * all_reduce_time(hidden, tp, tp_link, efficiency)
+    if cp > 1:  # K and V of every query group on this TP rank, whole sequences once gathered
+        kv = 2 * shape.micro_batch * shape.seq_len * max(spec.num_query_groups // tp, 1) * spec.head_dim
+        tp_comm += micro * layers * (tp_collectives // 2) * all_gather_time(
+            kv * dtype_bytes(precision), cp, shape.cp_link or tp_link, efficiency)
     sends = (tp_collectives // 2) * micro * transfer_time(hidden / tp, pp_link or tp_link, efficiency) if pp > 1 else 0.0
     host = micro * layers * flops_factor * efficiency.micro_batch_layer_s
     exchange = micro * layers * (experts or ExpertGrid()).exchange_time(
@@ -246,8 +259,7 @@ def train_time(spec: ModelSpec, tp: int, pp: int, dp: int, shape: PassShape, opt
     routed experts (``experts``: one rank's at its EP x ETP) reduce their gradients over the expert-DP ranks."""
     factor = 4.0 if recompute == "full" else 3.0
     grid = experts or ExpertGrid()
-    mini = PassShape(max(1, shape.sequences // optimizer_steps), shape.seq_len, shape.micro_batch, shape.image_tokens,
-                     shape.vision_trains)
+    mini = replace(shape, sequences=max(1, shape.sequences // optimizer_steps))
     per_mini = _pass_time(spec, tp, pp, dp, mini, device, precision, tp_link, efficiency, factor, efficiency.train,
                           6 if recompute == "full" else 4, pp_link, grid)
     stage_elements = weight_bytes(spec, tp, pp, "fp32", grid.ep, grid.etp) / 4

@@ -64,6 +64,8 @@ class RoleWork:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    cp: int = 1  # the config's context parallelism
+    packed: bool = False  # its engine packs sequences (pack_sequences)
     lora_rank: int = 0  # LoRA adapters on the frozen base (trained roles); 0: every weight trains
     lora_targets: tuple[str, ...] = ()
     train_vision: bool = False  # a vision-language actor's tower trains (actor.freeze_vision_tower false)
@@ -171,7 +173,8 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
         return dict(precision=eng.precision, recompute=eng.recompute_granularity,
                     recompute_num_layers=eng.recompute_num_layers, vocab_multiple=eng.make_vocab_size_divisible_by,
                     micro_batch=eng.micro_batch_size, tp=eng.tensor_parallel, pp=eng.pipeline_parallel,
-                    ep=eng.expert_parallel, etp=eng.expert_tensor_parallel, **lora)
+                    ep=eng.expert_parallel, etp=eng.expert_tensor_parallel, cp=eng.context_parallel,
+                    packed=eng.pack_sequences, **lora)
 
     needs_ref = alg.use_reference if alg.use_reference is not None else (
         alg.kl_in_reward or config.ppo.use_kl_loss or alg.kl_loss_fn is not None)

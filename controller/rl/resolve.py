@@ -44,8 +44,8 @@ def auto_layout(config: RLConfig, specs: dict, cluster_of: ClusterOf, flash_atte
     if not auto:
         return config
     cluster, efficiency = cluster_of()
-    for role, (tp, pp) in auto_layouts(config, auto, cluster, efficiency, flash_attention=flash_attention).items():
-        config = with_parallelism(config, role, tp, pp)
+    for role, (tp, pp, cp) in auto_layouts(config, auto, cluster, efficiency, flash_attention=flash_attention).items():
+        config = with_parallelism(config, role, tp, pp, cp if role != "rollout" else None)
     return config
 
 

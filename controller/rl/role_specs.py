@@ -165,10 +165,11 @@ def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
     return DeclaredRoles(specs, calls)
 
 
-def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_parallel: int | None):
-    """``config`` with ``role``'s TP / PP set (None: as it is), as the user's own (no device_map)."""
-    sizes = {k: v for k, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel))
-             if v is not None}
+def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_parallel: int | None,
+                     context_parallel: int | None = None):
+    """``config`` with ``role``'s TP / PP (/ CP) set (None: as it is), as the user's own (no device_map)."""
+    sizes = {k: v for k, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                               ("context_parallel", context_parallel)) if v is not None}
     if role == "rollout":
         return replace(config, rollout=replace(config.rollout, **sizes, device_map=None))
     sections = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy", "reward_model": "reward",

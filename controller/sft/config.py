@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.checks.layouts import model_split_problem
+from controller.checks.layouts import model_split_problem, sequence_layout_problem
 from controller.checks.lora import lora_problems
 from controller.checks.placement import job_pools
 from controller.checks.trainer import trainer_problems
@@ -108,21 +108,25 @@ def check_sft_config(config: SFTConfig, model_spec=None) -> None:
                         f"(trainer.nnodes x nproc)")
     elif data.batch_size >= 1:
         try:
-            layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel,
-                                              engine.expert_parallel, engine.expert_tensor_parallel)
+            layout = engine.layout(world)
         except ValueError as exc:
             problems.append(f"actor: {exc}")
             layout = ParallelLayout.for_world(world, engine.tensor_parallel, engine.pipeline_parallel)
-        if data.batch_size % layout.dp:
-            problems.append(f"data.batch_size {data.batch_size} does not divide over {layout.dp} data-parallel ranks")
-        elif (data.batch_size // layout.dp) % engine.micro_batch_multiple:
-            problems.append(f"data.batch_size gives each data-parallel rank {data.batch_size // layout.dp} examples, "
+        replicas = layout.data_replicas
+        if data.batch_size % replicas:
+            problems.append(f"data.batch_size {data.batch_size} does not divide over {replicas} data-parallel ranks")
+        elif (data.batch_size // replicas) % engine.micro_batch_multiple:
+            problems.append(f"data.batch_size gives each data-parallel rank {data.batch_size // replicas} examples, "
                             f"not a multiple of actor.engine.micro_batch_size {engine.micro_batch_size}")
-    if engine.max_tokens_per_micro_batch is not None and engine.max_tokens_per_micro_batch < data.max_length:
-        problems.append(f"actor.engine.max_tokens_per_micro_batch {engine.max_tokens_per_micro_batch} is below "
-                        f"data.max_length {data.max_length}, the longest example")
+    budget = engine.max_tokens_per_micro_batch
+    if budget is not None and budget * engine.context_parallel < data.max_length:
+        cp = f" x context_parallel {engine.context_parallel}" if engine.context_parallel > 1 else ""
+        problems.append(f"actor.engine.max_tokens_per_micro_batch {budget}{cp} is below data.max_length "
+                        f"{data.max_length}, the longest example")
     if model_spec is not None:
         if problem := model_split_problem("actor", model_spec, engine):
+            problems.append(problem)
+        if problem := sequence_layout_problem("actor", model_spec, engine):
             problems.append(problem)
         if data.max_length > model_spec.max_position_embeddings:
             problems.append(f"data.max_length {data.max_length} exceeds the model's max_position_embeddings "

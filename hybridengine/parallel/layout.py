@@ -15,6 +15,15 @@ parallel ranks, so
 EP rank e holds experts [e E/ep, (e+1) E/ep), each split ETP ways. A dense
 model keeps EP 1 and ETP equal to TP, which is the dense grid itself.
 
+Context parallelism (CP) splits the data-parallel ranks further, as
+megatron orders them (TP fastest, then CP, then DP): consecutive groups of
+``context_parallel`` data-parallel ranks take the same rows and split each
+sequence between them. To the weights CP ranks are data-parallel ranks like
+any other, so ``dp`` counts every replica of the weights (megatron's dp x cp)
+and ``data_replicas`` the replicas that take rows of their own:
+
+    dp_rank = cp_rank + cp * data_rank
+
 A layout holds no process group; whoever owns the processes builds groups
 from the rank lists it returns. Training and generation each have their own
 layout in the same processes, so nothing here is global.
@@ -22,6 +31,7 @@ layout in the same processes, so nothing here is global.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import product
 from typing import NamedTuple
@@ -54,15 +64,20 @@ class ParallelLayout:
     data_parallel: int = 1
     expert_parallel: int = 1  # EP: the experts of a layer split into this many groups of whole experts
     expert_tensor_parallel: int | None = None  # ETP: each expert split this many ways; None: as TP
+    # CP: this many consecutive data-parallel ranks share their rows and split each sequence (see the docstring)
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} size must be a positive integer, got {value!r}")
         etp = self.expert_tensor_parallel
         if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
             raise ValueError(f"expert_tensor_parallel size must be a positive integer or None (as TP), got {etp!r}")
+        if self.dp % self.cp:
+            raise ValueError(f"context_parallel {self.cp} does not divide the {self.dp} data-parallel ranks; "
+                             f"sizes that fit: {divisors(self.dp)}")
         stage = self.tp * self.dp
         if stage % (self.etp * self.ep):
             fits = [e for e in divisors(stage) if (stage // e) % self.etp == 0]
@@ -73,16 +88,19 @@ class ParallelLayout:
 
     @classmethod
     def for_world(cls, world_size: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> "ParallelLayout":
-        """The layout that fills ``world_size`` ranks, data-parallel over what TP*PP leaves."""
-        model_parallel = tensor_parallel * pipeline_parallel
+                  expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+                  context_parallel: int = 1) -> "ParallelLayout":
+        """The layout that fills ``world_size`` ranks, data-parallel over what TP*PP leaves (CP among them)."""
+        model_parallel = tensor_parallel * pipeline_parallel * context_parallel
         if world_size % model_parallel != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel = "
-                f"{tensor_parallel} * {pipeline_parallel} = {model_parallel}"
+                f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel"
+                + (" * context_parallel" if context_parallel > 1 else "")
+                + f" = {tensor_parallel} * {pipeline_parallel}" + (f" * {context_parallel}" if context_parallel > 1 else "")
+                + f" = {model_parallel}"
             )
-        return cls(tensor_parallel, pipeline_parallel, world_size // model_parallel, expert_parallel,
-                   expert_tensor_parallel)
+        return cls(tensor_parallel, pipeline_parallel, world_size // (tensor_parallel * pipeline_parallel),
+                   expert_parallel, expert_tensor_parallel, context_parallel)
 
     @property
     def tp(self) -> int:
@@ -99,6 +117,28 @@ class ParallelLayout:
     @property
     def ep(self) -> int:
         return self.expert_parallel
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel
+
+    @property
+    def data_replicas(self) -> int:
+        """The replicas that take rows of their own: DP / CP (a CP group shares its rows)."""
+        return self.dp // self.cp
+
+    @property
+    def weights(self) -> "ParallelLayout":
+        """This layout as the weights see it: CP ranks are data-parallel ranks (the same ranks, no CP)."""
+        return dataclasses.replace(self, context_parallel=1)
+
+    def cp_rank(self, rank: int) -> int:
+        """``rank``'s place in its CP group: which chunks of each sequence it holds."""
+        return self.coordinate(rank).dp_rank % self.cp
+
+    def data_rank(self, rank: int) -> int:
+        """Which replica's rows ``rank`` takes (0 .. data_replicas - 1)."""
+        return self.coordinate(rank).dp_rank // self.cp
 
     @property
     def etp(self) -> int:
@@ -182,9 +222,9 @@ class ParallelLayout:
         return [[r for r in range(self.world_size) if self.coordinate(r).pp_rank == p] for p in range(self.pp)]
 
     def is_collect_rank(self, rank: int) -> bool:
-        """TP rank 0 of the last pipeline stage: the rank whose outputs stand for its DP replica."""
+        """TP rank 0 (and CP rank 0) of the last pipeline stage: the rank whose outputs stand for its replica."""
         coord = self.coordinate(rank)
-        return coord.tp_rank == 0 and coord.pp_rank == self.pp - 1
+        return coord.tp_rank == 0 and coord.pp_rank == self.pp - 1 and coord.dp_rank % self.cp == 0
 
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
@@ -193,7 +233,19 @@ class ParallelLayout:
         return [[self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
     def dp_groups(self) -> list[list[int]]:
+        """Every replica of one weight shard (CP ranks included): megatron's dp_cp, over which gradients reduce."""
         return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks that split each sequence of the same rows (consecutive DP ranks)."""
+        return [[self.rank_of(t, p, c + self.cp * d) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.data_replicas) for t in range(self.tp)]
+
+    def data_groups(self) -> list[list[int]]:
+        """The ranks with the same CP rank in every replica that takes rows of its own (megatron's dp without cp):
+        sums over a batch's rows reduce over them."""
+        return [[self.rank_of(t, p, c + self.cp * d) for d in range(self.data_replicas)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)]
 
     def model_parallel_groups(self) -> list[list[int]]:
         """The TP*PP ranks that together hold one model replica, one list per DP rank."""
@@ -205,5 +257,7 @@ class ParallelLayout:
         experts = f"xEP{self.ep}" if self.ep > 1 else ""
         if self.etp != self.tp:
             experts += f"xETP{self.etp}"
+        if self.cp > 1:
+            return f"TP{self.tp}xCP{self.cp}xPP{self.pp}xDP{self.data_replicas}{experts}"
         return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{experts}"
 

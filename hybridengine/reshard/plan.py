@@ -118,6 +118,7 @@ def _check(train: ParallelLayout, gen: GenerationLayout) -> str:
 
 
 def plan_reshard(train: ParallelLayout, gen: GenerationLayout) -> ReshardPlan:
+    train = train.weights  # context-parallel ranks are data-parallel ranks to the weights
     kind = _check(train, gen)
     return _plan_gather(train, gen) if kind == "gather" else _plan_slice(train, gen)
 
@@ -182,7 +183,7 @@ class GenerationMesh:
     """The generation layout as a data mesh: which ranks form one generation replica.
 
     It answers what dispatch asks of a ``ParallelLayout`` (``world_size``,
-    ``dp``, ``coordinate``, ``is_collect_rank``) for the generation grid:
+    ``data_replicas``, ``data_rank``, ``is_collect_rank``) for the generation grid:
     ``dp`` counts all generation replicas (d * d_g), every rank of a replica
     gets the same prompts, and its generation TP rank 0 on the last
     generation stage answers.
@@ -203,9 +204,17 @@ class GenerationMesh:
     def dp(self) -> int:
         return self.plan.gen_dp
 
+    @property
+    def data_replicas(self) -> int:
+        """The replicas that take prompts of their own: every generation replica."""
+        return self.dp
+
     def coordinate(self, rank: int) -> MeshCoordinate:
         me = self.plan.ranks[rank]
         return MeshCoordinate(tp_rank=me.gen_tp_rank, pp_rank=me.gen_pp_rank, dp_rank=me.gen_dp_rank)
+
+    def data_rank(self, rank: int) -> int:
+        return self.plan.ranks[rank].gen_dp_rank
 
     def is_collect_rank(self, rank: int) -> bool:
         me = self.plan.ranks[rank]

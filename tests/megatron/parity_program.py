@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N parity_program.py MODEL_DIR OUT_DIR --tp T --pp P [--agg MODE]
     torchrun --nproc-per-node N parity_program.py --cases CASES.json [--role export]   (several runs, one launch)
 
-CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision} (an export's: model, out, tp,
+CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision; optional freeze_vision_tower,
+checkpoint, token_budget, cp (context_parallel), pack (pack_sequences)} (an export's: model, out, tp,
 pp, precision), each run in turn with worker groups of its own on the same processes.
 """
 
@@ -17,6 +18,7 @@ import torch
 from controller import ResourcePool, WorkerGroup
 from hybridengine.model.spec import ModelSpec
 from workers.actor import Actor, ReferencePolicy
+from workers import DataProto
 from workers.critic import Critic
 from controller.runtime.process_exit import exit_process
 
@@ -71,7 +73,8 @@ def run_actor(pool, case, temperature, suffix=""):
     """One actor run: log-probs, the reference's, a PPO step, the export and the engines' sizes, to case["out"]."""
     out = Path(case["out"])
     inputs = torch.load(out / "inputs.pt", weights_only=False)
-    layout = {"precision": case["precision"], "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"]}
+    layout = {"precision": case["precision"], "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"],
+              "context_parallel": case.get("cp", 1), "pack_sequences": case.get("pack", False)}
     actor = WorkerGroup(
         pool, Actor, role=f"actor{suffix}",
         kwargs=dict(
@@ -88,6 +91,7 @@ def run_actor(pool, case, temperature, suffix=""):
         model_path=case["model"], engine={**layout, "micro_batch_size": 4}))
     batch = inputs["batch"]
     batch.meta_info["temperature"] = temperature
+    packed = case.get("cp", 1) > 1 or case.get("pack", False)
     log_probs = actor.compute_log_prob(batch)
     ref_log_probs = ref.compute_ref_log_prob(batch)
     metrics = actor.update_actor(batch.union(inputs["train"]))
@@ -102,7 +106,9 @@ def run_actor(pool, case, temperature, suffix=""):
         restored = fresh.compute_log_prob(batch)
     torch.save({"log_probs": log_probs, "restored_log_probs": restored, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(),
-                "activations": actor.saved_activation_bytes(batch) if case["pp"] == 1 else None}, out / "result.pt")
+                # packed rows and CP: rows of one length (the activation model's shape is rows x the longest row)
+                "activations": (actor.saved_activation_bytes(DataProto.concat([batch[:1]] * 4) if packed else batch)
+                                if case["pp"] == 1 else None)}, out / "result.pt")
 
 
 def run_critic(args, pool, inputs, out):

@@ -1,4 +1,5 @@
-"""The megatron actor at TP1, TP2, PP2, DP2 and TP2xPP2 against HF transformers in one process.
+"""The megatron actor at TP1, TP2, PP2, DP2 and TP2xPP2 (and with context parallelism and packed sequences) against
+HF transformers in one process.
 
 Each layout runs as a real torchrun job on CPU (gloo); the layouts on the same number of processes share one
 launch, each with worker groups of its own. The reference is the
@@ -14,7 +15,7 @@ import torch
 
 from conftest import TESTS, run_torchrun
 from state_checks import assert_activations_predicted, assert_state_predicted
-from tiny_models import make_llama, make_qwen2_5_vl, make_rl_batch, make_vl_rl_batch
+from tiny_models import make_llama, make_qwen2_5_vl, make_qwen3, make_rl_batch, make_vl_rl_batch
 from workers import DataProto
 
 TEMPERATURE = 0.7
@@ -131,6 +132,17 @@ RUNS = {
     "VL-trained-tower-TP1": ("vl", 1, 1, 1, "token-mean", ("--train-vision", "--token-budget")),
     "VL-trained-tower-TP2": ("vl", 2, 1, 2, "token-mean", ("--train-vision", "--checkpoint")),
     "VL-bf16-TP2": ("vl", 2, 1, 2, "token-mean", ("--precision", "bf16", "--train-vision")),
+    # Packed sequences (rows back to back, no padding) and context parallelism (each row in 2 x CP chunks, K/V
+    # gathered over the CP group): the batch's rows of 6-11 tokens cut into chunks of 2-3.
+    "packed-TP1": ("llama", 1, 1, 1, "token-mean", ("--pack",)),
+    "qwen3-TP1": ("qwen3", 1, 1, 1, "token-mean", ()),
+    "qwen3-packed-TP1": ("qwen3", 1, 1, 1, "token-mean", ("--pack",)),
+    "CP2": ("llama", 1, 1, 2, "token-mean", ("--cp2",)),
+    "qwen3-packed-CP2": ("qwen3", 1, 1, 2, "token-mean", ("--pack", "--cp2")),
+    "CP2xTP2-packed": ("llama", 2, 1, 4, "token-mean", ("--pack", "--cp2")),
+    "CP2xPP2": ("llama", 1, 2, 4, "token-mean", ("--cp2",)),
+    # ... and over data-parallel ranks: each sequence counted once by the sequence-mean modes
+    "CP2xDP2-seq-mean-packed": ("llama", 1, 1, 4, "seq-mean-token-mean", ("--pack", "--cp2")),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -140,7 +152,8 @@ def models(model_dir, tmp_path_factory):
     # Qwen2-style: QKV bias, and an embedding shared with the output layer across two stages.
     return {"llama": model_dir, "qwen2": make_llama(tmp_path_factory.mktemp("tiny_qwen2"), tie=True, qkv_bias=True,
                                                       seed=2),
-            "vl": make_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))}
+            "vl": make_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl")),
+            "qwen3": make_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +176,8 @@ def launched(models, tmp_path_factory):
                               "precision": "bf16" if "bf16" in extra else "fp32",
                               "freeze_vision_tower": "--train-vision" not in extra,
                               "checkpoint": "--checkpoint" in extra,
-                              "token_budget": 80 if "--token-budget" in extra else None})
+                              "token_budget": 80 if "--token-budget" in extra else None,
+                              "cp": 2 if "--cp2" in extra else 1, "pack": "--pack" in extra})
                 done[r] = out
             listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
             listing.write_text(json.dumps(cases))
@@ -223,16 +237,17 @@ def run_parity_program(model_dir, tmp_path, tp, pp, nproc, mode, extra=()):
     batch, train = inputs["batch"], inputs["train"]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     ref = reference_step(model_dir, batch, train, mode, train_vision="--train-vision" in extra)
-    dp = nproc // (tp * pp)
-    assert result["layout"] == f"TP{tp}xPP{pp}xDP{dp}"
+    dp, cp = nproc // (tp * pp), 2 if "--cp2" in extra else 1
+    assert result["layout"] == (f"TP{tp}xCP{cp}xPP{pp}xDP{dp // cp}" if cp > 1 else f"TP{tp}xPP{pp}xDP{dp}")
     # The planner's memory model, to the byte, against the engines' tensors (after the step: Adam's state exists).
     precision = "bf16" if "bf16" in extra else "fp32"
     assert_state_predicted(model_dir, result["state_bytes"], tp, pp, precision, True, "--dist-opt" in extra,
                            train_vision="--train-vision" in extra)
     assert_state_predicted(model_dir, result["ref_state_bytes"], tp, pp, precision, False)
-    if pp == 1:  # and its activation model against what autograd keeps for a micro-batch
+    if pp == 1:  # and its activation model against what autograd keeps (packed rows and CP: one row alone)
         assert_activations_predicted(model_dir, result["activations"], tp, precision,
-                                     train_vision="--train-vision" in extra)
+                                     train_vision="--train-vision" in extra, context_parallel=cp,
+                                     packed="--pack" in extra)
     return result, batch, ref
 
 
@@ -261,6 +276,34 @@ def test_vision_language_actor_matches_hf_on_image_prompts(models, launched, run
             stepped, _ = reference_log_probs(hf_model(launched(run) / "after_step"), batch_of(launched(run)))
         mask = batch.batch["response_mask"].bool()
         torch.testing.assert_close(restored.batch["old_log_probs"][mask], stepped[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("run", ["CP2", "CP2xTP2-packed", "CP2xPP2", "CP2xDP2-seq-mean-packed", "qwen3-packed-CP2"])
+def test_context_parallel_actor_matches_hf(models, launched, run):
+    """Each sequence split over two CP ranks (four zigzag chunks), alone and with TP2, PP2 or DP2, packed or
+    not: log-probs, entropy, loss, gradient norm and every weight after the step equal HF's within 1e-5."""
+    run_and_compare(models, launched, run)
+
+
+@pytest.mark.parametrize("packed, unpacked", [("packed-TP1", "TP1"), ("qwen3-packed-TP1", "qwen3-TP1")])
+def test_packed_sequences_equal_padded_rows(models, launched, packed, unpacked):
+    """The same rows packed back to back (Llama, and Qwen3 with its q/k norm) give what padded rows give, within
+    1e-5: log-probs, entropy and the weights after the step; and each equals HF's."""
+    run_and_compare(models, launched, packed)
+    run_and_compare(models, launched, unpacked)
+    mask = batch_of(launched(packed)).batch["response_mask"].bool()
+    results = [torch.load(launched(run) / "result.pt", weights_only=False) for run in (packed, unpacked)]
+    for key in ("old_log_probs", "entropys"):
+        torch.testing.assert_close(results[0]["log_probs"].batch[key][mask], results[1]["log_probs"].batch[key][mask],
+                                   atol=1e-5, rtol=0)
+    assert results[0]["metrics"][0]["actor/grad_norm"][0] == pytest.approx(
+        results[1]["metrics"][0]["actor/grad_norm"][0], abs=1e-5)
+    # padding is paid by the padded rows only
+    assert results[0]["metrics"][0]["actor/padding_fraction_after"][0] == 0.0
+    assert results[1]["metrics"][0]["actor/padding_fraction_after"][0] > 0.05
+    after = [hf_model(launched(run) / "after_step").state_dict() for run in (packed, unpacked)]
+    for name in after[1]:
+        torch.testing.assert_close(after[0][name], after[1][name], atol=1e-5, rtol=0)
 
 
 def batch_of(out):

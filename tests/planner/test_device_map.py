@@ -52,10 +52,12 @@ def test_the_auto_roles_get_the_fastest_layouts_that_fit_and_the_others_keep_the
     assert set(layouts) == auto
     expected = brute_force(overrides, ["actor", "ref_policy"], cluster)
     assert expected is not None
-    assert layouts == expected[1], (layouts, expected)
+    # (TP, PP, CP): short sequences need no context parallelism
+    assert {role: layout[:2] for role, layout in layouts.items()} == expected[1], (layouts, expected)
+    assert all(layout[2] == 1 for layout in layouts.values())
     chosen = load_config(ROOT / "examples/paper_ppo.yaml", [*overrides, *[
         f"{section}.{key}={value}" for role, section in (("actor", "actor.engine"), ("ref_policy", "ref_policy.engine"))
-        for key, value in zip(("tensor_parallel", "pipeline_parallel"), layouts[role])],
+        for key, value in zip(("tensor_parallel", "pipeline_parallel"), layouts[role][:2])],
         f"rollout.tensor_parallel={layouts['rollout'][0]}"])
     assert job_plan(chosen, cluster).step_time == pytest.approx(expected[0], rel=1e-12)
 

@@ -85,3 +85,33 @@ def test_a_vision_language_job_plans_its_tower_and_image_tokens(tmp_path, capsys
     assert (vl_set["tp"], text_set["tp"]) == (4, 4)
     assert vl_set["memory_bytes"]["weights"] - text_set["memory_bytes"]["weights"] == 2 * tower  # bf16, whole
     assert plans["vl"]["step_time_s"] > plans["text"]["step_time_s"]
+
+
+def test_a_long_context_job_gets_context_parallelism_where_it_makes_the_job_fit(tmp_path, capsys):
+    """Qwen3-8B, 1k-token prompts, 32k-token responses, 64 x 8 samples a step, 8 A100-80GB: at TP4 one
+    sequence's activations do not fit a device, so the planner splits it over CP ranks; a job pinned to CP1 at TP4
+    fits no plan, and its pre-launch check names the CP that fits."""
+    from controller.planner.hardware import parse_cluster
+    from controller.planner.prelaunch import MemoryCheckError, check_job_memory
+
+    job = ["--config", str(ROOT / "examples/long_context/grpo_qwen3_8b_32k.yaml")]
+    out = tmp_path / "plans.json"
+    assert main(["plan", *job, "--cluster", "1x8xA100-80GB", "--pin", "actor.tp=4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "TP4 CP2 PP1 DP1" in text
+    sets = json.loads(out.read_text())["plans"][0]["sets"]
+    actor = next(r for s in sets for r in s["roles_detail"] if r["role"] == "actor")
+    assert actor["tp"] == 4 and actor["cp"] >= 2
+    # CP1 at TP4: no plan
+    assert main(["plan", *job, "--cluster", "1x8xA100-80GB", "--pin", "actor.tp=4", "--pin", "actor.cp=1"]) == 1
+    assert "fits no plan on 1x8xA100-80GB" in capsys.readouterr().err
+    config = load_config(ROOT / "examples/long_context/grpo_qwen3_8b_32k.yaml", ["actor.engine.context_parallel=1"])
+    try:
+        check_job_memory(config, parse_cluster("1x8xA100-80GB"))
+        raise AssertionError("a 32k-token job at TP4 CP1 passed the memory check")
+    except MemoryCheckError as exc:
+        message = str(exc)
+    assert "needs" in message and "in the training stage" in message
+    assert "makes it fit at its own layout" in message and "actor.engine.context_parallel=2" in message
+    # as written (CP2) the job passes
+    check_job_memory(load_config(ROOT / "examples/long_context/grpo_qwen3_8b_32k.yaml"), parse_cluster("1x8xA100-80GB"))

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from hybridengine.parallel.layout import ParallelLayout
+
 __all__ = ["EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES",
            "check_precision"]
 
@@ -100,6 +102,13 @@ class EngineConfig:
     moe_aux_loss_coeff: float = 0.0  # the router's load-balancing loss coefficient; 0: off
     moe_z_loss_coeff: float = 0.0  # the router's z-loss coefficient; 0: off
     moe_capacity_factor: float | None = None  # tokens over this x an expert's even share are dropped; null: none
+    # CP: this many data-parallel ranks share their rows and split each sequence between them (zigzag: 2 x CP
+    # chunks, rank r holding chunks r and 2CP-1-r, so causal attention work is even); K/V all-gathered over them.
+    context_parallel: int = 1
+    # Packed sequences: a micro-batch's rows back to back with no padding, attention kept within each row
+    # (cu_seqlens) and positions restarting per row; with max_tokens_per_micro_batch rows fill each micro-batch
+    # up to that many tokens.
+    pack_sequences: bool = False
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -121,12 +130,27 @@ class EngineConfig:
         if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
             raise ValueError(f"expert_tensor_parallel must be a positive integer or null (the dense TP size), "
                              f"got {etp!r}")
-        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.fused_output_layer, bool):
             raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
+        if not isinstance(self.pack_sequences, bool):
+            raise ValueError(f"pack_sequences must be true or false, got {self.pack_sequences!r}")
+        if self.context_parallel > 1 and self.expert_parallel > 1:
+            raise ValueError(f"context_parallel {self.context_parallel} with expert_parallel {self.expert_parallel}: "
+                             "context parallelism does not take expert parallelism yet; set one of them to 1")
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """This engine's grid over ``world_size`` ranks (data-parallel over what TP x PP leaves, CP among them)."""
+        return ParallelLayout.for_world(world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
+                                        self.expert_tensor_parallel, self.context_parallel)
+
+    @property
+    def packed(self) -> bool:
+        """Micro-batches run as packed sequences (THD): asked for, or needed by context parallelism."""
+        return self.pack_sequences or self.context_parallel > 1
 
     @property
     def router(self) -> RouterOptions:

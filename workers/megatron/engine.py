@@ -46,8 +46,10 @@ from workers.megatron.micro_batches import (
 )
 from workers.megatron.moe_padding import MoEPadding, padding_mask
 from workers.megatron.mrope import batch_mrope_positions
+from workers.megatron.packed_sequences import split_rows
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
+from workers.megatron.rope import token_positions
 from workers.megatron.routing_monitor import RoutingMonitor
 from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
 from workers.megatron.vision_tower import (
@@ -87,10 +89,14 @@ class MegatronEngine:
             raise ValueError("LoRA adapters train: a role without an optimizer (a reference or reward model) "
                              "cannot take them")
         self.spec, layout, reader = check_training_setup(model_path, config, world_size)
+        if self.lora is not None and layout.cp > 1:
+            raise ValueError(f"context_parallel {layout.cp} with LoRA (rank {self.lora.rank}): context parallelism "
+                             "does not take LoRA adapters yet; set context_parallel 1 or train every weight")
         self.groups: MegatronGroups = training_groups(layout, config.seed, process_group)
         g = self.groups
         self.model_config, module = build_gpt_stage(
             self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype, pg_collection=g.collection,
+            packed=config.packed,
             recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers,
             ep=layout.ep, etp=layout.etp, router=config.router)
         # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
@@ -122,6 +128,12 @@ class MegatronEngine:
 
     @property
     def layout(self) -> ParallelLayout:
+        """The grid as the weights see it: ``dp`` counts every replica, context-parallel ranks among them."""
+        return self.groups.layout.weights
+
+    @property
+    def grid(self) -> ParallelLayout:
+        """The grid as the data sees it: ``data_replicas`` take rows of their own, each split over ``cp`` ranks."""
         return self.groups.layout
 
     @property
@@ -179,22 +191,38 @@ class MegatronEngine:
         return next(self.module().parameters()).device
 
     def micro_batches(self, batch: DataProto) -> list[MicroBatch]:
-        """``batch`` cut into micro-batches (fixed size, or by token budget), each trimmed to its longest row."""
+        """``batch`` cut into micro-batches (fixed size, or by token budget), each trimmed to its longest row; packed
+        (and split over the CP ranks) when the engine packs sequences.
+
+        A token budget is per rank: under context parallelism a micro-batch holds up to CP x the budget, each
+        rank a CP-th of it."""
         budget = self.config.max_tokens_per_micro_batch
         if budget is None:
             groups = fixed_groups(len(batch), self.config.micro_batch_size)
         else:
-            groups = token_budget_groups(batch.batch["attention_mask"].long().sum(-1).tolist(), budget)
-            if self.layout.has_expert_grid and self.layout.dp > 1:
+            groups = token_budget_groups(batch.batch["attention_mask"].long().sum(-1).tolist(), budget * self.grid.cp)
+            if self.layout.has_expert_grid and self.grid.data_replicas > 1:
                 # The experts' all-to-all spans data-parallel ranks: every rank runs as many micro-batches.
                 groups = split_to_count(groups, int(self.dp_max([len(groups)])[0]))
         width_multiple = self.layout.tp if self.sequence_parallel else 1
         micro = [build_micro_batch(batch.batch, rows, self.device, width_multiple) for rows in groups]
+        if self.config.packed:
+            for mb in micro:
+                self._pack(mb)
         images = batch.non_tensor_batch.get(MULTI_MODAL_INPUTS)
         if images is not None:  # a vision-language batch: each row's images go with it
             for mb, rows in zip(micro, groups):
                 mb[MULTI_MODAL_INPUTS] = [images[row] for row in rows]
         return micro
+
+    def _pack(self, mb: MicroBatch) -> None:
+        """``mb``'s rows as packed tokens of this CP rank (``packed_sequences``): its ``input_ids`` become [1, T],
+        ``response_local`` says where each response position lies among them, ``sequence_split`` goes to megatron."""
+        g = self.groups
+        tokens, response_local, split = split_rows(
+            mb["input_ids"], mb["attention_mask"].long().sum(-1), mb["response_index"], self.grid.cp, g.cp_rank,
+            pad_rows=not self.config.pack_sequences, context_group=g.cp_group)
+        mb.update(input_ids=tokens, response_local=response_local, sequence_split=split)
 
     def run(self, batch: DataProto, step_fn: StepFn, forward_only: bool, loss_scale: float = 1.0) -> RunOutputs:
         """Every micro-batch of ``batch`` through the schedule; the last stage's statistics, one dict per micro-batch.
@@ -211,7 +239,8 @@ class MegatronEngine:
                          self.config.moe_capacity_factor if replayed else None)
         micro = self.micro_batches(batch)
         mask = batch.batch["attention_mask"]
-        padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=sum(mb["input_ids"].numel() for mb in micro))
+        slots = sum(mb["input_ids"].numel() for mb in micro) * self.grid.cp  # a CP rank holds a CP-th of each row
+        padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=slots)
         seq_length = max(mb["input_ids"].shape[1] for mb in micro)
         scale = loss_scale * len(micro)
 
@@ -236,7 +265,7 @@ class MegatronEngine:
                 model=[self.model],
                 num_microbatches=len(micro),
                 seq_length=seq_length,
-                micro_batch_size=max(len(mb["rows"]) for mb in micro),
+                micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro),
                 forward_only=forward_only,
             )
         return RunOutputs(stats, micro, padding)
@@ -245,6 +274,10 @@ class MegatronEngine:
         """``model`` (this stage, wrapped or not) on micro-batch ``mb``; a vision-language model's images go in
         through its vision tower."""
         ids = mb["input_ids"]
+        split = mb.get("sequence_split")
+        if split is not None:  # packed rows: megatron's THD format, RoPE at each token's position in its row
+            with token_positions(self.module(), split.positions):
+                return model(ids, split.positions.unsqueeze(0), None, packed_seq_params=split, **kwargs)
         if self.spec.vision is None:
             return model(ids, _position_ids(ids), None, **kwargs)
         positions, embeddings = self._multimodal_inputs(mb)
@@ -383,8 +416,8 @@ class MegatronEngine:
         activations a training micro-batch holds between its forward and backward (PP 1 only), counted from
         the tensors autograd saves (each storage once). What the planner's activation model predicts.
 
-        Returns ``bytes``, and the micro-batch's ``rows``, ``seq_len`` (trimmed to its longest row) and
-        ``image_patches`` (a vision-language batch's patches through the tower).
+        Returns ``bytes``, and the micro-batch's ``rows``, ``seq_len`` (its longest row) and ``image_patches``
+        (a vision-language batch's patches through the tower).
         """
         if self.layout.pp != 1:
             raise ValueError(f"saved_activation_bytes measures PP 1 layouts; this engine is {self.layout}")
@@ -401,12 +434,13 @@ class MegatronEngine:
                 total += storage.nbytes()
             return t
 
-        ids = mb["input_ids"]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output = self._forward(self.model, mb)
         del output
         patches = sum(int(row["image_grid_thw"].prod(-1).sum()) for row in mb.get(MULTI_MODAL_INPUTS, ()) if row)
-        return {"bytes": total, "rows": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "image_patches": patches}
+        # the micro-batch's width: its longest row (packed rows, or a CP rank's chunks of them, span no more)
+        seq_len = int(mb["attention_mask"].long().sum(-1).max()) if self.config.packed else int(mb["input_ids"].shape[1])
+        return {"bytes": total, "rows": len(mb["rows"]), "seq_len": seq_len, "image_patches": patches}
 
     def vocab_start(self) -> int:
         """The first vocabulary id of this TP rank's rows (of the padded vocabulary)."""
@@ -419,9 +453,10 @@ class MegatronEngine:
         return self._dp_reduce(values, dist.ReduceOp.MAX)
 
     def _dp_reduce(self, values: list[float], op) -> list[float]:
+        """Over the replicas that take rows of their own (a CP group's ranks hold the same rows: counted once)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)  # where the DP group's backend reduces
-        if self.layout.dp > 1:
-            dist.all_reduce(tensor, op=op, group=self.groups.dp_group)
+        if self.grid.data_replicas > 1:
+            dist.all_reduce(tensor, op=op, group=self.groups.data_group)
         return tensor.tolist()
 
     # ------------------------------------------------------- output layer

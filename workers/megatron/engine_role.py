@@ -66,7 +66,7 @@ class EngineRole(BaseWorker):
             raise ValueError(f"freeze_vision_tower false: {model_path} ({spec.architecture}) has no vision tower")
         self.engine = MegatronEngine(model_path, engine or EngineConfig(), self.world_size, optim,
                                      self.process_group, lora, freeze_vision_tower)
-        self.set_layout(self.engine.layout)
+        self.set_layout(self.engine.grid)  # rows go to each replica; a CP group shares its rows
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, path: str, precision: str | None = None) -> str:

@@ -19,6 +19,7 @@ TP > 1 an MoE model runs sequence-parallel, as megatron requires.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from hybridengine.device import accelerator_available, compute_device
 from hybridengine.model.spec import ModelSpec
 from workers.megatron.config import RouterOptions
-from workers.megatron.rope import install_rope
+from workers.megatron.rope import install_rope, install_token_positions
 from workers.megatron.vision_tower import VISION_MODULE, build_vision_tower
 
 __all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "moe_config", "uses_transformer_engine",
@@ -56,17 +57,25 @@ def uses_transformer_engine() -> bool:
     return accelerator_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
+def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None, packed: bool = False):
     """megatron's layer spec; ``qk_layernorm``: an RMSNorm over each query and key head (Qwen3);
-    ``num_experts``: a mixture-of-experts MLP (None: dense)."""
+    ``num_experts``: a mixture-of-experts MLP (None: dense); ``packed``: the core attention of packed sequences
+    and context parallelism (``workers.megatron.context_attention``) in place of megatron's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if uses_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
                                                           qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    if packed:
+        from workers.megatron.context_attention import ContextParallelAttention
+
+        spec = copy.deepcopy(spec)  # megatron may hand out a shared spec: other models keep its attention
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
 
 
 def moe_config(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None,
@@ -155,14 +164,16 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
     )
 
 
-def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, tied: bool, **kwargs):
+def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, tied: bool, packed: bool = False,
+              **kwargs):
     """megatron's GPTModel of one stage of ``spec`` (the padded vocabulary, q/k norm, its RoPE); training and
-    generation build theirs here. ``kwargs`` go to GPTModel (``pg_collection``)."""
+    generation build theirs here. ``packed``: it runs packed sequences (``layer_spec``), its RoPE per token.
+    ``kwargs`` go to GPTModel (``pg_collection``)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.qk_layernorm, spec.moe.num_experts if spec.moe else None),
+        transformer_layer_spec=layer_spec(spec.qk_layernorm, spec.moe.num_experts if spec.moe else None, packed),
         vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -174,6 +185,8 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
         **kwargs,
     )
     install_rope(model, spec)
+    if packed:
+        install_token_positions(model)
     # megatron's torch norms keep fp32 weights whatever params_dtype says; in bf16 every parameter is bf16,
     # as Float16Module makes a trained stage and as vLLM holds the model (RoPE frequencies are no buffer: fp32).
     # Those torch norms are also built on the CPU: the whole stage goes to this process's device.
@@ -181,12 +194,12 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
 
 
 def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, *,
-                    pg_collection, **settings):
-    """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``settings``:
-    gpt_config's recompute and expert settings."""
+                    pg_collection, packed: bool = False, **settings):
+    """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``packed``: it runs
+    packed sequences (and context parallelism); ``settings``: gpt_config's recompute and expert settings."""
     config = gpt_config(spec, tp, pp, dtype, **settings)
     tied = spec.tie_word_embeddings and not spec.is_value_model
-    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, pg_collection=pg_collection)
+    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, packed, pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype).to(compute_device())
     if spec.vision is not None and pp_rank == 0:  # a vision-language model: the image side on the first stage

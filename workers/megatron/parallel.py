@@ -44,6 +44,9 @@ class MegatronGroups:
     ep_group: Any = None  # the expert-parallel group (whole experts)
     etp_group: Any = None  # the expert-tensor-parallel group (one expert's shards)
     edp_group: Any = None  # the replicas of this rank's expert shards
+    cp_rank: int = 0  # context parallelism: which chunks of each sequence this rank holds
+    cp_group: Any = None  # the ranks that split each sequence of the same rows (this rank alone at CP 1)
+    data_group: Any = None  # the ranks that take other rows at this CP rank: where sums over a batch's rows reduce
 
     @property
     def grid_rank(self) -> int:
@@ -114,8 +117,12 @@ def training_groups(layout: ParallelLayout, seed: int, process_group: Any = None
     edp = _mine(layout.expert_dp_groups(), me, ranks)
     tp_ep = _mine(layout.expert_tp_ep_groups(), me, ranks)
     tp_ep_pp = _mine(layout.expert_model_parallel_groups(), me, ranks)
-    # Without context parallelism: dp_cp = dp, tp_cp = tp, tp_dp_cp = a stage's ranks; the distributed
-    # optimizer's single instance spans the pool.
+    # megatron sees no context parallelism: the engine's own attention and per-token outputs use the CP group
+    # (workers.megatron.context_attention), and to the weights CP ranks are data-parallel ranks, so its dp and
+    # dp_cp are the weights' replicas (layout.dp counts them), tp_cp = tp, tp_dp_cp = a stage's ranks; the
+    # distributed optimizer's single instance spans the pool.
+    cp = _mine(layout.cp_groups(), me, ranks)
+    data = _mine(layout.data_groups(), me, ranks)
     collection = ProcessGroupCollection(
         tp=tp, pp=pp, dp=dp, mp=mp, embd=embd, pos_embd=single, cp=single, dp_cp=dp, tp_cp=tp, tp_dp_cp=stage,
         ep=ep, expt_tp=etp, expt_dp=edp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp, intra_dp_cp=dp, intra_expt_dp=edp,
@@ -126,5 +133,6 @@ def training_groups(layout: ParallelLayout, seed: int, process_group: Any = None
     return MegatronGroups(
         layout=layout, ranks=ranks, tp_rank=coord.tp_rank, pp_rank=coord.pp_rank, dp_rank=coord.dp_rank,
         ep_rank=expert.ep_rank, etp_rank=expert.etp_rank, tp_group=tp, pp_group=pp, dp_group=dp, pool_group=pool,
-        collection=collection, ep_group=ep, etp_group=etp, edp_group=edp,
+        collection=collection, ep_group=ep, etp_group=etp, edp_group=edp, cp_rank=layout.cp_rank(me), cp_group=cp,
+        data_group=data,
     )

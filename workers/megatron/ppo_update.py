@@ -33,8 +33,8 @@ def run_ppo_epochs(
     that summing over micro-batches and DP ranks gives the mini-batch value;
     a statistic named ``*_max`` is a maximum instead, and is maximized over them.
     """
-    layout = engine.layout
-    per_rank = mini_batch_plan(len(data) * layout.dp, mini_batch_size, layout.dp, engine.config.micro_batch_multiple)
+    layout, replicas = engine.layout, engine.grid.data_replicas
+    per_rank = mini_batch_plan(len(data) * replicas, mini_batch_size, replicas, engine.config.micro_batch_multiple)
     metrics: dict[str, list[float]] = {}
     engine.routing_metrics()  # from here on: the update's own passes
     engine.replay_metrics()
@@ -42,7 +42,8 @@ def run_ppo_epochs(
         tokens, sequences = engine.dp_sum(normalizer_counts(mini.batch["response_mask"]))
         engine.zero_grad()
         # DDP averages gradients over DP ranks; the shares already add up to the mini-batch mean, so undo it
-        # (the engine undoes the schedule's division by the number of micro-batches).
+        # (the engine undoes the schedule's division by the number of micro-batches). layout.dp counts CP ranks
+        # too: each holds part of every row's tokens, and the rows' gradient is the sum of their parts.
         stats = engine.run(mini, make_step(LossNormalizer(tokens, sequences)), forward_only=False, loss_scale=layout.dp)
         report_non_finite(engine, stats, prefix, index)
         step_metrics = engine.optimizer_step()

@@ -7,7 +7,22 @@ from workers.megatron.config import EngineConfig
 from workers.megatron.hf_checkpoint import HFCheckpointReader
 from hybridengine.model.spec import ModelSpec
 
-__all__ = ["check_training_setup", "mini_batch_plan"]
+__all__ = ["check_sequence_layout", "check_training_setup", "mini_batch_plan"]
+
+
+def check_sequence_layout(spec: ModelSpec, engine: EngineConfig) -> None:
+    """Refuse, naming the setting, what context parallelism and packed sequences do not take yet."""
+    if not engine.packed:
+        return
+    asked = (f"context_parallel {engine.context_parallel}" if engine.context_parallel > 1
+             else "pack_sequences true")
+    if spec.is_moe:
+        raise ValueError(f"{asked}: {spec.architecture} is a mixture of experts, whose routing replay and padding "
+                         "masks work on padded rows; context parallelism and packed sequences take dense models for "
+                         "now (set context_parallel 1 and pack_sequences false)")
+    if spec.vision is not None:
+        raise ValueError(f"{asked}: {spec.architecture} is a vision-language model, whose multimodal positions are "
+                         "laid out per padded row; set context_parallel 1 and pack_sequences false")
 
 
 def mini_batch_plan(batch_size: int, mini_batch_size: int, dp: int, micro_batch_size: int) -> int:
@@ -44,9 +59,9 @@ def check_training_setup(
     )
     spec.check_layout(engine.tensor_parallel, engine.pipeline_parallel, engine.expert_parallel,
                       engine.expert_tensor_parallel)
-    layout = ParallelLayout.for_world(world_size, engine.tensor_parallel, engine.pipeline_parallel,
-                                      engine.expert_parallel, engine.expert_tensor_parallel)
+    layout = engine.layout(world_size)
+    check_sequence_layout(spec, engine)
     reader = HFCheckpointReader(model_path)
     if batch_size is not None:
-        mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.dp, engine.micro_batch_multiple)
+        mini_batch_plan(batch_size, mini_batch_size or batch_size, layout.data_replicas, engine.micro_batch_multiple)
     return spec, layout, reader

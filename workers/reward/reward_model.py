@@ -154,6 +154,10 @@ class RewardModel(EngineRole):
             raise ValueError(
                 f"RewardModel needs a checkpoint with num_labels=1 (one scalar score); {model_path} has {spec.num_labels}"
             )
+        if engine is not None and engine.packed:
+            raise ValueError(f"a reward model reads each row's last token from padded rows: its engine takes neither "
+                             f"context_parallel ({engine.context_parallel}) nor pack_sequences "
+                             f"({engine.pack_sequences}) yet; its sequences are scored whole, forward only")
         self.score_key = score_key
         self._build_engine(model_path, engine, optim=None, value_model=True)
 
