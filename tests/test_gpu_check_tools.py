@@ -118,3 +118,15 @@ def test_the_vision_section_reaches_the_summary():
     assert summary["ok"] and summary["vision"]["bf16"] == figures
     assert ("vision (tiny Qwen2.5-VL actor, tower trained, vs transformers, cuda:0): fp32 log-prob max diff 3.9e-03, "
             "grad norm 7.0e-05 relative; bf16") in format_summary(summary)
+
+
+def test_the_context_section_reaches_the_summary():
+    from tools.bench_gpu_train import build_summary, format_summary
+
+    figures = {"max_abs_log_prob_difference": 2.1e-6, "grad_norm": 3.0, "grad_norm_relative_difference": 4e-7}
+    run = {"device": "cuda:0", "rows": 16, "longest": 1024, "fp32": {"padded": figures, "packed": figures, "ok": True},
+           "bf16": {"padded": figures, "packed": figures, "ok": True}}
+    summary = build_summary([("context", "ok", 40.0)], {"context": {"cp1": run}})
+    assert summary["ok"] and summary["context"]["cp1"]["fp32"]["packed"] == figures
+    assert ("context cp1 (tiny Llama actor on 16 rows of up to 1024 tokens vs transformers, cuda:0): fp32 padded "
+            "log-prob max diff 2.1e-06, grad norm 4.0e-07 relative; fp32 packed") in format_summary(summary)

@@ -99,7 +99,7 @@ def build_summary(sections: list[tuple[str, str, float]], results: dict[str, obj
             "speedup_geomean": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3) if speedups else None,
             "slowest": f"{worst['op']} {worst['case']}: {worst['speedup']}x",
         }
-    for name in ("reward", "train", "lora", "rollout", "moe", "vision", "grpo"):
+    for name in ("reward", "train", "lora", "rollout", "moe", "vision", "context", "grpo"):
         if isinstance(results.get(name), dict):
             summary[name] = results[name]
     return summary
@@ -138,6 +138,13 @@ def format_summary(summary: dict) -> str:
         lines.append("  vision (tiny Qwen2.5-VL actor, tower trained, vs transformers, " + v["device"] + "): " + "; ".join(
             f"{p} log-prob max diff {v[p]['max_abs_log_prob_difference']:.1e}, grad norm "
             f"{v[p]['grad_norm_relative_difference']:.1e} relative" for p in ("fp32", "bf16") if p in v))
+    if "context" in summary:
+        for run, c in summary["context"].items():  # cp1: padded and packed rows on one device; cp2: two
+            lines.append(f"  context {run} (tiny Llama actor on {c['rows']} rows of up to {c['longest']} tokens vs "
+                         f"transformers, {c['device']}): " + "; ".join(
+                             f"{p} {name} log-prob max diff {c[p][name]['max_abs_log_prob_difference']:.1e}, grad norm "
+                             f"{c[p][name]['grad_norm_relative_difference']:.1e} relative"
+                             for p in ("fp32", "bf16") if p in c for name in ("padded", "packed", "cp") if name in c[p]))
     if "moe" in summary:
         m = summary["moe"]
         lines.append("  moe (tiny Qwen3-MoE actor vs transformers, " + m["device"] + "): " + "; ".join(
@@ -372,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name, file in (("kernels", "bench_kernels_gpu.json"), ("reward", "reward.json"), ("train", "train.json"),
                            ("rollout", "rollout.json"), ("moe", "moe.json"), ("vision", "vision.json"),
+                           ("context", "context.json"),
                            ("grpo", "grpo.json")):
             path = Path(args.results or out / "sections") / file
             if path.is_file():

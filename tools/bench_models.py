@@ -14,12 +14,12 @@ SHAPES = {
 }
 
 
-def make_checkpoint(name: str, path: Path, tokenizer: bool = False) -> int:
+def make_checkpoint(name: str, path: Path, tokenizer: bool = False, max_positions: int = 512) -> int:
     """An HF checkpoint of shape ``name`` (seed 0) in ``path``, with a char tokenizer if asked; returns its size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=1,
                                          eos_token_id=2, pad_token_id=0, **SHAPES[name]))
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:

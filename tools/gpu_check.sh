@@ -28,6 +28,10 @@
 #            -> moe.json
 #   vision   a small random Qwen2.5-VL (tower trained) on images: the actor's log-probs and one update's gradient norm
 #            against transformers on the device, fp32 and bf16 (tools/check_vision_gpu.py) -> vision.json
+#   context  packed sequences on the GPU: a tiny Llama actor on rows of long-tailed lengths, rows padded and packed
+#            (the engine's own attention), log-probs and one update's gradient norm against transformers on the
+#            device, fp32 and bf16; context parallelism (CP2) where two devices are visible
+#            (tools/check_long_context_gpu.py) -> context.json
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
 #            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
@@ -40,7 +44,7 @@
 #   8 files at most); the tarball is refreshed after every section, so a run cut short still returns its logs.
 # The CPU dry run (every command line, YAML key and JSON path, at tiny sizes and 2 GRPO steps; no GPU needed):
 #   PYTHON=.venv/bin/python GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SECTIONS="train rollout grpo" bash tools/gpu_check.sh
-# (the dry run's default sections are install reward train lora rollout moe vision grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
+# (the dry run's default sections are install reward train lora rollout moe vision context grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
 # machine) and the same pins built for this machine's Python:
 #   GPU_WHEELS_PYTHON=3.11 GPU_WHEELS_DIR=build/gpu-wheels-py311 bash tools/gpu_wheels.sh
 #   PYTHON=/path/to/torch-only/python GPU_CHECK_WHEELS=build/gpu-wheels-py311 GPU_CHECK_SITE=build/gpu-site-py311 \
@@ -63,9 +67,9 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch's extension build: parallel nvc
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PACK="${GPU_CHECK_PACK:-0}"
 if [ "$DRY" = 1 ]; then
-  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train lora rollout moe vision grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train lora rollout moe vision context grpo}"
 else
-  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train lora rollout moe vision grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train lora rollout moe vision context grpo}"
 fi
 mkdir -p "$OUT"
 if [ "$PACK" = 1 ]; then export SEC="build/gpu-check-sections"; else export SEC="$OUT/sections"; fi
@@ -137,6 +141,8 @@ moe() { "$PY" tools/check_moe_gpu.py --json "$SEC/moe.json" $(dry_args --allow-c
 
 vision() { "$PY" tools/check_vision_gpu.py --json "$SEC/vision.json" $(dry_args --allow-cpu --batch 8); }
 
+context() { "$PY" tools/check_long_context_gpu.py --json "$SEC/context.json" $(dry_args --allow-cpu --rows 8 --longest 256); }
+
 grpo() {
   rm -rf "$GRPO_RUN"
   "$PY" -m controller.cli train --config examples/gpu_grpo.yaml trainer.run_dir="$GRPO_RUN" \
@@ -145,7 +151,7 @@ grpo() {
   "$PY" tools/bench_gpu_train.py grpo-summary "$GRPO_RUN" --json "$SEC/grpo.json"
 }
 export GRPO_RUN
-export -f build ops kernels import_check install dry_args reward train lora rollout moe vision grpo
+export -f build ops kernels import_check install dry_args reward train lora rollout moe vision context grpo
 
 # ------------------------------------------------------------------ running them
 START=$SECONDS
@@ -178,13 +184,14 @@ echo "gpu_check: sections: $SECTIONS; budget ${BUDGET}s; logs in $SEC; python $P
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for name in build ops kernels install reward train lora rollout moe vision grpo; do
+for name in build ops kernels install reward train lora rollout moe vision context grpo; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 150 ;;
     install) run_section install 60 ;; reward) run_section reward 60 ;; train) run_section train 150 ;;
     lora) run_section lora 90 ;;
     rollout) run_section rollout 120 ;; moe) run_section moe 120 ;; vision) run_section vision 90 ;;
+    context) run_section context 90 ;;
     grpo) run_section grpo 180 ;;
   esac
 done

@@ -34,6 +34,8 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "export"])
     parser.add_argument("--lora", help="critic: then a LoRA critic's step, its adapters from this PEFT directory")
+    parser.add_argument("--context-parallel", type=int, default=1,
+                        help="critic: then the same step with each sequence over this many CP ranks, packed")
     parser.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--logits-output", action="store_true",
@@ -140,6 +142,17 @@ def run_critic(args, pool, inputs, out):
         lora.save_hf(str(out / "lora_merged"))
         lora.save_peft(str(out / "lora_adapter"))
         torch.save({"values": values, "metrics": metrics, "state_bytes": lora.state_bytes()}, out / "lora_result.pt")
+    if args.context_parallel > 1:  # the same critic step, each sequence split over the CP ranks, rows packed
+        split = WorkerGroup(pool, Critic, role="cp_critic", kwargs=dict(
+            model_path=args.model,
+            engine={"precision": args.precision, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                    "micro_batch_size": 2, "context_parallel": args.context_parallel, "pack_sequences": True},
+            optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4},
+            critic={"ppo_mini_batch_size": 8, "shuffle": False, "clip_range_value": 0.2, "loss_agg_mode": args.agg}))
+        values = split.compute_values(batch)
+        metrics = split.update_critic(batch.union(inputs["train"]))
+        split.save_hf(str(out / "cp_after_step"))
+        torch.save({"values": values, "metrics": metrics, "layout": str(split.layout)}, out / "cp_result.pt")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The megatron critic (scalar value head) against HF's sequence-classification model; in the same processes, a
+"""The megatron critic (scalar value head) against HF's sequence-classification model (on two processes also with
+each sequence split over both, CP2, rows packed); in the same processes, a
 LoRA critic (rank 4 on every linear, the value head trained beside the adapters) against PEFT's SEQ_CLS model
 (its ``score`` in ``modules_to_save``): values, loss, gradient norm and the merged model after one clipped Adam
 step agree to 1e-5, and the PEFT export (adapters and head) loads in peft and gives the stepped values."""
@@ -73,9 +74,11 @@ def test_critic_matches_hf_reference(critic_dir, critic_adapter, tmp_path, tp, p
         "returns": torch.randn(values0.shape, generator=g) * mask,
     })
     torch.save({"batch": batch, "train": train}, tmp_path / "inputs.pt")
+    # on two processes, also a critic with each sequence split over both (CP2, rows packed)
+    cp = ["--context-parallel", "2"] if (tp, pp, nproc) == (1, 1, 2) else []
     proc = run_torchrun(TESTS / "megatron" / "parity_program.py",
                         [str(critic_dir), str(tmp_path), "--tp", str(tp), "--pp", str(pp), "--role", "critic",
-                         "--lora", str(critic_adapter)], nproc, timeout=400)
+                         "--lora", str(critic_adapter), *cp], nproc, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert_state_predicted(critic_dir, result["state_bytes"], tp, pp, "fp32", trains=True)  # the value head's too
@@ -84,15 +87,18 @@ def test_critic_matches_hf_reference(critic_dir, critic_adapter, tmp_path, tp, p
     _, loss, clipfrac, grad_norm = _value_step(model, batch, train, list(model.parameters()))
 
     m = mask.bool()
-    torch.testing.assert_close(result["values"].batch["values"][m], values0[m], atol=1e-5, rtol=0)
-    for replica in result["metrics"]:
-        assert replica["critic/vf_loss"][0] == pytest.approx(loss, abs=1e-5)
-        assert replica["critic/vf_clipfrac"][0] == pytest.approx(clipfrac, abs=1e-6)
-        assert replica["critic/grad_norm"][0] == pytest.approx(grad_norm, abs=1e-5)
+    results = [result] + ([torch.load(tmp_path / "cp_result.pt", weights_only=False)] if cp else [])
+    for got, stepped in zip(results, ("after_step", "cp_after_step")):
+        torch.testing.assert_close(got["values"].batch["values"][m], values0[m], atol=1e-5, rtol=0)
+        for replica in got["metrics"]:
+            assert replica["critic/vf_loss"][0] == pytest.approx(loss, abs=1e-5)
+            assert replica["critic/vf_clipfrac"][0] == pytest.approx(clipfrac, abs=1e-6)
+            assert replica["critic/grad_norm"][0] == pytest.approx(grad_norm, abs=1e-5)
+        after = hf_critic(tmp_path / stepped).state_dict()
+        for name, expected in model.state_dict().items():
+            torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda msg, n=name: f"{n}: {msg}")
     assert 0 < clipfrac < 1
-    after = hf_critic(tmp_path / "after_step").state_dict()
-    for name, expected in model.state_dict().items():
-        torch.testing.assert_close(after[name], expected, atol=1e-5, rtol=0, msg=lambda msg, n=name: f"{n}: {msg}")
+    assert not cp or results[1]["layout"] == "TP1xCP2xPP1xDP1"
     _check_lora_critic(critic_dir, critic_adapter, tmp_path, batch, train)
 
 
