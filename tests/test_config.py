@@ -299,3 +299,11 @@ def test_context_parallel_and_packing_settings_are_checked_before_launch(tmp_pat
     moe = ModelSpec.from_pretrained(make_qwen3_moe(tmp_path / "moe"))
     assert "is a mixture of experts, whose routing replay and padding masks work on padded rows" in problems(
         "actor.engine.pack_sequences=true", spec=moe)
+    # the transformer-engine attention, where transformer-engine is not installed (here: nowhere)
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "actor: attention 'transformer_engine': transformer-engine is not installed here" in problems(
+            "actor.engine.attention=transformer_engine", "actor.engine.pack_sequences=true")
+    with pytest.raises(ConfigError, match=r"attention must be one of \('local', 'transformer_engine'\), got 'flash'"):
+        load_config(EXAMPLES / "ppo_tiny.yaml", ["actor.engine.attention=flash"])

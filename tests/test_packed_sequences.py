@@ -27,8 +27,11 @@ def test_each_cp_rank_holds_chunks_r_and_2cp_minus_1_minus_r_of_every_row():
     assert split1.positions.tolist() == [2, 3, 4, 5, 1, 2]
     assert tokens0[0].tolist() == [101, 102, 107, 0, 201, 0]  # row 0 padded past its 7 tokens, row 1 past 3
     assert tokens1[0].tolist() == [103, 104, 105, 106, 202, 203]
-    # every rank holds as many tokens, so the gathered K/V are equal slices
-    assert split0.cu_seqlens_q.tolist() == split1.cu_seqlens_q.tolist() == [0, 4, 6]
+    # megatron's THD layout over the CP ranks: the rows' padded and real boundaries (every rank the same)
+    assert split0.cu_seqlens_q_padded.tolist() == split1.cu_seqlens_q_padded.tolist() == [0, 8, 12]
+    assert split0.cu_seqlens_q.tolist() == [0, 7, 10] and split0.max_seqlen_q == 8
+    # every rank holds as many tokens (a CP-th of each padded row), so the gathered K/V are equal slices
+    assert len(tokens0[0]) == len(tokens1[0]) == 12 // 2
     # the gathered tokens of both ranks, put in position order by key_index, are each row again
     gathered = torch.cat([tokens0[0], tokens1[0]])
     assert gathered[split0.key_index[0]].tolist() == [101, 102, 103, 104, 105, 106, 107, 0]
@@ -60,7 +63,9 @@ def test_padded_rows_keep_the_micro_batch_width():
     _, _, packed = split_rows(ids, valid, torch.zeros(2, 1, dtype=torch.long), 1, 0, pad_rows=False)
     _, _, padded = split_rows(ids, valid, torch.zeros(2, 1, dtype=torch.long), 1, 0, pad_rows=True)
     assert packed.row_length == (7, 3) and packed.cu_seqlens_q.tolist() == [0, 7, 10]
-    assert padded.row_length == (7, 7)
+    assert packed.cu_seqlens_q_padded.tolist() == [0, 7, 10] and packed.cp_group is None
+    assert padded.row_length == (7, 7) and padded.cu_seqlens_q_padded.tolist() == [0, 7, 14]
+    assert padded.cu_seqlens_q.tolist() == [0, 7, 10]  # the real tokens: a row's padding is not its own
     assert padded_length(7, 2) == 8 and padded_length(8, 2) == 8 and padded_length(1, 3) == 6
 
 

@@ -140,8 +140,7 @@ def sequence_layout_problem(key: str, spec: Any, engine) -> str | None:
         return (f"{key}: a reward model scores padded rows: context_parallel and pack_sequences are for the actor, "
                 "critic and reference")
     try:
-        if spec is not None:
-            check_sequence_layout(spec, engine)
+        check_sequence_layout(spec, engine)
     except ValueError as exc:
         return f"{key}: {exc}"
     return None

@@ -241,6 +241,11 @@ class ParallelLayout:
         return [[self.rank_of(t, p, c + self.cp * d) for c in range(self.cp)]
                 for p in range(self.pp) for d in range(self.data_replicas) for t in range(self.tp)]
 
+    def tp_cp_groups(self) -> list[list[int]]:
+        """TP x CP: the ranks that together hold one copy of a sequence's activations (megatron's tp_cp)."""
+        return [sorted(self.rank_of(t, p, c + self.cp * d) for c in range(self.cp) for t in range(self.tp))
+                for p in range(self.pp) for d in range(self.data_replicas)]
+
     def data_groups(self) -> list[list[int]]:
         """The ranks with the same CP rank in every replica that takes rows of its own (megatron's dp without cp):
         sums over a batch's rows reduce over them."""

@@ -141,8 +141,9 @@ RUNS = {
     "qwen3-packed-CP2": ("qwen3", 1, 1, 2, "token-mean", ("--pack", "--cp2")),
     "CP2xTP2-packed": ("llama", 2, 1, 4, "token-mean", ("--pack", "--cp2")),
     "CP2xPP2": ("llama", 1, 2, 4, "token-mean", ("--cp2",)),
-    # ... and over data-parallel ranks: each sequence counted once by the sequence-mean modes
-    "CP2xDP2-seq-mean-packed": ("llama", 1, 1, 4, "seq-mean-token-mean", ("--pack", "--cp2")),
+    # ... and over data-parallel ranks: each sequence counted once by the sequence-mean modes; the distributed
+    # optimizer shards over the CP and DP ranks together
+    "CP2xDP2-seq-mean-packed": ("llama", 1, 1, 4, "seq-mean-token-mean", ("--pack", "--cp2", "--dist-opt")),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -280,8 +281,9 @@ def test_vision_language_actor_matches_hf_on_image_prompts(models, launched, run
 
 @pytest.mark.parametrize("run", ["CP2", "CP2xTP2-packed", "CP2xPP2", "CP2xDP2-seq-mean-packed", "qwen3-packed-CP2"])
 def test_context_parallel_actor_matches_hf(models, launched, run):
-    """Each sequence split over two CP ranks (four zigzag chunks), alone and with TP2, PP2 or DP2, packed or
-    not: log-probs, entropy, loss, gradient norm and every weight after the step equal HF's within 1e-5."""
+    """Each sequence split over two CP ranks (four zigzag chunks), alone and with TP2, PP2 or DP2 (and the
+    distributed optimizer), packed or not: log-probs, entropy, loss, gradient norm and every weight after the step
+    equal HF's within 1e-5."""
     run_and_compare(models, launched, run)
 
 

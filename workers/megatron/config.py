@@ -9,8 +9,8 @@ import torch
 
 from hybridengine.parallel.layout import ParallelLayout
 
-__all__ = ["EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS", "RECOMPUTE_GRANULARITIES",
-           "check_precision"]
+__all__ = ["ATTENTIONS", "EngineConfig", "OptimConfig", "RouterOptions", "LR_DECAY_STYLES", "PRECISIONS",
+           "RECOMPUTE_GRANULARITIES", "check_precision"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # bf16: parameters and activations in bf16 (megatron's Float16Module), fp32 master weights and fp32 gradient
@@ -19,6 +19,8 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # megatron's activation recomputation: "full" recomputes whole layers in the backward pass (memory for time),
 # "selective" only the attention core.
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+# The attention of packed sequences and context parallelism (EngineConfig.attention)
+ATTENTIONS = ("local", "transformer_engine")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class EngineConfig:
     # (cu_seqlens) and positions restarting per row; with max_tokens_per_micro_batch rows fill each micro-batch
     # up to that many tokens.
     pack_sequences: bool = False
+    # The attention of packed sequences and CP: "local", the engine's own (torch's fused kernels, CPU and GPU), or
+    # "transformer_engine", transformer-engine's THD and CP kernels (a GPU with transformer-engine installed).
+    attention: str = "local"
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -138,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"fused_output_layer must be true or false, got {self.fused_output_layer!r}")
         if not isinstance(self.pack_sequences, bool):
             raise ValueError(f"pack_sequences must be true or false, got {self.pack_sequences!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.context_parallel > 1 and self.expert_parallel > 1:
             raise ValueError(f"context_parallel {self.context_parallel} with expert_parallel {self.expert_parallel}: "
                              "context parallelism does not take expert parallelism yet; set one of them to 1")

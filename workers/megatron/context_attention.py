@@ -4,9 +4,9 @@ megatron-core's local ``DotProductAttention`` takes neither packed sequences
 nor context parallelism (only transformer-engine's attention does). This
 module takes its place in the layer spec (``core_attention``), so the rest of
 megatron's transformer block is unchanged: ``SelfAttention`` projects Q, K and
-V, applies RoPE per token (each token's position in its own row, see
-``workers.megatron.packed_sequences``) and hands them here as ``[T, heads,
-head_dim]`` with a ``SequenceSplit``.
+V, applies RoPE in megatron's THD form (positions restarting at each row,
+each CP rank's chunks at theirs; see ``workers.megatron.packed_sequences``)
+and hands them here as ``[T, heads, head_dim]`` with a ``SequenceSplit``.
 
 Context parallelism: each rank holds two chunks of every row (megatron's
 load-balanced split). K and V are all-gathered over the CP group (backward:
@@ -15,6 +15,8 @@ keys put back in position order, and every local query chunk at positions
 [a, a + c) attends causally to the row's keys [0, a + c). No attention crosses
 rows. The attention itself is torch's ``scaled_dot_product_attention`` (a
 fused kernel on CPU and GPU; softmax accumulated in fp32 for bf16 inputs).
+On the CPU grouped K/V are repeated to every query head first: its fused
+kernel takes no grouped K/V (torch would fall back to keeping the scores).
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ from workers.megatron.mrope import batch_mrope_positions
 from workers.megatron.packed_sequences import split_rows
 from workers.megatron.parallel import MegatronGroups, training_groups
 from workers.megatron.preflight import check_training_setup
-from workers.megatron.rope import token_positions
 from workers.megatron.routing_monitor import RoutingMonitor
 from workers.megatron.routing_replay import ROLLOUT_ROUTES, ROUTED_EXPERTS, RoutingReplay, check_replay
 from workers.megatron.vision_tower import (
@@ -96,7 +95,7 @@ class MegatronEngine:
         g = self.groups
         self.model_config, module = build_gpt_stage(
             self.spec, layout.tp, layout.pp, g.pp_rank, config.params_dtype, pg_collection=g.collection,
-            packed=config.packed,
+            packed=config.packed, attention=config.attention, cp=layout.cp,
             recompute_granularity=config.recompute_granularity, recompute_num_layers=config.recompute_num_layers,
             ep=layout.ep, etp=layout.etp, router=config.router)
         # Micro-batches are trimmed to their own longest row (and sized by a token budget), so the
@@ -242,7 +241,9 @@ class MegatronEngine:
         slots = sum(mb["input_ids"].numel() for mb in micro) * self.grid.cp  # a CP rank holds a CP-th of each row
         padding = PaddingStats(real=int(mask.sum()), before=mask.numel(), after=slots)
         seq_length = max(mb["input_ids"].shape[1] for mb in micro)
-        scale = loss_scale * len(micro)
+        # megatron's schedule multiplies each loss by the CP size (its CP ranks' losses are local means): here
+        # every CP rank computes the whole loss, so that is undone too
+        scale = loss_scale * len(micro) / self.grid.cp
 
         def loss_func(mb: MicroBatch, output: torch.Tensor):
             loss, stats = step_fn(mb, output)
@@ -275,9 +276,8 @@ class MegatronEngine:
         through its vision tower."""
         ids = mb["input_ids"]
         split = mb.get("sequence_split")
-        if split is not None:  # packed rows: megatron's THD format, RoPE at each token's position in its row
-            with token_positions(self.module(), split.positions):
-                return model(ids, split.positions.unsqueeze(0), None, packed_seq_params=split, **kwargs)
+        if split is not None:  # packed rows: megatron's THD format (its RoPE restarts at each row, CP-aware)
+            return model(ids, split.positions.unsqueeze(0), None, packed_seq_params=split, **kwargs)
         if self.spec.vision is None:
             return model(ids, _position_ids(ids), None, **kwargs)
         positions, embeddings = self._multimodal_inputs(mb)

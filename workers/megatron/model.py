@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hybridengine.device import accelerator_available, compute_device
 from hybridengine.model.spec import ModelSpec
 from workers.megatron.config import RouterOptions
-from workers.megatron.rope import install_rope, install_token_positions
+from workers.megatron.rope import install_rope
 from workers.megatron.vision_tower import VISION_MODULE, build_vision_tower
 
 __all__ = ["build_gpt_stage", "gpt_config", "gpt_model", "layer_spec", "moe_config", "uses_transformer_engine",
@@ -57,10 +57,12 @@ def uses_transformer_engine() -> bool:
     return accelerator_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None, packed: bool = False):
+def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None, packed: bool = False,
+               attention: str = "local"):
     """megatron's layer spec; ``qk_layernorm``: an RMSNorm over each query and key head (Qwen3);
-    ``num_experts``: a mixture-of-experts MLP (None: dense); ``packed``: the core attention of packed sequences
-    and context parallelism (``workers.megatron.context_attention``) in place of megatron's."""
+    ``num_experts``: a mixture-of-experts MLP (None: dense); ``packed``: packed sequences and context
+    parallelism, run by the engine's core attention (``workers.megatron.context_attention``) in place of
+    megatron's, or with ``attention`` "transformer_engine" by transformer-engine's own (its THD and CP kernels)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if uses_transformer_engine():
@@ -70,6 +72,12 @@ def layer_spec(qk_layernorm: bool = False, num_experts: int | None = None, packe
                                                           qk_layernorm=qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    if packed and attention == "transformer_engine":
+        if not uses_transformer_engine():
+            raise ValueError("attention 'transformer_engine' needs transformer-engine and a GPU; this process has "
+                             f"{'no GPU' if not accelerator_available() else 'no transformer_engine package'}: "
+                             "use attention 'local'")
+        return spec  # transformer-engine's TEDotProductAttention takes THD and CP itself
     if packed:
         from workers.megatron.context_attention import ContextParallelAttention
 
@@ -113,13 +121,15 @@ def moe_config(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None,
 
 def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, initialize: bool = True,
                recompute_granularity: str | None = None, recompute_num_layers: int = 1, ep: int = 1,
-               etp: int | None = None, router: RouterOptions | None = None):
-    """The TransformerConfig of a Llama-family model at TP x PP; training and generation share it.
+               etp: int | None = None, router: RouterOptions | None = None, cp: int = 1):
+    """The TransformerConfig of a Llama-family model at TP x PP (x CP); training and generation share it.
 
     ``dtype`` bf16 sets megatron's bf16 flag with it (parameters, activations and pipeline messages in
     bf16; attention softmax in fp32). ``recompute_granularity`` "full" / "selective": megatron's
     activation recomputation ("full": blocks of ``recompute_num_layers`` layers, the uniform method).
     ``ep`` / ``etp`` / ``router``: a mixture of experts' parallelism and routing options (``moe_config``).
+    ``cp``: context parallelism (megatron's RoPE and loss scaling read it; transformer-engine's attention
+    exchanges K/V point to point, "p2p").
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -157,6 +167,8 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        **({"cp_comm_type": "p2p"} if cp > 1 else {}),
         # a vision-language model's language model: multimodal RoPE over (temporal, height, width) sections
         **({"mrope_section": list(spec.mrope_section)} if spec.mrope_section else {}),
         **recompute,
@@ -165,15 +177,16 @@ def gpt_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.flo
 
 
 def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, tied: bool, packed: bool = False,
-              **kwargs):
+              attention: str = "local", **kwargs):
     """megatron's GPTModel of one stage of ``spec`` (the padded vocabulary, q/k norm, its RoPE); training and
-    generation build theirs here. ``packed``: it runs packed sequences (``layer_spec``), its RoPE per token.
-    ``kwargs`` go to GPTModel (``pg_collection``)."""
+    generation build theirs here. ``packed`` / ``attention``: packed sequences and their attention
+    (``layer_spec``). ``kwargs`` go to GPTModel (``pg_collection``)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.qk_layernorm, spec.moe.num_experts if spec.moe else None, packed),
+        transformer_layer_spec=layer_spec(spec.qk_layernorm, spec.moe.num_experts if spec.moe else None, packed,
+                                          attention),
         vocab_size=spec.vocab_rows,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -185,8 +198,6 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
         **kwargs,
     )
     install_rope(model, spec)
-    if packed:
-        install_token_positions(model)
     # megatron's torch norms keep fp32 weights whatever params_dtype says; in bf16 every parameter is bf16,
     # as Float16Module makes a trained stage and as vLLM holds the model (RoPE frequencies are no buffer: fp32).
     # Those torch norms are also built on the CPU: the whole stage goes to this process's device.
@@ -194,12 +205,14 @@ def gpt_model(spec: ModelSpec, config, pre_process: bool, post_process: bool, ti
 
 
 def build_gpt_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, *,
-                    pg_collection, packed: bool = False, **settings):
+                    pg_collection, packed: bool = False, attention: str = "local", **settings):
     """One training stage of ``spec`` in ``dtype`` on the grid's groups (``pg_collection``); ``packed``: it runs
-    packed sequences (and context parallelism); ``settings``: gpt_config's recompute and expert settings."""
+    packed sequences (and context parallelism, ``settings``' ``cp``) with ``attention``'s kernels; ``settings``:
+    gpt_config's recompute, expert and CP settings."""
     config = gpt_config(spec, tp, pp, dtype, **settings)
     tied = spec.tie_word_embeddings and not spec.is_value_model
-    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, packed, pg_collection=pg_collection)
+    model = gpt_model(spec, config, pp_rank == 0, pp_rank == pp - 1, tied, packed, attention,
+                      pg_collection=pg_collection)
     if spec.is_value_model and pp_rank == pp - 1:
         model.output_layer = ValueHead(spec.hidden_size, spec.num_labels, dtype).to(compute_device())
     if spec.vision is not None and pp_rank == 0:  # a vision-language model: the image side on the first stage

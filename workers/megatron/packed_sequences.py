@@ -12,11 +12,15 @@ does the same causal attention work (an early chunk attends to little, its
 partner to much). The rounding pads a row at its end, where the causal mask
 hides it from the row's real tokens.
 
-``SequenceSplit`` is the PackedSeqParams the engine hands megatron; besides
-``cu_seqlens`` over this rank's tokens it carries what the core attention
-(``workers.megatron.context_attention``) needs to find each row's keys among
-the K/V gathered from the CP group, and each token's position for RoPE.
-Everything here is host-side index arithmetic, done once per micro-batch.
+``SequenceSplit`` is the PackedSeqParams the engine hands megatron, laid out
+as megatron's own context parallelism lays out THD (and transformer-engine's
+attention reads it): ``cu_seqlens_q_padded`` at the rows' padded boundaries
+over all CP ranks, ``cu_seqlens_q`` at their real lengths, this rank holding a
+CP-th of each row in the order above. megatron's RoPE finds each local
+token's position from them and the CP group. Besides, it carries what the
+engine's core attention (``workers.megatron.context_attention``) needs to find
+each row's keys among the K/V gathered from the CP group. Everything here is
+host-side index arithmetic, done once per micro-batch.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ class QueryPiece:
 class SequenceSplit(PackedSeqParams):
     """megatron's packed-sequence parameters for one micro-batch on one CP rank, and the row structure behind them.
 
-    ``positions`` [T]: each local token's position in its row (RoPE reads it). ``pieces``: the local query
-    pieces; ``key_index[row]``: the row's tokens in order among the K/V gathered over the CP group (None at
-    CP 1: the row's keys are its local tokens ``row_start[row]`` on). ``context_group``: the CP group.
+    ``positions`` [T]: each local token's position in its row. ``pieces``: the local query pieces;
+    ``key_index[row]``: the row's tokens in order among the K/V gathered over the CP group (None at CP 1: the
+    row's keys are its local tokens ``row_start[row]`` on). ``context_group``: the CP group (megatron's
+    ``cp_group`` too, where CP > 1).
     """
 
     positions: torch.Tensor | None = None
@@ -109,16 +114,20 @@ def split_rows(ids: torch.Tensor, valid: torch.Tensor, response_index: torch.Ten
             local += count
     tokens = torch.cat(token_parts).unsqueeze(0).to(device)
     positions = torch.cat(position_parts).to(device)
-    counts = [sum(c for _, c in _row_chunks(n, cp, cp_rank)) for n in lengths]
-    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    real = [min(max(int(n), 1), length) for n, length in zip(valid.tolist(), lengths)]
+
+    def cumulative(values: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(values).cumsum(0).tolist()], dtype=torch.int32, device=device)
     key_index = tuple(_key_index(length, cp, row_start[row], local) for row, length in enumerate(lengths)) \
         if cp > 1 else tuple(None for _ in lengths)
     clamped = torch.stack([response_index[row].clamp(0, lengths[row] - 1) for row in range(rows)]) if rows else \
         response_index
     response_local = torch.stack([where[row][clamped[row].cpu()] for row in range(rows)]).to(device)
+    padded, actual = cumulative(lengths), cumulative(real)
     split = SequenceSplit(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(counts), max_seqlen_kv=max(counts),
-        positions=positions, pieces=tuple(pieces), key_index=key_index, row_start=tuple(row_start),
+        qkv_format="thd", cu_seqlens_q=actual, cu_seqlens_kv=actual, cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+        cp_group=context_group if cp > 1 else None, positions=positions, pieces=tuple(pieces), key_index=key_index, row_start=tuple(row_start),
         row_length=tuple(lengths), context_parallel=cp, context_group=context_group,
     )
     return tokens, response_local, split

@@ -117,14 +117,15 @@ def training_groups(layout: ParallelLayout, seed: int, process_group: Any = None
     edp = _mine(layout.expert_dp_groups(), me, ranks)
     tp_ep = _mine(layout.expert_tp_ep_groups(), me, ranks)
     tp_ep_pp = _mine(layout.expert_model_parallel_groups(), me, ranks)
-    # megatron sees no context parallelism: the engine's own attention and per-token outputs use the CP group
-    # (workers.megatron.context_attention), and to the weights CP ranks are data-parallel ranks, so its dp and
-    # dp_cp are the weights' replicas (layout.dp counts them), tp_cp = tp, tp_dp_cp = a stage's ranks; the
-    # distributed optimizer's single instance spans the pool.
+    # Context parallelism as megatron groups it: cp, dp without it (the replicas that take rows of their own),
+    # dp_cp with it (every replica of the weights: layout.dp counts them; gradients reduce over it), tp_cp;
+    # tp_dp_cp = a stage's ranks. Without CP: cp = this rank alone, dp = dp_cp, tp_cp = tp. The distributed
+    # optimizer's single instance spans the pool.
     cp = _mine(layout.cp_groups(), me, ranks)
     data = _mine(layout.data_groups(), me, ranks)
+    tp_cp = _mine(layout.tp_cp_groups(), me, ranks)
     collection = ProcessGroupCollection(
-        tp=tp, pp=pp, dp=dp, mp=mp, embd=embd, pos_embd=single, cp=single, dp_cp=dp, tp_cp=tp, tp_dp_cp=stage,
+        tp=tp, pp=pp, dp=data, mp=mp, embd=embd, pos_embd=single, cp=cp, dp_cp=dp, tp_cp=tp_cp, tp_dp_cp=stage,
         ep=ep, expt_tp=etp, expt_dp=edp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp, intra_dp_cp=dp, intra_expt_dp=edp,
         intra_dist_opt=pool,
     )

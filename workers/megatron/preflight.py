@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from hybridengine.parallel.layout import ParallelLayout
 from workers.megatron.config import EngineConfig
 from workers.megatron.hf_checkpoint import HFCheckpointReader
@@ -10,9 +12,13 @@ from hybridengine.model.spec import ModelSpec
 __all__ = ["check_sequence_layout", "check_training_setup", "mini_batch_plan"]
 
 
-def check_sequence_layout(spec: ModelSpec, engine: EngineConfig) -> None:
-    """Refuse, naming the setting, what context parallelism and packed sequences do not take yet."""
-    if not engine.packed:
+def check_sequence_layout(spec: ModelSpec | None, engine: EngineConfig) -> None:
+    """Refuse, naming the setting, what context parallelism and packed sequences do not take yet (``spec``: the
+    model; None: not read yet), and the transformer-engine attention where transformer-engine is not installed."""
+    if engine.attention == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("attention 'transformer_engine': transformer-engine is not installed here (it needs a GPU "
+                         "and its CUDA build); use attention 'local', the engine's own (CPU and GPU)")
+    if not engine.packed or spec is None:
         return
     asked = (f"context_parallel {engine.context_parallel}" if engine.context_parallel > 1
              else "pack_sequences true")

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import torch
 
-import contextlib
-from typing import Iterator
-
 from hybridengine.model.spec import ModelSpec
 from workers.megatron.megatron_compat import llama3_scaled_inv_freq, replace_rotary_inv_freq
 
-__all__ = ["rope_inv_freq", "install_rope", "install_token_positions", "token_positions"]
+__all__ = ["rope_inv_freq", "install_rope"]
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -46,37 +43,3 @@ def install_rope(model: torch.nn.Module, spec: ModelSpec) -> None:
         raise RuntimeError("the GPT stage has no rotary_pos_emb; Llama 3.x RoPE scaling needs position_embedding_type 'rope'")
     replace_rotary_inv_freq(rotary, rope_inv_freq(spec))
 
-
-def install_token_positions(model: torch.nn.Module) -> None:
-    """Let ``model``'s (a GPTModel stage) RotaryEmbedding answer one position per token when given them.
-
-    megatron computes RoPE for positions 0..S-1 of a row. Packed rows, and a row's chunks on a
-    context-parallel rank, need each token's own position in its row instead: within ``token_positions``
-    the embedding's output is its frequencies at those positions ([T, 1, 1, dim], what megatron's packed
-    RoPE takes per token); outside, megatron's own.
-    """
-    rotary = model.rotary_pos_emb
-    own = rotary.forward
-    rotary.token_positions = None
-
-    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        positions = rotary.token_positions
-        if positions is None:
-            return own(max_seq_len, offset, packed_seq, cp_group)
-        return rotary.get_emb(int(positions.max()) + 1)[positions.to(rotary.inv_freq.device)]
-
-    rotary.forward = forward
-
-
-@contextlib.contextmanager
-def token_positions(model: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[None]:
-    """Within: ``model``'s RoPE at ``positions`` [T] (see ``install_token_positions``); None: megatron's own."""
-    rotary = getattr(model, "rotary_pos_emb", None)
-    if positions is None or rotary is None:
-        yield
-        return
-    rotary.token_positions = positions
-    try:
-        yield
-    finally:
-        rotary.token_positions = None
