@@ -137,7 +137,9 @@ RUNS = {
     "packed-TP1": ("llama", 1, 1, 1, "token-mean", ("--pack",)),
     "qwen3-TP1": ("qwen3", 1, 1, 1, "token-mean", ()),
     "qwen3-packed-TP1": ("qwen3", 1, 1, 1, "token-mean", ("--pack",)),
-    "CP2": ("llama", 1, 1, 2, "token-mean", ("--cp2",)),
+    # ... its stepped weights through a checkpoint into a fresh CP2 actor
+    "CP2": ("llama", 1, 1, 2, "token-mean", ("--cp2", "--checkpoint")),
+    "bf16-CP2-packed": ("llama", 1, 1, 2, "token-mean", ("--precision", "bf16", "--pack", "--cp2")),
     "qwen3-packed-CP2": ("qwen3", 1, 1, 2, "token-mean", ("--pack", "--cp2")),
     "CP2xTP2-packed": ("llama", 2, 1, 4, "token-mean", ("--pack", "--cp2")),
     "CP2xPP2": ("llama", 1, 2, 4, "token-mean", ("--cp2",)),
@@ -283,8 +285,15 @@ def test_vision_language_actor_matches_hf_on_image_prompts(models, launched, run
 def test_context_parallel_actor_matches_hf(models, launched, run):
     """Each sequence split over two CP ranks (four zigzag chunks), alone and with TP2, PP2 or DP2 (and the
     distributed optimizer), packed or not: log-probs, entropy, loss, gradient norm and every weight after the step
-    equal HF's within 1e-5."""
+    equal HF's within 1e-5; a checkpoint of the stepped CP2 actor restores it (its log-probs: the stepped model's)."""
     run_and_compare(models, launched, run)
+    restored = torch.load(launched(run) / "result.pt", weights_only=False)["restored_log_probs"]
+    assert (restored is not None) == ("--checkpoint" in RUNS[run][5])
+    if restored is not None:
+        mask = batch_of(launched(run)).batch["response_mask"].bool()
+        with torch.no_grad():
+            stepped, _ = reference_log_probs(hf_model(launched(run) / "after_step"), batch_of(launched(run)))
+        torch.testing.assert_close(restored.batch["old_log_probs"][mask], stepped[mask], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("packed, unpacked", [("packed-TP1", "TP1"), ("qwen3-packed-TP1", "qwen3-TP1")])
@@ -317,11 +326,11 @@ def test_tied_embeddings_and_qkv_bias_over_pipeline_stages(models, launched):
     run_and_compare(models, launched, "qwen2-tied-PP2")
 
 
-@pytest.mark.parametrize("run", ["bf16-TP2xDP2", "VL-bf16-TP2"])
+@pytest.mark.parametrize("run", ["bf16-TP2xDP2", "VL-bf16-TP2", "bf16-CP2-packed"])
 def test_bf16_actor_stays_close_to_the_fp32_reference(models, launched, run):
     """bf16 parameters and activations with fp32 master weights (megatron's mixed-precision optimizer), over
     TP2 x DP2 with the distributed optimizer (and a Qwen2.5-VL at TP2 on image prompts, its tower trained in bf16
-    too), against the fp32 HF reference. Tolerances (measured: log-prob
+    too; and a Llama at CP2, rows packed), against the fp32 HF reference. Tolerances (measured: log-prob
     0.025 max / 0.007 mean, loss 1.4e-3, grad norm 0.14%, KL 2e-3):
       log-probs within 0.05 (max) and 0.015 (mean), entropies within 0.01;
       the PPO loss and KL within 5e-3, the gradient norm within 1%;
