@@ -13,7 +13,6 @@ GPUs, or the CPU's processes): one GPU cannot hold an NCCL group of two ranks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench_long_context import long_tailed_batch  # noqa: E402
 from tools.bench_models import SHAPES, make_checkpoint  # noqa: E402
-from tools.torchrun_job import run_torchrun_job  # noqa: E402
+from tools.torchrun_job import device_check_args, run_torchrun_job  # noqa: E402
 
 TOLERANCE = {"fp32": dict(log_prob=1e-3, grad_norm=1e-3), "bf16": dict(log_prob=0.1, grad_norm=0.05)}
 
@@ -89,21 +88,11 @@ def inner(args) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when no GPU is visible")
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--longest", type=int, default=1024)
-    parser.add_argument("--json")
-    parser.add_argument("--inner", help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inner:
-        Path(args.inner).write_text(json.dumps(inner(args)))
+    args = device_check_args(__doc__, inner, {"rows": (int, 16), "longest": (int, 1024)}, ("model_dir",))
+    if args is None:
         return 0
     from hybridengine.device import accelerator_available, accelerator_count
 
-    if not accelerator_available() and not args.allow_cpu:
-        raise SystemExit("no GPU visible (give --allow-cpu for a dry run on the CPU)")
     runs = [1] + ([2] if not accelerator_available() or accelerator_count() >= 2 else [])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,6 @@ generates greedily, and must equal HF's greedy on the actor's exported weights.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tools.bench_train import make_batch  # noqa: E402
+from tools.torchrun_job import device_check_args  # noqa: E402
 
 TOLERANCE = {"fp32": 1e-3, "bf16": 0.1}  # fp32 on the GPU: TF32-free matmuls, kernels' own sums; bf16: rounding
 
@@ -123,23 +123,12 @@ def generation_check(pool, actor, actor_role: str, device, args) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when no GPU is visible")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=48)
-    parser.add_argument("--response", type=int, default=16)
-    parser.add_argument("--json")
-    parser.add_argument("--inner", help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inner:
-        Path(args.inner).write_text(json.dumps(inner(args)))
+    args = device_check_args(__doc__, inner, {"batch": (int, 16), "prompt": (int, 48), "response": (int, 16)},
+                             ("model_dir",))
+    if args is None:
         return 0
     from controller.models.builtin import resolve_model_path
-    from hybridengine.device import accelerator_available
 
-    if not accelerator_available() and not args.allow_cpu:
-        raise SystemExit("no GPU visible (give --allow-cpu for a dry run on the CPU)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = resolve_model_path("builtin:tiny-arithmetic-moe", tmp)
         out = Path(tmp) / "moe.json"

@@ -12,7 +12,6 @@ Prints and writes, per precision, the largest log-prob difference and the gradie
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import runpy
@@ -25,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.torchrun_job import run_torchrun_job  # noqa: E402
+from tools.torchrun_job import device_check_args, run_torchrun_job  # noqa: E402
 
 TOLERANCE = {"fp32": dict(log_prob=1e-3, grad_norm=1e-3), "bf16": dict(log_prob=0.1, grad_norm=0.05)}
 
@@ -113,21 +112,9 @@ def inner(args) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when no GPU is visible")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--response", type=int, default=16)
-    parser.add_argument("--json")
-    parser.add_argument("--inner", help=argparse.SUPPRESS)
-    parser.add_argument("--task", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inner:
-        Path(args.inner).write_text(json.dumps(inner(args)))
+    args = device_check_args(__doc__, inner, {"batch": (int, 16), "response": (int, 16)}, ("task",))
+    if args is None:
         return 0
-    from hybridengine.device import accelerator_available
-
-    if not accelerator_available() and not args.allow_cpu:
-        raise SystemExit("no GPU visible (give --allow-cpu for a dry run on the CPU)")
     with tempfile.TemporaryDirectory() as tmp:
         task = Path(tmp) / "task"
         (task / "model").mkdir(parents=True)

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # the planner loads only when the command runs: `hybridflow -
 
 __all__ = ["add_plan_parser", "parse_pins", "run_plan"]
 
-_PIN_KEYS = {"tp": int, "pp": int, "ep": int, "cp": int, "micro_batch": int, "gen_tp": int, "devices": int, "colocate_with": str}
+_PIN_KEYS = {"tp": int, "pp": int, "ep": int, "cp": int, "micro_batch": int, "gen_tp": int, "devices": int,
+             "colocate_with": str}
 
 
 def add_plan_parser(commands) -> None:

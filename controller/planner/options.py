@@ -6,8 +6,8 @@ a rank or cut over TP: ETP 1 or TP); for the role that generates, also the
 generation layout the hybrid engine reaches from it and how many sequences a
 generation engine runs at once (what its KV cache holds). A dense megatron role may also split each
 sequence over context-parallel ranks (CP): the planner tries CP 2, 4, ... at a layout only where the
-sizes below it leave the role's activations too large for a device. ``role_options`` lists the options that fit one
-device's memory by themselves, keeping only those no other option beats on
+sizes below it leave the role's activations too large for a device. ``role_options`` lists the
+options that fit one device's memory by themselves, keeping only those no other option beats on
 every stage time and every memory figure (the search combines roles, and a
 dominated option never makes a better combination).
 """

@@ -254,3 +254,25 @@ def test_a_split_on_saturated_cpu_cores_gains_nothing_from_overlap():
     sequential, _ = step_time(replace(workload, overlap=False), plan.sets, 0.0, accelerator=cpu)
     assert plan.step_time > step_time(workload, plan.sets, 0.0, accelerator=None)[0]  # as if the cores were not shared
     assert plan.step_time == pytest.approx(sequential, rel=1e-12)
+
+
+def test_context_parallelism_divides_activations_and_adds_a_kv_all_gather():
+    """By hand: at CP2 a rank keeps half of a sequence's activations (the gathered K/V of the whole sequence
+    beside them), and a training pass costs what data parallelism costs plus each layer's K/V all-gather (forward)
+    and reduce-scatter (backward) over the CP link."""
+    from controller.planner.memory import ActivationShape, layer_activation_bytes
+    from controller.planner.timing import Link, PassShape, all_gather_time, train_time
+
+    h, heads, groups, d, f = TINY.hidden_size, 4, 2, TINY.head_dim, TINY.ffn_hidden_size
+    for cp in (1, 2, 4):
+        shape = ActivationShape(2, 128, "bf16", flash_attention=True, context_parallel=cp, packed=True)
+        per_token = 4 * h + (2 * heads + 2 * cp * groups) * d + 3 * f
+        assert layer_activation_bytes(TINY, 1, shape) == 2 * (128 // cp) * per_token * 2
+    device, link = toy_device(1024), Link(1e9, 1e-5)
+    args = dict(device=device, precision="bf16", tp_link=link, dp_link=link, efficiency=Efficiency())
+    data = train_time(TINY, 1, 1, 2, PassShape(16, 128, 2), 2, **args)
+    split = train_time(TINY, 1, 1, 2, PassShape(16, 128, 2, context_parallel=2, cp_link=link), 2, **args)
+    kv = 2 * 2 * 128 * groups * d * 2  # K and V of a micro-batch's 2 sequences, whole, bf16
+    micro_batches = 8 // 2  # each optimizer step: 8 sequences on the one replica, 2 at a time
+    expected = 2 * micro_batches * TINY.num_layers * 2 * all_gather_time(kv, 2, link, Efficiency())
+    assert split - data == pytest.approx(expected, rel=1e-9)
