@@ -114,23 +114,24 @@ def split_rows(ids: torch.Tensor, valid: torch.Tensor, response_index: torch.Ten
             local += count
     tokens = torch.cat(token_parts).unsqueeze(0).to(device)
     positions = torch.cat(position_parts).to(device)
+    key_index = tuple(_key_index(length, cp, row_start[row], local) if cp > 1 else None
+                      for row, length in enumerate(lengths))
+    response_local = torch.stack([where[row][response_index[row].clamp(0, lengths[row] - 1).cpu()]
+                                  for row in range(rows)]).to(device) if rows else response_index
     real = [min(max(int(n), 1), length) for n, length in zip(valid.tolist(), lengths)]
-
-    def cumulative(values: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(values).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    key_index = tuple(_key_index(length, cp, row_start[row], local) for row, length in enumerate(lengths)) \
-        if cp > 1 else tuple(None for _ in lengths)
-    clamped = torch.stack([response_index[row].clamp(0, lengths[row] - 1) for row in range(rows)]) if rows else \
-        response_index
-    response_local = torch.stack([where[row][clamped[row].cpu()] for row in range(rows)]).to(device)
-    padded, actual = cumulative(lengths), cumulative(real)
+    padded, actual = _cumulative(lengths, device), _cumulative(real, device)
     split = SequenceSplit(
         qkv_format="thd", cu_seqlens_q=actual, cu_seqlens_kv=actual, cu_seqlens_q_padded=padded,
         cu_seqlens_kv_padded=padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
-        cp_group=context_group if cp > 1 else None, positions=positions, pieces=tuple(pieces), key_index=key_index, row_start=tuple(row_start),
-        row_length=tuple(lengths), context_parallel=cp, context_group=context_group,
+        cp_group=context_group if cp > 1 else None, positions=positions, pieces=tuple(pieces), key_index=key_index,
+        row_start=tuple(row_start), row_length=tuple(lengths), context_parallel=cp, context_group=context_group,
     )
     return tokens, response_local, split
+
+
+def _cumulative(values: list[int], device) -> torch.Tensor:
+    """megatron's cu_seqlens: 0 and the running sum of ``values``, int32."""
+    return torch.tensor([0, *torch.tensor(values).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 def _key_index(length: int, cp: int, row_start: int, local_tokens: int) -> torch.Tensor:
