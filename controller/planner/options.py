@@ -192,6 +192,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                             work.recompute_num_layers, micro_batch * patches if work.train_vision else 0,
                             context_parallel=cp, packed=cp > 1 or work.packed)
     tp_link, dp_link, pp_link = links_for(cluster, tp), links_for(cluster, n), links_for(cluster, tp * pp)
+    # what a pass's shape adds to its sequences (a forward pass runs a trained tower's FLOPs once either way)
     images = dict(image_tokens=workload.image_tokens, vision_trains=work.train_vision, context_parallel=cp,
                   cp_link=links_for(cluster, tp * cp))
     experts = ExpertGrid(ep, etp, links_for(cluster, ep * (tp if etp is None else etp)))
@@ -211,9 +212,7 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
         memory["forward activations"] = forward_act
         extra[1] = forward_act
         times[1] = work.forward_passes * forward_time(spec, tp, pp, dp, PassShape(workload.sequences, seq, micro_batch,
-                                                                                  workload.image_tokens,
-                                                                                  context_parallel=cp,
-                                                                                  cp_link=images["cp_link"]),
+                                                                                  **images),
                                                       device, work.precision, tp_link, efficiency, pp_link, experts)
     if work.trains:
         steps = work.epochs * max(1, workload.sequences // work.mini_batch)
