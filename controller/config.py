@@ -222,7 +222,7 @@ class RLConfig:
     @classmethod
     def split_section(cls, value: dict[str, Any], where: str, build: Callable[[Any, Any, str], Any]) -> dict[str, Any]:
         """The top-level mapping with each registered role's section (a key named as the role) typed into
-        ``roles``; other keys as they are."""
+        ``roles`` (a section given as null: no such role); other keys as they are."""
         from controller.rl.role_registry import ROLE_TYPES
 
         own = [k for k in value if k in ROLE_TYPES]
@@ -230,7 +230,7 @@ class RLConfig:
             return value
         given = {**(value.get("roles") or {}), **{k: value[k] for k in own}}  # roles: {name: section} too
         roles = {k: build(ROLE_TYPES[k].section, v, k) if k in ROLE_TYPES and isinstance(v, dict) else v
-                 for k, v in given.items()}
+                 for k, v in given.items() if v is not None}
         return {**{k: v for k, v in value.items() if k not in own}, "roles": roles}
 
 

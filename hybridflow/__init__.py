@@ -48,10 +48,11 @@ from workers.role_spec import RoleSpec
 from workers.node_worker import node_context
 from workers.rollout import Rollout
 from workers.rollout.generator import GeneratorTraits, register_generator
+from workers.teacher import Teacher
 
 __all__ = [
     # the RL loop and its roles
-    "RLTrainer", "Actor", "Critic", "ReferencePolicy", "RewardModel", "Rollout", "RuleReward",
+    "RLTrainer", "Actor", "Critic", "ReferencePolicy", "RewardModel", "Rollout", "RuleReward", "Teacher",
     # workers, dispatch and groups
     "BaseWorker", "DataProto", "Dispatch", "register", "RoleSpec", "ResourcePool", "WorkerGroup", "DataFlow", "Node",
     # placed DataFlow nodes

@@ -40,5 +40,5 @@ def add_bonus(group, batch: DataProto, scores: DataProto) -> DataProto:
 
 
 register_role(RoleType(name="length_bonus", section=LengthBonusConfig,
-                       spec=lambda section, policy_path: RoleSpec(LengthBonus, {"weight": section.weight}),
+                       spec=lambda section, job: RoleSpec(LengthBonus, {"weight": section.weight}),
                        phase="score", call=add_bonus))

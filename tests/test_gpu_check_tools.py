@@ -130,3 +130,19 @@ def test_the_context_section_reaches_the_summary():
     assert summary["ok"] and summary["context"]["cp1"]["fp32"]["packed"] == figures
     assert ("context cp1 (tiny Llama actor on 16 rows of up to 1024 tokens vs transformers, cuda:0): fp32 padded "
             "log-prob max diff 2.1e-06, grad norm 4.0e-07 relative; fp32 packed") in format_summary(summary)
+
+
+def test_the_distill_section_reaches_the_summary():
+    from tools.bench_gpu_train import build_summary, format_summary
+
+    rows = [{"step": 0, "val/reward/mean": 0.0}]
+    for step, kl in ((1, 4.0), (2, 2.5), (3, 1.0)):
+        rows.append({**_step(step, 0.0, 1.0, 0.2), "actor/opd/reverse_kl": kl, "timing_s/teacher": 0.1})
+    rows[-1]["val/reward/mean"] = 0.25
+    distill = summarize_metrics(rows)
+    assert (distill["reverse_kl_first"], distill["reverse_kl_last"]) == (4.0, 1.0)
+    assert (distill["val_first"], distill["val_last"]) == (0.0, 0.25) and distill["phases_s"]["teacher"] == 0.1
+    assert "reverse_kl_first" not in summarize_metrics(rows[:1] + [_step(1, 0.1, 1.0, 0.2)])  # no teacher: none
+    text = format_summary(build_summary([("distill", "ok", 50.0)], {"distill": distill}))
+    assert ("distill (OPD, the SFT export teaching a fresh tiny model): 3 steps, 1.0 s/step, teacher 0.1 s; reverse "
+            "KL 4.000 -> 1.000; greedy accuracy 0.000 -> 0.250") in text

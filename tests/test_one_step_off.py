@@ -6,6 +6,10 @@ Checked: step 1 trains on fresh samples and every later step on samples exactly 
 staleness (a KL between the rollout's and the trainer's log-probs that is 0 on step 1's fresh samples,
 up to kernel rounding, and clearly not after); and the run resumed from its step-2 checkpoint reproduces
 its own step 3 exactly, since the checkpoint holds the batch generated ahead.
+
+The job has a teacher (controller.rl.teacher), the model's own first weights, as a KL term
+(``algorithm.teacher_kl_coef``): it scores one-step-off batches too, its reverse KL to the student is 0 where the
+student still has those weights (step 1) and not after, and a resumed run loads it again like any role.
 """
 
 import shutil
@@ -20,13 +24,14 @@ JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=grpo", "rollout.sam
        "ppo.ppo_mini_batch_size=16", "ppo.ppo_epochs=1", "actor.optim.lr=2e-2", "rollout.engine=megatron",
        "trainer.placement={rollout: 2}", "trainer.mode=one_step_off", "trainer.val_every=0",
        "trainer.logger=[jsonl]", "trainer.export_hf=false", "trainer.plots=false", "data.train_size=64",
-       "data.val_size=8"]
+       "data.val_size=8", "algorithm.teacher_kl_coef=0.05"]
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
-            "rollout_corr/kl_k1", "staleness/mean")
+            "rollout_corr/kl_k1", "staleness/mean", "actor/opd/reverse_kl", "actor/teacher_kl_loss")
 
 
 def train(run_dir, model, *extra, job=JOB):  # noqa: F811
-    proc = hybridflow("train", *job, f"model_path={model}", f"trainer.run_dir={run_dir}", *extra)
+    proc = hybridflow("train", *job, f"model_path={model}", f"teacher.model_path={model}",
+                      f"trainer.run_dir={run_dir}", *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return read_metrics(run_dir)
 
@@ -51,6 +56,8 @@ def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, mode
     assert all("rollout_corr/weight_mean" in m for m in whole)  # truncated IS: on by default off-policy
     assert abs(whole[0]["rollout_corr/kl_k1"]) < 1e-5 < abs(whole[1]["rollout_corr/kl_k1"])
     assert all(m["weight_transfer/bytes"] > 0 for m in whole)
+    reverse_kl = [m["actor/opd/reverse_kl"] for m in whole]  # the teacher is the student's first weights
+    assert abs(reverse_kl[0]) < 1e-6 < min(abs(v) for v in reverse_kl[1:]), reverse_kl
     # Step 3's batch was collected by the step-2 checkpoint, so only steps 1 and 2 waited for theirs.
     assert ["timing_s/wait_rollout" in m for m in whole] == [True, True, False]
 

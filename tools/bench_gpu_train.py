@@ -81,7 +81,18 @@ def summarize_metrics(rows: list[dict]) -> dict:
         "rollout_tokens_per_s": median("rollout/tokens_per_s", steady),
         "logprob_diff_max": max(diffs) if diffs else None,
         "max_memory_gb": round(max(memory), 3) if memory else None,
+        **_distillation_figures(rows, steps),
     }
+
+
+def _distillation_figures(rows: list[dict], steps: list[dict]) -> dict:
+    """A run with a teacher: its reverse KL on the first and last steps and the greedy accuracy before and after."""
+    reverse_kl = [r["actor/opd/reverse_kl"] for r in steps if "actor/opd/reverse_kl" in r]
+    if not reverse_kl:
+        return {}
+    accuracy = [r["val/reward/mean"] for r in rows if "val/reward/mean" in r]
+    return {"reverse_kl_first": round(reverse_kl[0], 4), "reverse_kl_last": round(reverse_kl[-1], 4),
+            "val_first": accuracy[0] if accuracy else None, "val_last": accuracy[-1] if accuracy else None}
 
 
 def build_summary(sections: list[tuple[str, str, float]], results: dict[str, object]) -> dict:
@@ -99,7 +110,7 @@ def build_summary(sections: list[tuple[str, str, float]], results: dict[str, obj
             "speedup_geomean": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3) if speedups else None,
             "slowest": f"{worst['op']} {worst['case']}: {worst['speedup']}x",
         }
-    for name in ("reward", "train", "lora", "rollout", "moe", "vision", "context", "grpo"):
+    for name in ("reward", "train", "lora", "rollout", "moe", "vision", "context", "grpo", "distill"):
         if isinstance(results.get(name), dict):
             summary[name] = results[name]
     return summary
@@ -164,6 +175,12 @@ def format_summary(summary: dict) -> str:
                      f"rollout/actor log-prob diff max {_fmt(g['logprob_diff_max'], '.2e')}; "
                      f"memory {_fmt(g['max_memory_gb'])} GB")
         lines.append(f"        median phase seconds: {phases}")
+    if "distill" in summary:
+        d = summary["distill"]
+        lines.append(f"  distill (OPD, the SFT export teaching a fresh tiny model): {d['steps']} steps, "
+                     f"{_fmt(d['s_per_step'])} s/step, teacher {_fmt(d['phases_s'].get('teacher'))} s; reverse KL "
+                     f"{_fmt(d['reverse_kl_first'], '.3f')} -> {_fmt(d['reverse_kl_last'], '.3f')}; greedy accuracy "
+                     f"{_fmt(d['val_first'], '.3f')} -> {_fmt(d['val_last'], '.3f')}")
     lines.append(f"  overall: {'ok' if summary['ok'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -380,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, file in (("kernels", "bench_kernels_gpu.json"), ("reward", "reward.json"), ("train", "train.json"),
                            ("rollout", "rollout.json"), ("moe", "moe.json"), ("vision", "vision.json"),
                            ("context", "context.json"),
-                           ("grpo", "grpo.json")):
+                           ("grpo", "grpo.json"), ("distill", "distill.json")):
             path = Path(args.results or out / "sections") / file
             if path.is_file():
                 results[name] = json.loads(path.read_text())

@@ -35,6 +35,9 @@
 #   grpo     10 GRPO steps end to end under torchrun, world size 1 (its launch runs the planner's pre-launch
 #            memory check and device_map="auto" on this GPU; examples/gpu_grpo.yaml: built-in tiny
 #            arithmetic model, rollout.engine megatron, precision bf16), its metrics summarized -> grpo.json
+#   distill  on-policy distillation end to end, world size 1: the demo's SFT (examples/sft_tiny.yaml) makes the
+#            teacher, which then teaches a fresh tiny model for 10 steps (examples/distillation/opd_tiny.yaml,
+#            rollout.engine megatron): reverse KL and greedy accuracy first and last, the teacher's phase -> distill.json
 # Then a summary block of every figure, also in $OUT/summary.json.
 #
 # On the lent machine, through the device tool (the whole script stays under GPU_CHECK_BUDGET_S, 560 s):
@@ -44,7 +47,7 @@
 #   8 files at most); the tarball is refreshed after every section, so a run cut short still returns its logs.
 # The CPU dry run (every command line, YAML key and JSON path, at tiny sizes and 2 GRPO steps; no GPU needed):
 #   PYTHON=.venv/bin/python GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SECTIONS="train rollout grpo" bash tools/gpu_check.sh
-# (the dry run's default sections are install reward train lora rollout moe vision context grpo) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
+# (the dry run's default sections are install reward train lora rollout moe vision context grpo distill) and, to prove the wheel set is all the check needs, with a Python that has nothing but torch (as on the GPU
 # machine) and the same pins built for this machine's Python:
 #   GPU_WHEELS_PYTHON=3.11 GPU_WHEELS_DIR=build/gpu-wheels-py311 bash tools/gpu_wheels.sh
 #   PYTHON=/path/to/torch-only/python GPU_CHECK_WHEELS=build/gpu-wheels-py311 GPU_CHECK_SITE=build/gpu-site-py311 \
@@ -67,9 +70,9 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # torch's extension build: parallel nvc
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PACK="${GPU_CHECK_PACK:-0}"
 if [ "$DRY" = 1 ]; then
-  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train lora rollout moe vision context grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-install reward train lora rollout moe vision context grpo distill}"
 else
-  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train lora rollout moe vision context grpo}"
+  SECTIONS="${GPU_CHECK_SECTIONS:-build ops kernels install reward train lora rollout moe vision context grpo distill}"
 fi
 mkdir -p "$OUT"
 if [ "$PACK" = 1 ]; then export SEC="build/gpu-check-sections"; else export SEC="$OUT/sections"; fi
@@ -77,6 +80,7 @@ rm -rf "$SEC" "$OUT/sections.tar.gz" "$OUT/summary.json"
 mkdir -p "$SEC"
 : > "$OUT/sections.tsv"
 GRPO_RUN="build/gpu-grpo-run"
+DISTILL_RUN="build/gpu-distill-run"
 
 # ------------------------------------------------------------------ the sections (each runs in its own bash)
 build() {
@@ -150,8 +154,20 @@ grpo() {
   cp "$GRPO_RUN/metrics.jsonl" "$SEC/grpo_metrics.jsonl"
   "$PY" tools/bench_gpu_train.py grpo-summary "$GRPO_RUN" --json "$SEC/grpo.json"
 }
-export GRPO_RUN
-export -f build ops kernels import_check install dry_args reward train lora rollout moe vision context grpo
+distill() {
+  rm -rf "$DISTILL_RUN"
+  local on_gpu=(trainer.nproc=1 actor.engine.tensor_parallel=1 actor.engine.pipeline_parallel=1
+                actor.engine.precision="$PRECISION" "trainer.logger=[console,jsonl]" trainer.plots=false)
+  "$PY" -m controller.cli sft --config examples/sft_tiny.yaml trainer.run_dir="$DISTILL_RUN/sft" "${on_gpu[@]}" \
+    trainer.save_every=0 $(dry_args trainer.total_steps=4) || return 1
+  "$PY" -m controller.cli train --config examples/distillation/opd_tiny.yaml trainer.run_dir="$DISTILL_RUN/opd" \
+    teacher.model_path="$DISTILL_RUN/sft/hf_actor" rollout.engine=megatron "${on_gpu[@]}" trainer.export_hf=false \
+    trainer.save_every=0 $(dry_args trainer.total_steps=2) || return 1
+  cp "$DISTILL_RUN/opd/metrics.jsonl" "$SEC/distill_metrics.jsonl"
+  "$PY" tools/bench_gpu_train.py grpo-summary "$DISTILL_RUN/opd" --json "$SEC/distill.json"
+}
+export GRPO_RUN DISTILL_RUN
+export -f build ops kernels import_check install dry_args reward train lora rollout moe vision context grpo distill
 
 # ------------------------------------------------------------------ running them
 START=$SECONDS
@@ -184,7 +200,7 @@ echo "gpu_check: sections: $SECTIONS; budget ${BUDGET}s; logs in $SEC; python $P
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for name in build ops kernels install reward train lora rollout moe vision context grpo; do
+for name in build ops kernels install reward train lora rollout moe vision context grpo distill; do
   case " $SECTIONS " in *" $name "*) ;; *) printf '%s\tskipped\t0.0\n' "$name" >> "$OUT/sections.tsv"; continue ;; esac
   case $name in
     build) run_section build 240 ;; ops) run_section ops 120 ;; kernels) run_section kernels 150 ;;
@@ -192,7 +208,7 @@ for name in build ops kernels install reward train lora rollout moe vision conte
     lora) run_section lora 90 ;;
     rollout) run_section rollout 120 ;; moe) run_section moe 120 ;; vision) run_section vision 90 ;;
     context) run_section context 90 ;;
-    grpo) run_section grpo 180 ;;
+    grpo) run_section grpo 180 ;; distill) run_section distill 150 ;;
   esac
 done
 

@@ -98,12 +98,15 @@ class PolicyUpdateTerms:
     response length). ``rollout_correction``: importance weights between the rollout engine's
     log-probs and the old log-probs, applied to the policy loss (workers.rollout_correction).
     ``user_kl``: the user's own KL term (workers.user_kl), in place of ``ppo.use_kl_loss``'s.
+    ``teacher_kl_coef``: the weight of KL(actor || teacher) in the loss, by ``ppo.kl_loss_type``, read from the
+    batch's ``teacher_log_probs`` (0: none).
     """
 
     policy_loss: PolicyLossSpec
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     norm_length: int | None = None
     user_kl: UserKLTerm | None = None
+    teacher_kl_coef: float = 0.0
 
 
 class _LogProbRole(EngineRole):
@@ -115,8 +118,10 @@ class _LogProbRole(EngineRole):
         if self.engine.config.fused_output_layer:
             self.engine.defer_output_layer()
 
-    def _log_probs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor] | None:
-        temperature = float(data.meta_info.get("temperature", 1.0))
+    def _log_probs(self, data: DataProto, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Log-probs and entropies of the response tokens at ``temperature`` (None: the batch's sampling one)."""
+        if temperature is None:
+            temperature = float(data.meta_info.get("temperature", 1.0))
 
         def step(mb: MicroBatch, output: torch.Tensor):
             log_prob, entropy = response_log_probs(self.engine, mb, output, temperature)
@@ -333,6 +338,10 @@ class Actor(_LogProbRole):
             kl = kl_loss(log_prob, mb["ref_log_prob"], mask, ppo.kl_loss_type, agg_mode, normalizer)
             loss = loss + ppo.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
+        if terms.teacher_kl_coef:  # the teacher as a KL term (controller.rl.teacher)
+            kl = kl_loss(log_prob, mb["teacher_log_probs"], mask, ppo.kl_loss_type, agg_mode, normalizer)
+            loss = loss + terms.teacher_kl_coef * kl
+            stats["teacher_kl_loss"] = kl.detach()
         if "kl_div" not in stats and "ref_log_prob" in mb:  # k1, the document's KL: mean log pi - log ref
             kl_div = zero_padding(log_prob.detach() - mb["ref_log_prob"].to(log_prob.dtype), mask) * mask
             stats["kl_div"] = kl_div.sum() / normalizer.tokens

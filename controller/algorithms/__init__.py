@@ -38,6 +38,7 @@ from controller.algorithms.algorithm import (
     resolve_rollout_correction,
 )
 from controller.algorithms.dapo import DAPO, informative_groups, overlong_penalty
+from controller.algorithms.opd import OPD, distillation_advantages
 from controller.algorithms.presets import PRESETS, AlgorithmPreset
 from controller.algorithms.remax import ReMax
 from controller.algorithms.safe_rlhf import LagrangeMultiplier, SafeRLHF, combine_advantages
@@ -48,6 +49,7 @@ __all__ = [
     "ALGORITHMS",
     "AlgorithmPreset",
     "DAPO",
+    "OPD",
     "PRESETS",
     "RLAlgorithm",
     "ReMax",
@@ -56,6 +58,7 @@ __all__ = [
     "StepState",
     "algorithm_preset",
     "build_algorithm",
+    "distillation_advantages",
     "informative_groups",
     "overlong_penalty",
     "register_algorithm",

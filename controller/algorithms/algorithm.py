@@ -125,6 +125,7 @@ class RLAlgorithm:
     # The algorithm's own settings: a frozen dataclass whose fields are read from the algorithm: section beside
     # the shared keys (a field's type is checked, its __post_init__ checks values; both before launch)
     Config: type = NoSettings
+    reads_teacher: bool = False  # its advantages read a teacher's log-probs (opd): a job needs teacher:
 
     def __init__(self, config: AlgorithmConfig, preset: AlgorithmPreset) -> None:
         self.config, self.defaults = config, preset
@@ -171,7 +172,7 @@ class RLAlgorithm:
         correction = resolve_rollout_correction(self.config.rollout_correction, same_precision=True,
                                                 off_policy=ctx.mode != "sync")
         return PolicyUpdateTerms(ctx.ppo.policy_loss_spec(self.defaults.loss_spec()), correction,
-                                 norm_length=ctx.max_response_length)
+                                 norm_length=ctx.max_response_length, teacher_kl_coef=self.config.teacher_kl_coef)
 
     def after_update(self, ctx: StepContext, state: StepState, batch: DataProto) -> None:
         if self.config.kl_in_reward:

@@ -47,6 +47,7 @@ class RoleContext(Protocol):
 
     config: Any  # the job's RLConfig
     policy_path: str  # the policy checkpoint (config.model_path, resolved)
+    actor_path: str  # the actor's checkpoint (actor.model_path, else the policy's): the tokenizer of its samples
 
     def rule(self, fn: Any) -> RoleSpec:
         """A rule scorer (a name or an import path of a reward function, or the function), with the job's reward

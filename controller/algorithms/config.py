@@ -53,6 +53,9 @@ class AlgorithmConfig:
     safe_rlhf_cost_limit: float = 0.0  # the constraint: the mean episode cost at most this
     safe_rlhf_lambda_init: float = 1.0  # the Lagrange multiplier lambda's first value
     safe_rlhf_lambda_lr: float = 0.1  # lambda's step: lambda + lr * (mean cost - cost_limit), kept >= 0
+    # The teacher (teacher: section) as a KL term in the actor's loss, KL(actor || teacher) by ppo.kl_loss_type at
+    # this weight, in place of (or beside) the reference's; 0: none. algorithm.name: opd reads the teacher anyway
+    teacher_kl_coef: float = 0.0
     # A mixture of experts' rollout routing replay (R3): "off"; "rollout" (the experts the rollout chose for
     # each token travel with the batch, and the actor's routers replay them in its log-prob and update passes);
     # "measure" (they travel with the batch and are only compared: router_replay/agreement without replay)

@@ -31,6 +31,12 @@ def _roles(job: JobFacts) -> list[tuple[str, str, Any, int | None]]:
         roles.append(("critic", "critic", config.critic.engine, config.critic_ppo.ppo_mini_batch_size))
     if config.reward.model_path is not None:
         roles.append(("reward.engine", "reward_model", config.reward.engine, None))  # forward only: no mini-batches
+    from controller.rl.role_registry import role_engine
+
+    for name in config.roles:  # registered roles holding a model (the teacher): forward only
+        engine = role_engine(config, name)
+        if engine is not None:
+            roles.append((f"{name}.engine", name, engine, None))
     return roles
 
 

@@ -64,6 +64,7 @@ CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("val_loss", ("sft/val_loss",), "{:.3g}"),
     ("reward", ("critic/score/mean", "critic/rewards/mean"), "{:.3g}"),
     ("val", ("val/reward/mean",), "{:.3g}"),
+    ("reverse_kl", ("actor/opd/reverse_kl",), "{:.3g}"),  # a teacher's: KL(student || teacher)
     ("kl", ("actor/ppo_kl",), "{:.2g}"),
     ("pg_loss", ("actor/pg_loss",), "{:.3g}"),
     ("vf_loss", ("critic/vf_loss",), "{:.3g}"),

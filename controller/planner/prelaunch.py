@@ -131,10 +131,23 @@ def check_job_memory(config, cluster: Cluster, efficiency: Efficiency | None = N
     raise MemoryCheckError("\n".join(message))
 
 
-_CP_SECTIONS = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy"}
+_CP_SECTIONS = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy"}  # and registered roles' own
+
+
+def _splits_sequences(config, role: str) -> bool:
+    """Whether ``role``'s engine section is one whose sequences may be split (a registered role's: the teacher's)."""
+    from controller.rl.role_registry import role_engine
+
+    return role in _CP_SECTIONS or role_engine(config, role) is not None
 
 
 def _with_context_parallel(config, role: str, cp: int):
+    if role not in _CP_SECTIONS:  # a registered role holding a model (the teacher)
+        from controller.rl.role_registry import role_engine
+
+        section = config.roles[role]
+        engine = replace(role_engine(config, role), context_parallel=cp)
+        return replace(config, roles={**config.roles, role: replace(section, engine=engine)})
     section = getattr(config, _CP_SECTIONS[role])
     if section is None:  # the reference: the actor's model and engine until set
         from controller.config import RoleConfig
@@ -155,7 +168,7 @@ def context_parallel_fix(config, cluster: Cluster, roles: tuple[str, ...],
     candidates = []
     for role in roles:
         work = workload.role(role)
-        if (role in _CP_SECTIONS and work.cp == 1 and work.spec.moe is None and not work.lora_rank
+        if (_splits_sequences(config, role) and work.cp == 1 and work.spec.moe is None and not work.lora_rank
                 and work.spec.vision is None):
             candidates.append(role)
     if not candidates:
@@ -172,7 +185,7 @@ def context_parallel_fix(config, cluster: Cluster, roles: tuple[str, ...],
             except ValueError:
                 break
             if all(max(g.memory) <= usable for g in plan.sets):
-                settings = " ".join(f"{_CP_SECTIONS[r]}.engine.context_parallel={cp}" for r in group)
+                settings = " ".join(f"{_CP_SECTIONS.get(r, r)}.engine.context_parallel={cp}" for r in group)
                 return (f"each sequence split over {cp} context-parallel ranks makes it fit at its own layout "
                         f"({plan.peak_memory / GIB:.2f} GiB a device at most, {plan.step_time:.3g} s a step): "
                         f"{settings}")

@@ -56,7 +56,7 @@ def _layout_overrides(option: Option) -> list[str]:
         kv.append(f"rollout.lora_sync={option.lora_sync}")
     if option.role == "rollout":
         return [f"rollout.tensor_parallel={option.tp}", f"rollout.pipeline_parallel={option.pp}", *kv]
-    section = _SECTION[option.role]
+    section = _SECTION.get(option.role, f"{option.role}.engine")  # a registered role's: teacher.engine
     out = [f"{section}.tensor_parallel={option.tp}", f"{section}.pipeline_parallel={option.pp}",
            f"{section}.micro_batch_size={option.micro_batch}"]
     if option.cp > 1:

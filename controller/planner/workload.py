@@ -2,7 +2,7 @@
 
 ``job_workload(config)`` reads the typed config tree (``controller.config.RLConfig``)
 and gives the roles that hold a model (actor, critic, reference, reward and
-cost models), what each does in a step (generation, forward passes,
+cost models, and registered roles that hold one: the teacher), what each does in a step (generation, forward passes,
 updates: sequences, lengths, epochs, optimizer steps) and how it stores
 itself (precision, distributed optimizer, recomputation, vocabulary
 padding). Models are read from their ``config.json`` only: a directory with
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from controller.rl.role_registry import reads_old_log_probs, role_engine
 from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.rollout.agreement import old_log_probs_from_update
 from workers.rollout.generator import GeneratorTraits, generator_traits
@@ -163,12 +164,13 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
     policy = load(config.actor.model_path or config.model_path)
     separate_rollout = trainer.mode != "sync" or "rollout" in trainer.placement
     from_update = old_log_probs_from_update(alg.old_log_prob_source, config.ppo.ppo_epochs,
-                                            config.ppo.ppo_mini_batch_size, sequences, read_before_update=alg.kl_in_reward
+                                            config.ppo.ppo_mini_batch_size, sequences,
+                                            read_before_update=reads_old_log_probs(config)
                                             ) and not rollout.serves_agent  # its batch may outgrow a mini-batch
     recompute_old = alg.old_log_prob_source != "rollout" and not from_update  # the actor's separate forward
 
-    def engine_fields(section, trains: bool = False) -> dict:
-        eng = section.engine
+    def engine_fields(section, trains: bool = False, eng=None) -> dict:
+        eng = eng or section.engine
         lora = dict(lora_rank=section.lora.rank, lora_targets=section.lora.targets) if trains and section.lora.enabled else {}
         return dict(precision=eng.precision, recompute=eng.recompute_granularity,
                     recompute_num_layers=eng.recompute_num_layers, vocab_multiple=eng.make_vocab_size_divisible_by,
@@ -206,6 +208,11 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
             except ModelConfigError:  # a classifier megatron cannot hold runs on transformers: not planned
                 continue
             roles.append(RoleWork(role, spec, trains=False, forward_passes=1, **engine_fields(section)))
+    for name, section in config.roles.items():  # registered roles holding a model (the teacher): forward only
+        engine = role_engine(config, name)
+        if engine is not None:
+            roles.append(RoleWork(name, load(section.model_path), trains=False, forward_passes=1,
+                                  **engine_fields(section, eng=engine)))
     return Workload(sequences, rollout.max_prompt_length, rollout.max_response_length, tuple(roles), mode=trainer.mode,
                     max_num_seqs=rollout.max_num_seqs, generation_engine=rollout.engine,
                     release_training=rollout.release_training, flash_attention=flash_attention,

@@ -28,7 +28,7 @@ __all__ = ["check_declared_roles", "critic_from_causal_lm", "default_rollout", "
 
 # How each of RLTrainer's role keywords is declared, for the error that a value of another kind gets.
 _DECLARED_BY = {"actor": "Actor", "critic": "Critic", "ref_policy": "ReferencePolicy", "reward_model": "RewardModel",
-                "cost_model": "RewardModel", "rollout": "Rollout"}
+                "cost_model": "RewardModel", "rollout": "Rollout", "teacher": "Teacher"}
 
 
 def check_declared_roles(**roles: object) -> None:

@@ -17,7 +17,7 @@ from controller.config import RoleConfig
 from controller.errors import ConfigError
 from controller.rl.role_assembly import assemble_roles
 from controller.rl.role_defaults import reading_policy_ids
-from controller.rl.role_registry import ROLE_TYPES
+from controller.rl.role_registry import ROLE_TYPES, role_engine
 from workers.actor import Actor, ReferencePolicy
 from workers.critic import Critic
 from workers.import_path import import_object
@@ -151,7 +151,8 @@ def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
         reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None, reward_options=options,
         reward_worker=reward_worker, kl_loss_fn=kl_loss_function(config.algorithm.kl_loss_fn))
     calls: dict[str, list[tuple[str, Callable]]] = {}
-    for name, role in algorithm.roles(_JobRoles(config, policy_path, actor_path, options)).items():
+    job = _JobRoles(config, policy_path, actor_path, options)
+    for name, role in algorithm.roles(job).items():
         if name in specs:
             raise ConfigError(f"{type(algorithm).__name__}.roles(): role {name!r} is already one of the job's "
                               f"roles {sorted(specs)}")
@@ -160,7 +161,7 @@ def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
     for name, section in config.roles.items():  # the registered roles the config holds (role_registry)
         if name in ROLE_TYPES:
             role_type = ROLE_TYPES[name]
-            specs[name] = role_type.spec(section, policy_path)
+            specs[name] = role_type.spec(section, job)
             calls.setdefault(role_type.phase, []).append((name, role_type.call))
     return DeclaredRoles(specs, calls)
 
@@ -172,10 +173,17 @@ def with_parallelism(config, role: str, tensor_parallel: int | None, pipeline_pa
                                ("context_parallel", context_parallel)) if v is not None}
     if role == "rollout":
         return replace(config, rollout=replace(config.rollout, **sizes, device_map=None))
+    engine = role_engine(config, role)
+    if engine is not None:  # a registered role holding a model (the teacher)
+        section = config.roles[role]
+        unplaced = {"device_map": None} if hasattr(section, "device_map") else {}
+        return replace(config, roles={**config.roles, role: replace(section, engine=replace(engine, **sizes),
+                                                                     **unplaced)})
     sections = {"actor": "actor", "critic": "critic", "ref_policy": "ref_policy", "reward_model": "reward",
                 "cost": "cost_model"}
     if role not in sections:
-        raise ConfigError(f"role {role!r} has no model parallelism to set; roles with one: {sorted(sections)}")
+        raise ConfigError(f"role {role!r} has no model parallelism to set; roles with one: "
+                          f"{sorted([*sections, *(r for r in config.roles if role_engine(config, r) is not None)])}")
     section = getattr(config, sections[role])
     if section is None:  # the reference: the actor's model and engine until set
         section = RoleConfig(engine=config.actor.engine)

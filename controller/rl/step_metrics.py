@@ -46,6 +46,9 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["reward/timeouts"] = float(b["reward_timed_out"].sum())
     if "entropys" in b:
         metrics["actor/entropy_rollout"] = float(masked_mean(b["entropys"], b["response_mask"]))
+    if "teacher_log_probs" in b and "old_log_probs" in b:  # KL(student || teacher) on the student's own tokens
+        metrics["actor/opd/reverse_kl"] = float(masked_mean(b["old_log_probs"] - b["teacher_log_probs"],
+                                                            b["response_mask"]))
     return metrics
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from controller.rl.job_assembly import JobAssembly
 from controller.rl.phase_flow import DRIVER, Phase, PhaseFlow
 from controller.rl.step_phases import STEP_PHASES
 from controller.rl.role_assembly import reference_role
+from controller.rl.role_registry import reads_old_log_probs, role_phase
 from controller.rl.role_specs import kl_loss_function
 from controller.rl.rollout_dump import RolloutDump
 from controller.rl.rollout_source import RolloutSource
@@ -87,7 +89,7 @@ class RLTrainer:
         self.max_response_length = config.rollout.max_response_length  # a conversation's, for agent rollouts
         self.old_log_probs_from_update = old_log_probs_from_update(
             algorithm.config.old_log_prob_source, self.ppo.ppo_epochs, self.ppo.ppo_mini_batch_size,
-            self.batch_size * sampling.n, read_before_update=algorithm.config.kl_in_reward
+            self.batch_size * sampling.n, read_before_update=reads_old_log_probs(config)
         ) and not config.rollout.serves_agent  # a served agent's batch may hold more rows than one mini-batch
         self.global_step = 0
         self.bad_steps = BadSteps(trainer.max_bad_steps)  # steps in a row that skipped an optimizer step
@@ -126,6 +128,7 @@ class RLTrainer:
         stands_for = {"reference": reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn),
                       "scorer": "reward_model" if "reward_model" in self.specs else "reward"}
         roles = {name: stands_for.get(phase.role, phase.role) for name, phase in STEP_PHASES.items()}
+        roles.update({role: role for role, _ in self.calls_at("log_probs")})  # a registered role's phase: its name
         return {name: DRIVER if role is None else where[role] for name, role in roles.items()
                 if role is None or role in where}
 
@@ -197,6 +200,8 @@ class RLTrainer:
             phases.append(self.phase("ref", lambda: g[reference].compute_ref_log_prob(scored), state))
         if "critic" in g:
             phases.append(self.phase("values", lambda: g["critic"].compute_values(scored), state))
+        registered = self.calls_at("log_probs")  # registered roles beside them: the teacher
+        phases += [self.phase(role, partial(call, g[role], scored), state) for role, call in registered]
         out = self.phase_flow().run(phases, state, ready=("responses", "scores"))
         if "old_log_prob" in out:  # joined in this order whichever phase ended first
             old = out["old_log_prob"]
@@ -205,7 +210,7 @@ class RLTrainer:
             state.metrics.update(logprob_agreement(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                                    batch.batch["response_mask"]))
             batch = use_old_log_probs(batch, source)
-        for name in ("ref", "values"):
+        for name in ("ref", "values", *(role for role, _ in registered)):
             if name in out:
                 batch = batch.union(out[name])
         return batch
@@ -246,7 +251,7 @@ class RLTrainer:
     def phase(self, name: str, run, state: StepState) -> Phase:
         """Phase ``name`` of the step, as ``STEP_PHASES`` declares it, on its role's pool (``state.pools``, the
         step's ``phase_pools``)."""
-        declared = STEP_PHASES[name]
+        declared = STEP_PHASES[name] if name in STEP_PHASES else role_phase(name)
         return Phase(name, state.pools[name], run, reads=declared.reads, writes=declared.writes)
 
     def finish_step(self, batch: DataProto, state: StepState) -> dict[str, float]:

@@ -57,6 +57,7 @@ def config_from_keywords(
     reward_worker: RoleSpec | None = None,
     cost_fn: str | Callable | None = None,
     cost_model: RoleSpec | None = None,
+    teacher: RoleSpec | None = None,
     algorithm: AlgorithmConfig | dict | str | RLAlgorithm = "ppo",
     val_data=None,
     kl_loss_fn: Callable | None = None,
@@ -90,10 +91,12 @@ def config_from_keywords(
     model, in vLLM where it is installed (megatron otherwise), laid out by ``device_map="auto"``'s rule.
     ``lr``: the actor's (and critic's) learning rate, where their own ``optim`` does not set one.
     ``rollout_proto``: a schema (``DataProto(field="name", ...)``) of the fields the rollout must produce,
-    checked now and on the first batch. ``verbose``: one console line per phase of each step.
+    checked now and on the first batch. ``verbose``: one console line per phase of each step. ``teacher``: a
+    ``Teacher.from_pretrained(path)`` that scores every sampled token, read by ``algorithm="opd"`` (on-policy
+    distillation) or by ``algorithm={"name": ..., "teacher_kl_coef": c}`` (``controller.rl.teacher``).
     """
     check_declared_roles(actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
-                         reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model)
+                         reward_model=reward_model, reward_worker=reward_worker, cost_model=cost_model, teacher=teacher)
     check_reward_sources(reward_fn, reward_model, reward_worker)  # before they fill one section
     check_cost_sources(cost_fn, cost_model)
     if rollout_proto is not None:
@@ -140,6 +143,7 @@ def config_from_keywords(
         ref_policy=_role_config(ref_policy, dict(ref_policy.kwargs), ReferencePolicy, "ref_policy")
         if ref_policy is not None else None,
         cost_model=_cost_model(cost_model) if cost_model is not None else None,
+        roles={"teacher": _teacher(teacher)} if teacher is not None else {},
     )
     if critic is not None:
         critic_kwargs = dict(critic.kwargs)
@@ -236,6 +240,22 @@ def _reward_model_section(spec: RoleSpec) -> RewardConfig:
     if kwargs:
         raise ConfigError(f"reward_model: keyword(s) {sorted(kwargs)} have no place in the reward section")
     return RewardConfig(fn=None, model_path=path, engine=engine, max_length=max_length, device_map=device_map)
+
+
+def _teacher(spec: RoleSpec):
+    """A Teacher.from_pretrained spec as the teacher's section (controller.rl.teacher)."""
+    from controller.rl.teacher import TeacherConfig
+    from workers.teacher import Teacher
+
+    if not issubclass(spec.worker_cls, Teacher):
+        raise ConfigError(f"teacher=... declares {spec.worker_cls.__name__}, which is not a Teacher "
+                          f"(Teacher.from_pretrained(path))")
+    kwargs = dict(spec.kwargs)
+    model_path, engine = kwargs.pop("model_path"), _engine(kwargs)
+    if kwargs:
+        raise ConfigError(f"teacher: keyword(s) {sorted(kwargs)} have no place in the teacher's config")
+    return TeacherConfig(model_path=model_path, engine=engine, device_map=_device_map(spec),
+                         worker=None if spec.worker_cls is Teacher else spec.worker_cls)
 
 
 def _cost_model(spec: RoleSpec) -> RoleConfig:

@@ -4,8 +4,11 @@
     torchrun --nproc-per-node N parity_program.py --cases CASES.json [--role export]   (several runs, one launch)
 
 CASES.json: a list of {model, out, tp, pp, agg, dist_opt, logits_output, precision; optional freeze_vision_tower,
-checkpoint, token_budget, cp (context_parallel), pack (pack_sequences)} (an export's: model, out, tp,
+checkpoint, token_budget, cp (context_parallel), pack (pack_sequences), teacher} (an export's: model, out, tp,
 pp, precision), each run in turn with worker groups of its own on the same processes.
+
+``teacher``: a Teacher on the same model gives its log-probs, and the step's KL term is the teacher's
+(``teacher_kl_coef``, the inputs' reference log-probs given as the teacher's) instead of ``ppo.use_kl_loss``'s.
 """
 
 import argparse
@@ -17,9 +20,10 @@ import torch
 
 from controller import ResourcePool, WorkerGroup
 from hybridengine.model.spec import ModelSpec
-from workers.actor import Actor, ReferencePolicy
+from workers.actor import Actor, PolicyUpdateTerms, PPOActorConfig, ReferencePolicy
 from workers import DataProto
 from workers.critic import Critic
+from workers.teacher import Teacher
 from controller.runtime.process_exit import exit_process
 
 
@@ -77,6 +81,9 @@ def run_actor(pool, case, temperature, suffix=""):
     inputs = torch.load(out / "inputs.pt", weights_only=False)
     layout = {"precision": case["precision"], "tensor_parallel": case["tp"], "pipeline_parallel": case["pp"],
               "context_parallel": case.get("cp", 1), "pack_sequences": case.get("pack", False)}
+    teacher = case.get("teacher", False)
+    ppo = PPOActorConfig(ppo_mini_batch_size=8, shuffle=False, entropy_coeff=0.01, use_kl_loss=not teacher,
+                         kl_loss_coef=0.1, kl_loss_type="k3", loss_agg_mode=case["agg"])
     actor = WorkerGroup(
         pool, Actor, role=f"actor{suffix}",
         kwargs=dict(
@@ -85,8 +92,7 @@ def run_actor(pool, case, temperature, suffix=""):
                     **({"max_tokens_per_micro_batch": case["token_budget"]} if case.get("token_budget") else {})},
             freeze_vision_tower=case.get("freeze_vision_tower", True),
             optim={"lr": 1e-3, "clip_grad": 1.0, "adam_eps": 1e-4, "use_distributed_optimizer": case["dist_opt"]},
-            ppo={"ppo_mini_batch_size": 8, "shuffle": False, "entropy_coeff": 0.01, "use_kl_loss": True,
-                 "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": case["agg"]},
+            ppo=ppo,
         ),
     )
     ref = WorkerGroup(pool, ReferencePolicy, role=f"ref{suffix}", kwargs=dict(
@@ -96,7 +102,14 @@ def run_actor(pool, case, temperature, suffix=""):
     packed = case.get("cp", 1) > 1 or case.get("pack", False)
     log_probs = actor.compute_log_prob(batch)
     ref_log_probs = ref.compute_ref_log_prob(batch)
-    metrics = actor.update_actor(batch.union(inputs["train"]))
+    train, terms, teacher_log_probs = inputs["train"], None, None
+    if teacher:  # the KL term's log-probs given as the teacher's, the teacher's own from a Teacher worker
+        teacher_log_probs = WorkerGroup(pool, Teacher, role=f"teacher{suffix}", kwargs=dict(
+            model_path=case["model"], engine={**layout, "micro_batch_size": 4})).compute_teacher_log_prob(batch)
+        train = DataProto({**{k: v for k, v in train.batch.items() if k != "ref_log_prob"},
+                           "teacher_log_probs": train.batch["ref_log_prob"]})
+        terms = PolicyUpdateTerms(ppo.policy_loss_spec(), teacher_kl_coef=ppo.kl_loss_coef)
+    metrics = actor.update_actor(batch.union(train), terms)
     actor.save_hf(str(out / "after_step"))
     restored = None
     if case.get("checkpoint"):  # the stepped actor through a checkpoint into a fresh one: its log-probs
@@ -106,7 +119,8 @@ def run_actor(pool, case, temperature, suffix=""):
             freeze_vision_tower=case.get("freeze_vision_tower", True)))
         fresh.load_checkpoint(str(out / "checkpoints"))
         restored = fresh.compute_log_prob(batch)
-    torch.save({"log_probs": log_probs, "restored_log_probs": restored, "ref_log_probs": ref_log_probs, "metrics": metrics, "layout": str(actor.layout),
+    torch.save({"log_probs": log_probs, "restored_log_probs": restored, "ref_log_probs": ref_log_probs,
+                "teacher_log_probs": teacher_log_probs, "metrics": metrics, "layout": str(actor.layout),
                 "state_bytes": actor.state_bytes(), "ref_state_bytes": ref.state_bytes(),
                 # packed rows and CP: rows of one length (the activation model's shape is rows x the longest row)
                 "activations": (actor.saved_activation_bytes(DataProto.concat([batch[:1]] * 4) if packed else batch)

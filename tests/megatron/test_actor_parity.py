@@ -146,6 +146,9 @@ RUNS = {
     # ... and over data-parallel ranks: each sequence counted once by the sequence-mean modes; the distributed
     # optimizer shards over the CP and DP ranks together
     "CP2xDP2-seq-mean-packed": ("llama", 1, 1, 4, "seq-mean-token-mean", ("--pack", "--cp2", "--dist-opt")),
+    # On-policy distillation's teacher (workers.teacher) on the same model: its log-probs at temperature 1, and the
+    # step's KL term read from the teacher's log-probs (teacher_kl_coef) instead of the reference's
+    "teacher-TP2": ("llama", 2, 1, 2, "token-mean", ("--teacher",)),
 }
 LAYOUTS = ["TP1", "TP2", "PP2", "TP2xPP2"]
 
@@ -180,7 +183,8 @@ def launched(models, tmp_path_factory):
                               "freeze_vision_tower": "--train-vision" not in extra,
                               "checkpoint": "--checkpoint" in extra,
                               "token_budget": 80 if "--token-budget" in extra else None,
-                              "cp": 2 if "--cp2" in extra else 1, "pack": "--pack" in extra})
+                              "cp": 2 if "--cp2" in extra else 1, "pack": "--pack" in extra,
+                              "teacher": "--teacher" in extra})
                 done[r] = out
             listing = tmp_path_factory.mktemp(f"parity-{nproc}-processes") / "cases.json"
             listing.write_text(json.dumps(cases))
@@ -199,6 +203,23 @@ def test_actor_matches_hf_reference(models, launched, run):
 
 def test_actor_sequence_mean_modes_over_data_parallel_ranks(models, launched):
     run_and_compare(models, launched, "seq-mean-DP2")
+
+
+def test_a_teacher_scores_at_temperature_1_and_its_kl_term_is_the_references_term(models, launched):
+    """The step with KL(actor || teacher) at teacher_kl_coef equals the hand-written step with the reference's KL
+    term (the same log-probs given as the teacher's); the Teacher's own log-probs are HF's at temperature 1."""
+    run_and_compare(models, launched, "teacher-TP2")
+    result = torch.load(launched("teacher-TP2") / "result.pt", weights_only=False)
+    batch = make_inputs(models["llama"])[0]
+    mask = batch.batch["response_mask"].bool()
+    with torch.no_grad():
+        logits = hf_model(models["llama"])(batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"]).logits
+    length = batch.batch["responses"].shape[1]
+    expected = torch.log_softmax(logits[:, -length - 1: -1].float(), dim=-1).gather(
+        -1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    got = result["teacher_log_probs"].batch["teacher_log_probs"]
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=0)
+    assert all("actor/teacher_kl_loss" in m and "actor/kl_loss" not in m for m in result["metrics"])
 
 
 def test_distributed_optimizer_over_tp2_dp2_with_megatrons_output_layer(models, launched):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import ROOT
 from controller.cli import main
 from controller.config import check_config, load_config
@@ -115,3 +117,34 @@ def test_a_long_context_job_gets_context_parallelism_where_it_makes_the_job_fit(
     assert "makes it fit at its own layout" in message and "actor.engine.context_parallel=2" in message
     # as written (CP2) the job passes
     check_job_memory(load_config(ROOT / "examples/long_context/grpo_qwen3_8b_32k.yaml"), parse_cluster("1x8xA100-80GB"))
+
+
+def test_a_70b_teacher_is_placed_and_sized_beside_a_7b_student(tmp_path, capsys):
+    """On-policy distillation: the teacher is a role of the plan (its own set or the student's), its layout among
+    the overrides; on 2 GPUs the job fits no plan, and the pre-launch check counts the teacher's memory."""
+    from controller.planner.hardware import parse_cluster
+    from controller.planner.prelaunch import MemoryCheckError, check_job_memory
+
+    example = ["--config", str(ROOT / "examples/distillation/opd_llama2_70b_to_7b.yaml")]
+    out = tmp_path / "plans.json"
+    assert main(["plan", *example, "--cluster", "8x8xA100-80GB", "--write", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["roles"] == ["actor", "teacher"]
+    best = saved["plans"][0]
+    teacher = next(s for s in best["sets"] if "teacher" in s["roles"])
+    assert max(teacher["memory_bytes"].values()) <= saved["usable_bytes_per_device"]
+    sized = next(r for r in teacher["roles_detail"] if r["role"] == "teacher")
+    assert sized["memory_bytes"]["weights"] > 0 and sized["times_s"]["preparation"] > 0  # forward only
+    assert sized["memory_bytes"]["optimizer"] == sized["times_s"]["training"] == 0
+    overrides = best["overrides"]
+    config = load_config(example[1], overrides)
+    tp = next(int(o.split("=")[1]) for o in overrides if o.startswith("teacher.engine.tensor_parallel="))
+    assert config.roles["teacher"].engine.tensor_parallel == tp
+    assert "teacher" in capsys.readouterr().out
+
+    assert main(["plan", *example, "--cluster", "1x2xA100-80GB"]) == 1
+    assert "the job fits no plan on 1x2xA100-80GB" in capsys.readouterr().err
+    with pytest.raises(MemoryCheckError) as refused:  # the job's own layout on one node of 8
+        check_job_memory(load_config(example[1], ["trainer.nproc=8"]), parse_cluster("1x8xA100-80GB"))
+    assert "the pool of actor+teacher needs" in str(refused.value)
+    assert "teacher.engine.pipeline_parallel=" in str(refused.value)  # the nearest plan that fits sets its layout
