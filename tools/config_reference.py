@@ -145,12 +145,12 @@ def _checks_for(key: str, field: str, global_checks: list[str], own: list[str]) 
     return list(dict.fromkeys(hits))
 
 
-def _section(cls: type, prefix: str, global_checks: list[str], out: list[str], seen: set) -> None:
+def _section(cls: type, prefix: str, global_checks: list[str], out: list[str], seen: set, title: str | None = None) -> None:
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
     own = _section_checks(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    title = f"`{prefix}`" if prefix else "top level"
+    title = title or (f"`{prefix}`" if prefix else "top level")
     doc = (inspect.getdoc(cls) or "").split("\n\n")[0]
     if doc.startswith(f"{cls.__name__}("):  # the signature dataclasses write for a class without a docstring
         doc = ""
@@ -182,6 +182,22 @@ def _section(cls: type, prefix: str, global_checks: list[str], out: list[str], s
             _section(section, key, global_checks, out, seen)
 
 
+def _registered(global_checks: list[str], out: list[str]) -> None:
+    """The sections of the registered roles hybridflow ships (the teacher), and the built-in algorithms' own
+    settings (their ``Config``, read from the ``algorithm:`` section)."""
+    from controller.algorithms.algorithm import ALGORITHMS, NoSettings
+    from controller.rl.role_registry import ROLE_TYPES
+
+    for name, role in sorted(ROLE_TYPES.items()):
+        module = inspect.getsource(sys.modules[role.section.__module__])
+        _section(role.section, name, [*global_checks, *_problems(module)], out, set(),
+                 title=f"`{name}` (a registered role: its section is the job's `roles.{name}`)")
+    for name, (cls, _) in sorted(ALGORITHMS.items()):
+        if cls.Config is not NoSettings and cls.__module__.startswith("controller."):
+            _section(cls.Config, "algorithm", global_checks, out, set(),
+                     title=f"`algorithm` with `algorithm.name: {name}` (its own settings)")
+
+
 def render() -> str:
     from controller.config import RLConfig
     from controller.sft.config import SFTConfig
@@ -194,7 +210,9 @@ def render() -> str:
            "keyword form). An unknown key is refused with the valid ones named; the checks listed under each",
            "table run before any process starts (`…` stands for the value the message names).", "",
            "## RL jobs (`hybridflow train`)", ""]
-    _section(RLConfig, "", [m for path in RL_CHECKS for m in _problems((ROOT / path).read_text())], out, set())
+    checks = [m for path in RL_CHECKS for m in _problems((ROOT / path).read_text())]
+    _section(RLConfig, "", checks, out, set())
+    _registered(checks, out)
     out += ["## SFT jobs (`hybridflow sft`)", ""]
     _section(SFTConfig, "", _problems((ROOT / SFT_CHECKS).read_text()), out, set())
     return "\n".join(out).rstrip() + "\n"

@@ -7,8 +7,9 @@ and the process-wide matplotlib backend is left untouched.
 The default set, each written only when at least one of its metrics has a value:
 
 ``reward.png``           ``critic/score/mean``, ``critic/rewards/mean``, ``val/reward/mean`` on one axis
-``losses.png``           every ``actor/*loss`` and ``critic/*loss`` except ``actor/kl_loss``, one panel each
-``kl.png``               ``actor/ppo_kl``, ``actor/reward_kl_penalty``, ``actor/kl_loss``, one panel each
+``losses.png``           every ``actor/*loss`` and ``critic/*loss`` except the KL terms (kl.png), one panel each
+``kl.png``               ``actor/ppo_kl``, ``actor/reward_kl_penalty``, ``actor/kl_loss``, a teacher's
+                         ``actor/opd/reverse_kl`` and ``actor/teacher_kl_loss``, one panel each
 ``timing.png``           every ``timing_s/*`` on one axis, except the per-phase and idle times below
 ``timeline.png``         one step's phases per pool as a Gantt chart (``controller/metrics/timeline.py``):
                          ``timing_s/phase/<pool>/<phase>/start|end`` and ``timing_s/idle/<pool>``
@@ -36,7 +37,7 @@ __all__ = ["PLOTS_DIR", "plot_run"]
 
 PLOTS_DIR = "plots"
 REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean", "val/reward/mean")
-KL_KEYS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")
+KL_KEYS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss", "actor/opd/reverse_kl", "actor/teacher_kl_loss")
 RESPONSE_LENGTH_KEYS = ("response_length/mean", "response_length/max", "response_length/min")
 
 Series = tuple[np.ndarray, np.ndarray]  # steps, values (NaN where a step has no value)
@@ -106,7 +107,7 @@ def _ordered_keys(records: list[dict[str, Any]]) -> list[str]:
 
 def _is_loss(key: str) -> bool:
     return key.startswith(("actor/", "critic/", "sft/")) and key.rsplit("/", 1)[-1].endswith("loss") \
-        and key != "actor/kl_loss"
+        and key not in KL_KEYS
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,

@@ -3,6 +3,7 @@
     generation -> scoring -+-> old log-probs -+-> advantages -+-> critic update -+-> next step
                            +-> ref log-probs -+    (driver)   +-> actor update --+
                            +-> values --------+
+                           +-> registered roles' log-probs (the teacher's: controller.rl.role_registry)
 
 ``RLTrainer`` runs the phases of each stage through ``controller.rl.phase_flow``, which starts each one
 once what it reads is written and its pool is free; the planner's time model follows the same graph
