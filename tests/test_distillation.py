@@ -162,8 +162,25 @@ def test_what_a_job_with_a_teacher_needs_is_checked_before_launch(student, tmp_p
         f"teacher.model_path={student}", "teacher.engine={tensor_parallel: 3}")
     # the teacher alone: no reward sample per prompt is compared, so one sample per prompt is enough
     check_config(load_config(OPD_TINY, [*base, f"teacher.model_path={student}", "rollout.sampling.n=1"]))
+    assert "algorithm.kl_in_reward puts a KL penalty in the task reward, which opd with reward_weight 0" in problems(
+        f"teacher.model_path={student}", "algorithm.kl_in_reward=true")
     assert "rollout.sampling.n must be >= 2" in problems(f"teacher.model_path={student}", "rollout.sampling.n=1",
                                                          "algorithm.reward_weight=1")
+
+
+def test_a_runs_saved_config_gives_the_teacher_back(student, tmp_path):
+    """What a run directory keeps (config.yaml: ``hybridflow export``, a resumed or restarted job) holds the teacher."""
+    import yaml
+
+    from controller.config import config_to_dict
+
+    config = load_config(OPD_TINY, [f"teacher.model_path={student}", "teacher.engine={tensor_parallel: 2}",
+                                    "algorithm.reward_weight=0.25"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    again = load_config(saved)
+    assert again == config and again.roles["teacher"].engine.tensor_parallel == 2
+    assert again.algorithm.settings.reward_weight == 0.25
 
 
 def test_the_teacher_defaults_to_the_reference_engine_and_the_researchers_keyword_declares_it(student):

@@ -40,6 +40,9 @@ def _algorithm_problems(config) -> list[str]:
         problems.append(f"advantage estimator {alg.estimator!r} is not registered; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
     # pure on-policy distillation (opd, reward_weight 0) estimates nothing from the task reward
     distils_only = cls.reads_teacher and not getattr(own_settings(cls, alg), "reward_weight", 0.0)
+    if distils_only and alg.kl_in_reward:
+        problems.append(f"algorithm.kl_in_reward puts a KL penalty in the task reward, which {alg.name} with "
+                        "reward_weight 0 does not read; use ppo.use_kl_loss, or algorithm.reward_weight > 0")
     if alg.estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and n < 2 and not distils_only:
         problems.append(f"{alg.estimator} compares samples of one prompt: rollout.sampling.n must be >= 2, got {n}")
     if not issubclass(cls, DAPO):
