@@ -8,8 +8,10 @@ up to kernel rounding, and clearly not after); and the run resumed from its step
 its own step 3 exactly, since the checkpoint holds the batch generated ahead.
 
 The job has a teacher (controller.rl.teacher), the model's own first weights, as a KL term
-(``algorithm.teacher_kl_coef``): it scores one-step-off batches too, its reverse KL to the student is 0 where the
-student still has those weights (step 1) and not after, and a resumed run loads it again like any role.
+(``algorithm.teacher_kl_coef``), on a pool of its own (one process, TP1): it scores one-step-off batches too, at
+the same time as the actor's old log-probs, its reverse KL to the student is 0 where the student still has those
+weights (step 1; TP1 against the actor's TP2, fp32 rounding) and not after, and a resumed run loads it again like
+any role.
 """
 
 import shutil
@@ -22,9 +24,9 @@ JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=grpo", "rollout.sam
        "trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=1",
        "actor.engine.precision=fp32", "actor.engine.micro_batch_size=4", "data.batch_size=8",
        "ppo.ppo_mini_batch_size=16", "ppo.ppo_epochs=1", "actor.optim.lr=2e-2", "rollout.engine=megatron",
-       "trainer.placement={rollout: 2}", "trainer.mode=one_step_off", "trainer.val_every=0",
+       "trainer.placement={rollout: 2, teacher: 1}", "trainer.mode=one_step_off", "trainer.val_every=0",
        "trainer.logger=[jsonl]", "trainer.export_hf=false", "trainer.plots=false", "data.train_size=64",
-       "data.val_size=8", "algorithm.teacher_kl_coef=0.05"]
+       "data.val_size=8", "algorithm.teacher_kl_coef=0.05", "teacher.engine={precision: fp32, micro_batch_size: 8}"]
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
             "rollout_corr/kl_k1", "staleness/mean", "actor/opd/reverse_kl", "actor/teacher_kl_loss")
 
@@ -58,6 +60,10 @@ def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, mode
     assert all(m["weight_transfer/bytes"] > 0 for m in whole)
     reverse_kl = [m["actor/opd/reverse_kl"] for m in whole]  # the teacher is the student's first weights
     assert abs(reverse_kl[0]) < 1e-6 < min(abs(v) for v in reverse_kl[1:]), reverse_kl
+    for m in whole:  # its pool works beside the default pool: both phases start before either ends
+        teacher = [m[f"timing_s/phase/teacher/teacher/{e}"] for e in ("start", "end")]
+        old = [m[f"timing_s/phase/default/old_log_prob/{e}"] for e in ("start", "end")]
+        assert teacher[0] < old[1] and old[0] < teacher[1], (teacher, old)
     # Step 3's batch was collected by the step-2 checkpoint, so only steps 1 and 2 waited for theirs.
     assert ["timing_s/wait_rollout" in m for m in whole] == [True, True, False]
 

@@ -41,6 +41,7 @@ config)`` lists its problems before launch with every other check's.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -125,4 +126,4 @@ def role_phase(name: str):
 
 
 # The registered roles hybridflow ships: the teacher (on-policy distillation, and a KL term for any algorithm).
-from controller.rl import teacher as _teacher  # noqa: E402,F401  (registers it)
+importlib.import_module("controller.rl.teacher")  # registers it
