@@ -25,6 +25,7 @@ from workers.actor import PPOActorConfig
 from workers.critic import CriticConfig
 from workers.megatron.config import EngineConfig, OptimConfig
 from workers.megatron.lora import LoRAConfig
+from workers.reward.judge import JudgeConfig
 from workers.rollout.config import RolloutConfig
 from workers.sandbox.config import SandboxConfig
 
@@ -64,7 +65,7 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How responses are scored: a rule function, a reward model, or your own worker."""
+    """How responses are scored: a rule function, a reward model, or your own worker; and a generative judge."""
 
     # "auto": a scorer per sample's data_source (workers.reward.router); or a built-in name, or
     # "package.module:function" taking (prompt, response, ground_truth, extra, **kwargs) (from Python: the
@@ -87,6 +88,9 @@ class RewardConfig:
     # scores; worker_kwargs are its constructor's. Set instead of fn and model_path.
     worker: str | type | None = None
     worker_kwargs: dict[str, Any] = field(default_factory=dict)  # reward.worker's constructor keyword arguments
+    # A generative judge (workers.reward.judge): an LLM that writes a verdict on each response, parsed into a
+    # score; alone (fn null) or added to a rule's at its weight, or routed by data_source (controller.rl.judge_scores)
+    judge: JudgeConfig | None = None
 
 
 DATA_TASKS = ("arithmetic", "word_problems", "code_expression", "files", "jsonl")  # "jsonl": the old name of "files"

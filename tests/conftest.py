@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id resolves from a cache a
 LONGEST_MODULES = [
     "test_train_cli.py", "test_sft_cli.py", "test_ray_multinode.py", "rollout/test_rollout_engines.py",
     "megatron/test_checkpoint_resume.py", "test_algorithm_cli.py", "faults/test_faults_cli.py",
-    "test_long_context_e2e.py", "test_distillation_e2e.py", "serving/test_agent_cli.py", "test_one_step_off.py", "test_async_mode.py",
+    "test_long_context_e2e.py", "test_distillation_e2e.py", "test_judge_e2e.py", "serving/test_agent_cli.py", "test_one_step_off.py", "test_async_mode.py",
     "test_vision_train_e2e.py",
     "test_docs_examples.py",
     "test_examples.py", "test_sandbox.py", "megatron/test_sft_parity.py", "rollout/test_agent_rollout.py",

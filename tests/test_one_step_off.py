@@ -24,16 +24,21 @@ JOB = ["--config", "examples/ppo_tiny.yaml", "algorithm.name=grpo", "rollout.sam
        "trainer.nproc=2", "actor.engine.tensor_parallel=2", "actor.engine.pipeline_parallel=1",
        "actor.engine.precision=fp32", "actor.engine.micro_batch_size=4", "data.batch_size=8",
        "ppo.ppo_mini_batch_size=16", "ppo.ppo_epochs=1", "actor.optim.lr=2e-2", "rollout.engine=megatron",
-       "trainer.placement={rollout: 2, teacher: 1}", "trainer.mode=one_step_off", "trainer.val_every=0",
+       "trainer.placement={rollout: 2}", "trainer.mode=one_step_off", "trainer.val_every=0",
        "trainer.logger=[jsonl]", "trainer.export_hf=false", "trainer.plots=false", "data.train_size=64",
-       "data.val_size=8", "algorithm.teacher_kl_coef=0.05", "teacher.engine={precision: fp32, micro_batch_size: 8}"]
+       "data.val_size=8"]
 COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
             "rollout_corr/kl_k1", "staleness/mean", "actor/opd/reverse_kl", "actor/teacher_kl_loss")
 
 
+def with_teacher(model: str) -> list[str]:
+    """The model's first weights as a teacher KL term, on a pool of its own (TP1)."""
+    return [f"teacher.model_path={model}", "algorithm.teacher_kl_coef=0.05",
+            "trainer.placement={rollout: 2, teacher: 1}", "teacher.engine={precision: fp32, micro_batch_size: 8}"]
+
+
 def train(run_dir, model, *extra, job=JOB):  # noqa: F811
-    proc = hybridflow("train", *job, f"model_path={model}", f"teacher.model_path={model}",
-                      f"trainer.run_dir={run_dir}", *extra)
+    proc = hybridflow("train", *job, f"model_path={model}", f"trainer.run_dir={run_dir}", *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return read_metrics(run_dir)
 
@@ -49,7 +54,7 @@ def stopped_at(run_dir, step: int, copy):
 
 
 def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, model):  # noqa: F811
-    whole = train(tmp_path / "whole", model, "trainer.total_steps=3", "trainer.save_every=2")
+    whole = train(tmp_path / "whole", model, *with_teacher(model), "trainer.total_steps=3", "trainer.save_every=2")
     assert [m["step"] for m in whole] == [1, 2, 3]
     assert [m["staleness/mean"] for m in whole] == [0.0, 1.0, 1.0]
     assert [m["staleness/max"] for m in whole] == [0.0, 1.0, 1.0]
@@ -68,7 +73,8 @@ def test_one_step_off_trains_one_update_stale_and_resumes_exactly(tmp_path, mode
     assert ["timing_s/wait_rollout" in m for m in whole] == [True, True, False]
 
     stopped = stopped_at(tmp_path / "whole", 2, tmp_path / "stopped")
-    resumed = train(stopped, model, "trainer.total_steps=3", "trainer.save_every=2", "trainer.resume=true")
+    resumed = train(stopped, model, *with_teacher(model), "trainer.total_steps=3", "trainer.save_every=2",
+                    "trainer.resume=true")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for ours, theirs in zip(resumed, whole):
         for key in COMPARED:

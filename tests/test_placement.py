@@ -86,8 +86,8 @@ def test_check_config_refuses_a_placement_the_cluster_cannot_hold_naming_what_it
     text = problems(*placed, cluster=nodes(8, 2))
     assert "do not fit the Ray cluster: pool 'critic' (2 node(s) x 4 process(es)) needs 2 different node(s)" in text
     assert "it has 2 node(s): 10.0.0.1 (8 CPU, 0 GPU), 10.0.0.2 (2 CPU, 0 GPU)" in text
-    assert "'reward_model' is not a placeable role" not in problems("trainer.launcher=ray", "trainer.placement={judge: 1}")
-    assert "'judge' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={judge: 1}")
+    assert "'reward_model' is not a placeable role" not in problems("trainer.launcher=ray", "trainer.placement={oracle: 1}")
+    assert "'oracle' is not a placeable role" in problems("trainer.launcher=ray", "trainer.placement={oracle: 1}")
 
 
 def test_trainer_placement_across_nodes_by_declaration():

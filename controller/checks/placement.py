@@ -7,7 +7,7 @@ from controller.runtime.placement import PlacementError, PoolShape, fit_pools, p
 
 __all__ = ["PLACEABLE_ROLES", "distinct_pools", "job_pools", "placeable_roles", "placement_problems"]
 
-PLACEABLE_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "reward")
+PLACEABLE_ROLES = ("actor", "rollout", "critic", "ref_policy", "reward_model", "reward", "judge")
 
 
 def job_pools(trainer) -> dict[str, PoolShape]:

@@ -199,8 +199,8 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     memory: dict[str, int] = {}
     times = [0.0, 0.0, 0.0]
     extra = [0, 0, 0]
-    if work.role == "rollout":  # generation only, on a pool of its own: weights and KV are its state
-        state_weights = weight_bytes(work.spec, tp, pp, workload.generation_precision)
+    if work.serves:  # generation only, from its own copy (a rollout pool's, a judge's): weights and KV are its state
+        state_weights = weight_bytes(work.spec, tp, pp, _generation_precision(work, workload))
         memory["weights"] = state_weights
     else:
         state = state_memory(spec, tp, pp, dp, work.precision, work.trains, work.distributed_optimizer, ep, etp,
@@ -224,7 +224,17 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
                               device, work.precision, tp_link, dp_link, efficiency, work.distributed_optimizer,
                               work.recompute, pp_link, experts)
     reshard, transfer = 0, None
-    if work.generates and lora_sync is not None:
+    if work.role == "judge":  # verdicts on every sample, its checkpoint loaded once (the scoring phase's time)
+        gen_tp, gen_pp = gen
+        prompt_len, response_len = work.lengths(workload)
+        kv = kv_cache_bytes(work.spec, gen_tp, prompt_len + response_len, concurrency, work.precision,
+                            workload.kv_block_tokens)
+        memory["KV cache"] = kv
+        state_weights += kv  # its engine keeps its cache for the whole step (it is not put to sleep)
+        times[0] += generation_time(work.spec, gen_tp, n // (gen_tp * gen_pp), workload.sequences, prompt_len,
+                                    response_len, concurrency, device, links_for(cluster, gen_tp), efficiency,
+                                    work.precision)
+    elif work.generates and lora_sync is not None:
         times[0], extra[0], reshard, transfer = _lora_generation(work, workload, cluster, efficiency, device, n, tp, pp,
                                                                  gen, concurrency, lora_sync, memory)
         state_weights += memory.get("generation base", 0) + memory.get("merged linears", 0)
@@ -264,6 +274,11 @@ def evaluate_option(work: RoleWork, workload: Workload, cluster: Cluster, effici
     return Option(work.role, n, tp, pp, dp // cp, micro_batch, tuple(times), state_weights, tuple(extra),
                   gen[0] if gen else None, gen[1] if gen else None, concurrency, reshard, memory, ep, etp,
                   lora_sync if work.generates else None, transfer, cp)
+
+
+def _generation_precision(work: RoleWork, workload: Workload) -> str:
+    """The precision a role generates in: a judge's its own, the policy's rollout the workload's."""
+    return work.precision if work.role == "judge" else workload.generation_precision
 
 
 def _lora_generation(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, device, n: int,
@@ -333,20 +348,21 @@ def expert_reshard_bytes(spec, train: ParallelLayout, gen: GenerationLayout, pre
     return max(linear_bound(spec, layout, rank, dtype_bytes(precision)) for rank in range(train.world_size))
 
 
-def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int) -> int:
-    """Sequences at full length that ``cache_bytes`` of KV cache holds on a rank at generation TP ``gen_tp``."""
-    per_sequence = kv_bytes_per_sequence(spec, gen_tp, workload.seq_len, workload.generation_precision,
-                                         workload.kv_block_tokens)
-    held_back = kv_cache_bytes(spec, gen_tp, workload.seq_len, 0, workload.generation_precision,
-                               workload.kv_block_tokens)
+def kv_concurrency(workload: Workload, spec, gen_tp: int, cache_bytes: int, work: RoleWork | None = None) -> int:
+    """Sequences at full length that ``cache_bytes`` of KV cache holds on a rank at generation TP ``gen_tp`` (of
+    ``work``'s own lengths and precision where it generates with its own: a judge)."""
+    seq = sum(work.lengths(workload)) if work is not None else workload.seq_len
+    precision = _generation_precision(work, workload) if work is not None else workload.generation_precision
+    per_sequence = kv_bytes_per_sequence(spec, gen_tp, seq, precision, workload.kv_block_tokens)
+    held_back = kv_cache_bytes(spec, gen_tp, seq, 0, precision, workload.kv_block_tokens)
     return max(1, min(workload.max_num_seqs, (cache_bytes - held_back) // per_sequence))
 
 
 def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp: int, pin: Pin):
     traits = workload.generation_traits
-    if work.role == "rollout":
+    if work.serves:
         layouts = [(t, 1) for t in divisors(n) if _legal_layout(work, t, 1)]
-        if traits.pipeline_parallel:
+        if traits.pipeline_parallel and work.role == "rollout":
             layouts += [(t, p) for t in divisors(n) for p in divisors(n // t) if p > 1 and _legal_layout(work, t, p)]
     else:
         layouts = [(g.tensor_parallel, g.pipeline_parallel)
@@ -361,7 +377,7 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
             continue
         replicas = n // (gen_tp * gen_pp)
         if pin.kv_cache_bytes is not None:
-            levels = [kv_concurrency(workload, work.spec, gen_tp, pin.kv_cache_bytes)]
+            levels = [kv_concurrency(workload, work.spec, gen_tp, pin.kv_cache_bytes, work)]
         else:
             most = min(math.ceil(workload.sequences / replicas), workload.max_num_seqs)
             levels = sorted({max(1, most >> k) for k in range(CONCURRENCY_LEVELS)}, reverse=True)
@@ -371,16 +387,17 @@ def _generation_choices(work: RoleWork, workload: Workload, n: int, tp: int, pp:
 
 def _all_options(work: RoleWork, workload: Workload, cluster: Cluster, efficiency: Efficiency, n: int, pin: Pin):
     """Every option of ``work`` on ``n`` devices, whatever its memory."""
-    for tp, pp, ep, etp in _layouts(work, n, cluster, pin) if work.role != "rollout" else [(1, 1, 1, None)]:
-        sizes = _context_parallel_sizes(work, workload, cluster, n, tp, pp, pin) if work.role != "rollout" else [1]
+    for tp, pp, ep, etp in _layouts(work, n, cluster, pin) if not work.serves else [(1, 1, 1, None)]:
+        sizes = _context_parallel_sizes(work, workload, cluster, n, tp, pp, pin) if not work.serves else [1]
         for cp in sizes:
             replicas = n // (tp * pp * cp)
-            micro_batches = _micro_batches(work, workload, replicas, pin) if work.role != "rollout" else [1]
+            micro_batches = _micro_batches(work, workload, replicas, pin) if not work.serves else [1]
             for micro in micro_batches:
                 gens = _generation_choices(work, workload, n, tp, pp, pin) if work.generates else [(None, None)]
-                modes = workload.lora_modes() if work.generates else (None,)
+                # how a LoRA policy's adapters reach its generation (a judge serves its own checkpoint)
+                modes = workload.lora_modes() if work.generates and work.role != "judge" else (None,)
                 for gen, concurrency in gens:
-                    at = gen if work.role == "rollout" else (tp, pp)  # a rollout of its own: as it generates
+                    at = gen if work.serves else (tp, pp)  # a rollout of its own, a judge: as it generates
                     for mode in modes:
                         yield evaluate_option(work, workload, cluster, efficiency, n, *at, micro, gen, concurrency,
                                               ep, etp, mode, cp)

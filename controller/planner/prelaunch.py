@@ -67,12 +67,15 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
             work = workload.role(role)
             gen = concurrency = None
             tp, pp = work.tp, work.pp
-            if work.generates:
+            if role == "judge":  # a generative judge: its own engine at its own TP, its own KV cache
+                gen = (work.tp, 1)
+                concurrency = kv_concurrency(workload, work.spec, work.tp, config.reward.judge.kv_cache_bytes, work)
+            elif work.generates:
                 gen = (workload.generation_tp, workload.generation_pp)
                 concurrency = kv_concurrency(workload, work.spec, gen[0], config.rollout.kv_cache_bytes)
                 if role == "rollout":
                     tp, pp = gen
-            cp = 1 if role == "rollout" else work.cp
+            cp = 1 if work.serves else work.cp
             if devices % (tp * pp * cp):
                 raise ValueError(f"{role}: TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
                                  + f" does not divide its pool's {devices} devices")
@@ -80,7 +83,7 @@ def job_plan(config, cluster: Cluster, workload: Workload | None = None,
                 work.padded(tp).check_layout(tp, pp)
             except ModelConfigError as exc:
                 raise ValueError(f"{role}: {exc}") from None
-            ep, etp = (1, None) if role == "rollout" else (work.ep, work.etp)
+            ep, etp = (1, None) if work.serves else (work.ep, work.etp)
             options.append(evaluate_option(work, workload, cluster, efficiency, devices, tp, pp,
                                            work.micro_batch, gen, concurrency, ep, etp, mode, cp))
         groups.append(SetPlan(roles, devices, tuple(options)))

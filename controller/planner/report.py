@@ -56,6 +56,8 @@ def _layout_overrides(option: Option) -> list[str]:
         kv.append(f"rollout.lora_sync={option.lora_sync}")
     if option.role == "rollout":
         return [f"rollout.tensor_parallel={option.tp}", f"rollout.pipeline_parallel={option.pp}", *kv]
+    if option.role == "judge":  # its own engine at its own TP, its KV cache sized for its verdicts
+        return [f"reward.judge.tensor_parallel={option.tp}", f"reward.judge.kv_cache_bytes={option.memory['KV cache']}"]
     section = _SECTION.get(option.role, f"{option.role}.engine")  # a registered role's: teacher.engine
     out = [f"{section}.tensor_parallel={option.tp}", f"{section}.pipeline_parallel={option.pp}",
            f"{section}.micro_batch_size={option.micro_batch}"]

@@ -183,14 +183,16 @@ def device_splits(cluster: Cluster, sets: int, fixed: tuple[int | None, ...] | N
             yield combo
 
 
-SCORING_ROLES = frozenset({"reward_model", "cost"})  # their forward passes score the responses
+SCORING_ROLES = frozenset({"reward_model", "cost", "judge"})  # their passes (a judge's generation) score responses
 PHASES = ("generation", "scoring", "log-probs and values", "updates")  # the step's phases, in dataflow order
 
 
 def phase_times(option: Option) -> tuple[float, float, float, float]:
-    """``option``'s seconds in each of ``PHASES``: a reward or cost model's forward passes score, the other
-    roles' forward passes are log-probs and values (the preparation stage holds both)."""
+    """``option``'s seconds in each of ``PHASES``: a reward or cost model's forward passes and a judge's generation
+    score, the other roles' forward passes are log-probs and values (the preparation stage holds both)."""
     forward = option.times[1]
+    if option.role == "judge":  # its verdicts are generated in the scoring phase
+        return 0.0, option.times[0] + forward, 0.0, option.times[2]
     scores = option.role in SCORING_ROLES
     return option.times[0], forward if scores else 0.0, 0.0 if scores else forward, option.times[2]
 

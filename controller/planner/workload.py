@@ -21,9 +21,10 @@ from hybridengine.model.spec import ModelConfigError, ModelSpec
 from workers.rollout.agreement import old_log_probs_from_update
 from workers.rollout.generator import GeneratorTraits, generator_traits
 
-__all__ = ["RoleWork", "Workload", "job_workload", "load_spec", "STAGES"]
+__all__ = ["RoleWork", "SERVING_ROLES", "Workload", "job_workload", "load_spec", "STAGES"]
 
 STAGES = ("generation", "preparation", "training")  # a step's stages, in order (the HybridFlow paper's three)
+SERVING_ROLES = ("rollout", "judge")  # roles that generate from a checkpoint of their own (RoleWork.serves)
 
 
 def load_spec(path: str) -> ModelSpec:
@@ -70,9 +71,22 @@ class RoleWork:
     lora_rank: int = 0  # LoRA adapters on the frozen base (trained roles); 0: every weight trains
     lora_targets: tuple[str, ...] = ()
     train_vision: bool = False  # a vision-language actor's tower trains (actor.freeze_vision_tower false)
+    # A role that generates from a checkpoint of its own, with shapes of its own, to score (a generative judge):
+    # its prompt and response tokens at most (None: the policy's rollout)
+    prompt_len: int | None = None
+    response_len: int | None = None
 
     def padded(self, tp: int) -> ModelSpec:
         return self.spec.with_padded_vocab(self.vocab_multiple, tp)
+
+    @property
+    def serves(self) -> bool:
+        """It generates from its own checkpoint on its own layout: a rollout pool, or a generative judge."""
+        return self.role in SERVING_ROLES
+
+    def lengths(self, workload: "Workload") -> tuple[int, int]:
+        """(prompt, response) tokens at most of what it generates."""
+        return (self.prompt_len or workload.prompt_len, self.response_len or workload.response_len)
 
 
 @dataclass(frozen=True)
@@ -208,6 +222,14 @@ def job_workload(config, flash_attention: bool = True, load=load_spec) -> Worklo
             except ModelConfigError:  # a classifier megatron cannot hold runs on transformers: not planned
                 continue
             roles.append(RoleWork(role, spec, trains=False, forward_passes=1, **engine_fields(section)))
+    judge = config.reward.judge
+    if judge is not None:  # a generative judge: it generates verdicts on every sample, in the scoring phase
+        try:
+            roles.append(RoleWork("judge", load(judge.model_path), trains=False, generates=True, vocab_multiple=None,
+                                  precision=judge.precision, tp=judge.tensor_parallel,
+                                  prompt_len=judge.max_prompt_length, response_len=judge.max_new_tokens))
+        except ModelConfigError:  # a model megatron's spec cannot read: not planned
+            pass
     for name, section in config.roles.items():  # registered roles holding a model (the teacher): forward only
         engine = role_engine(config, name)
         if engine is not None:

@@ -33,7 +33,9 @@ def rl_job_prompts(config: RLConfig, tokenizer_path: str, log: Callable[[str], N
         _check_agent_prompts(rollout, tokenizer, prompts)
     routed = [key for key, fn in (("reward.fn", config.reward.fn if config.reward.model_path is None else None),
                                   ("algorithm.safe_rlhf_cost_fn", config.algorithm.safe_rlhf_cost_fn)) if fn == AUTO]
-    sources = [*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ())]
+    judged = config.reward.judge.data_sources if config.reward.judge is not None else ()  # the judge scores them
+    sources = [s for s in (*prompts.train.data_sources, *(prompts.val.data_sources if prompts.val is not None else ()))
+               if s not in judged]
     unknown = unknown_data_sources(sources) if routed else []
     if unknown:
         raise ConfigError(f"{routed[0]} is 'auto' (score by data_source), but no reward function is known for "

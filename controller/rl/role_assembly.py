@@ -19,7 +19,7 @@ from workers.role_spec import RoleSpec
 
 __all__ = ["ROLE_ORDER", "assemble_roles", "check_reward_sources", "lora_actor", "needs_reference", "reference_role"]
 
-ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "cost")
+ROLE_ORDER = ("actor", "rollout", "ref_policy", "critic", "reward_model", "reward", "judge", "cost")
 
 
 def assemble_roles(
@@ -36,9 +36,10 @@ def assemble_roles(
     reward_options: dict[str, Any] | None = None,  # RuleReward's max_concurrency, timeout_s, sandbox_isolation
     reward_worker: RoleSpec | None = None,
     kl_loss_fn: Callable | None = None,
+    judge: RoleSpec | None = None,
 ) -> dict[str, RoleSpec]:
     config = algorithm.config
-    check_reward_sources(reward_fn, reward_model, reward_worker)
+    check_reward_sources(reward_fn, reward_model, reward_worker, judged=judge is not None)
     if algorithm.needs_critic and critic is None:
         raise ConfigError(f"{config.name} estimates advantages with GAE and needs a critic (critic=Critic.from_pretrained(...))")
     if config.router_replay != "off":  # the rollout reports the experts it routed each token to
@@ -61,6 +62,8 @@ def assemble_roles(
                                                 "reward_kwargs": reward_kwargs, **(reward_options or {})})
     if reward_worker is not None:
         specs["reward"] = reward_worker
+    if judge is not None:
+        specs["judge"] = judge
     return specs
 
 
@@ -84,11 +87,13 @@ def reference_role(specs: dict[str, RoleSpec], config, ppo, kl_loss_fn=None) -> 
     return "actor" if lora_actor(specs["actor"]) and needs_reference(config, ppo, kl_loss_fn) else None
 
 
-def check_reward_sources(reward_fn, reward_model, reward_worker) -> None:
-    """ConfigError unless exactly one reward source is given."""
-    if sum(x is not None for x in (reward_fn, reward_model, reward_worker)) != 1:
+def check_reward_sources(reward_fn, reward_model, reward_worker, judged: bool = False) -> None:
+    """ConfigError unless exactly one reward source is given (or none, where a generative judge scores)."""
+    given = sum(x is not None for x in (reward_fn, reward_model, reward_worker))
+    if given > 1 or (given == 0 and not judged):
         raise ConfigError("give exactly one of reward_fn (a rule), reward_model (a RewardModel spec) or "
-                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)")
+                          "reward_worker (your own worker with compute_reward(batch) -> token_level_scores, scores)"
+                          + ("" if judged else ", or a generative judge (reward.judge) alone"))
 
 
 def _returning_routes(rollout: RoleSpec) -> RoleSpec:

@@ -48,7 +48,8 @@ from typing import Any
 
 from workers.role_spec import RoleSpec
 
-__all__ = ["PHASES", "ROLE_TYPES", "RoleType", "log_prob_roles", "reads_old_log_probs", "register_role", "role_engine", "role_phase"]
+__all__ = ["PHASES", "ROLE_TYPES", "RoleType", "log_prob_roles", "reads_old_log_probs", "register_role", "role_engine",
+           "role_phase"]
 
 PHASES = ("score", "log_probs")
 
@@ -96,7 +97,6 @@ def register_role(role: RoleType, override: bool = False) -> RoleType:
         raise ValueError(f"role {role.name!r} is already registered; pass override=True to replace it")
     ROLE_TYPES[role.name] = role
     return role
-
 
 
 def log_prob_roles(config) -> list[str]:

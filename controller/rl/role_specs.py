@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from controller.config import RoleConfig
 from controller.errors import ConfigError
+from controller.rl.judge_scores import judge_scores
 from controller.rl.role_assembly import assemble_roles
 from controller.rl.role_defaults import reading_policy_ids
 from controller.rl.role_registry import ROLE_TYPES, role_engine
@@ -65,6 +67,15 @@ def _reward_model(role_cfg, model_path: str, max_length: int | None = None) -> R
         model_path, engine=engine, tensor_parallel=engine.tensor_parallel,
         pipeline_parallel=engine.pipeline_parallel, micro_batch_size=engine.micro_batch_size,
         device_map=role_cfg.device_map, **({"max_length": max_length} if max_length is not None else {}))
+
+
+def _judge(section, actor_path: str) -> RoleSpec:
+    """The generative judge on its checkpoint, reading the policy's token ids with the actor's tokenizer."""
+    from workers.reward.judge import GenerativeJudge
+
+    path = resolve_pretrained(section.model_path, missing_ok=True)
+    return RoleSpec(GenerativeJudge, {"model_path": path, "tokenizer_path": actor_path,
+                                      "config": replace(section, model_path=path)})
 
 
 def with_resolved_paths(config):
@@ -146,11 +157,17 @@ def declare_roles(config, algorithm, policy_path: str) -> DeclaredRoles:
     else:
         reward_fn = reward.fn
     options = {"max_concurrency": reward.max_concurrency, "timeout_s": reward.timeout_s, **sandbox}
+    judge = reward.judge
+    if judge is not None and judge.data_sources:  # the rule leaves the judge's rows to it
+        options["skip_data_sources"] = judge.data_sources
     specs = assemble_roles(
         algorithm=algorithm, ppo=config.ppo, actor=actor, rollout=rollout, critic=critic, ref_policy=ref_policy,
         reward_model=reward_model, reward_fn=reward_fn, reward_kwargs=reward.kwargs or None, reward_options=options,
-        reward_worker=reward_worker, kl_loss_fn=kl_loss_function(config.algorithm.kl_loss_fn))
+        reward_worker=reward_worker, kl_loss_fn=kl_loss_function(config.algorithm.kl_loss_fn),
+        judge=_judge(judge, actor_path) if judge is not None else None)
     calls: dict[str, list[tuple[str, Callable]]] = {}
+    if judge is not None:  # the judge's scores first: the other scoring roles read the combined reward
+        calls["score"] = [("judge", partial(judge_scores, weight=judge.weight, data_sources=judge.data_sources))]
     job = _JobRoles(config, policy_path, actor_path, options)
     for name, role in algorithm.roles(job).items():
         if name in specs:

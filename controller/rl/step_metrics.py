@@ -46,6 +46,15 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["reward/timeouts"] = float(b["reward_timed_out"].sum())
     if "entropys" in b:
         metrics["actor/entropy_rollout"] = float(masked_mean(b["entropys"], b["response_mask"]))
+    if "judged" in b and bool(b["judged"].any()):  # a generative judge's samples (controller.rl.judge_scores)
+        judged = b["judged"].bool()
+        metrics.update({"reward/judge/score/mean": float(b["judge_scores"][judged].mean()),
+                        "reward/judge/samples": float(judged.sum()),
+                        "reward/judge/parse_failures": float(b["judge_parse_failed"].sum()),
+                        "reward/judge/timeouts": float(b["judge_timed_out"].sum()),
+                        "reward/judge/overlong": float(b["judge_overlong"].sum()),
+                        "reward/judge/tokens/mean": float(b["judge_tokens"][judged].mean()),
+                        "reward/judge/latency_s": float(b["judge_seconds"].max())})
     if "teacher_log_probs" in b and "old_log_probs" in b:  # KL(student || teacher) on the student's own tokens
         metrics["actor/opd/reverse_kl"] = float(masked_mean(b["old_log_probs"] - b["teacher_log_probs"],
                                                             b["response_mask"]))

@@ -126,7 +126,7 @@ class RLTrainer:
         """The pool each phase of the step runs on, as the job places its roles (``"driver"``: the controller)."""
         where = self.placement
         stands_for = {"reference": reference_role(self.specs, self.algorithm.config, self.ppo, self.kl_loss_fn),
-                      "scorer": "reward_model" if "reward_model" in self.specs else "reward"}
+                      "scorer": next((r for r in ("reward_model", "reward", "judge") if r in self.specs), "reward")}
         roles = {name: stands_for.get(phase.role, phase.role) for name, phase in STEP_PHASES.items()}
         roles.update({role: role for role, _ in self.calls_at("log_probs")})  # a registered role's phase: its name
         return {name: DRIVER if role is None else where[role] for name, role in roles.items()
@@ -173,16 +173,17 @@ class RLTrainer:
         return out
 
     def score(self, batch: DataProto) -> DataProto:
-        """``token_level_scores`` and ``scores`` of each response, and what the other scoring roles add (Safe-RLHF's
-        cost)."""
+        """``token_level_scores`` and ``scores`` of each response, and what the other scoring roles add (a generative
+        judge's, Safe-RLHF's cost)."""
+        scores = None  # a generative judge alone scores in its call below
         if "reward_model" in self.groups:
             out = self.groups["reward_model"].compute_rm_score(batch)
             key = self.specs["reward_model"].kwargs.get("score_key", "rm_scores")
             scores = DataProto({"token_level_scores": out.batch["token_level_scores"], "scores": out.batch[key]})
-        else:
+        elif "reward" in self.groups:
             out = self.groups["reward"].compute_reward(batch)
             scores = out.select([k for k in ("token_level_scores", "scores", "reward_timed_out") if k in out.batch])
-        for role, call in self.calls_at("score"):  # the algorithm's roles (Safe-RLHF's cost), registered roles
+        for role, call in self.calls_at("score"):  # the judge, the algorithm's roles (Safe-RLHF's cost), registered
             scores = call(self.groups[role], batch, scores)
         return scores
 

@@ -148,3 +148,32 @@ def test_a_70b_teacher_is_placed_and_sized_beside_a_7b_student(tmp_path, capsys)
         check_job_memory(load_config(example[1], ["trainer.nproc=8"]), parse_cluster("1x8xA100-80GB"))
     assert "the pool of actor+teacher needs" in str(refused.value)
     assert "teacher.engine.pipeline_parallel=" in str(refused.value)  # the nearest plan that fits sets its layout
+
+
+def test_a_70b_judge_is_placed_and_sized_beside_a_7b_actor(tmp_path, capsys):
+    """A generative judge: its engine's weights and KV cache held all step, its verdicts generated in the scoring
+    phase (its time there, none in generation or training); on 2 GPUs the job fits no plan."""
+    from controller.planner.hardware import parse_cluster
+    from controller.planner.prelaunch import job_plan
+
+    example = ["--config", str(ROOT / "examples/judge/grpo_judge_llama2_70b_7b.yaml")]
+    out = tmp_path / "plans.json"
+    assert main(["plan", *example, "--cluster", "8x8xA100-80GB", "--write", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["roles"] == ["actor", "judge"]
+    for plan in saved["plans"]:
+        judge = next(r for s in plan["sets"] for r in s["roles_detail"] if r["role"] == "judge")
+        assert judge["memory_bytes"]["KV cache"] > 0 and judge["state_bytes"] >= judge["memory_bytes"]["KV cache"]
+        assert judge["times_s"]["generation"] > 0 and judge["times_s"]["training"] == 0
+        assert all(max(s["memory_bytes"].values()) <= saved["usable_bytes_per_device"] for s in plan["sets"])
+    overrides = saved["plans"][0]["overrides"]
+    config = load_config(example[1], overrides)
+    tp = next(int(o.split("=")[1]) for o in overrides if o.startswith("reward.judge.tensor_parallel="))
+    assert config.reward.judge.tensor_parallel == tp and config.reward.judge.kv_cache_bytes > 0
+    # the step's stages: the judge's generation sits in the preparation stage (scoring), before the log-probs
+    plan = job_plan(config, parse_cluster("8x8xA100-80GB"))
+    assert plan.stage_times[1] > sum(next(o for g in plan.sets for o in g.options if o.role == "judge").times) * 0.99
+    capsys.readouterr()
+
+    assert main(["plan", *example, "--cluster", "1x2xA100-80GB"]) == 1
+    assert "the job fits no plan on 1x2xA100-80GB" in capsys.readouterr().err

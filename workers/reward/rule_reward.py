@@ -82,7 +82,8 @@ class RuleReward(BaseWorker):
     default for sandboxed code (None: the sandbox's own default).
     ``timeout_s``: each sample's call at most (None: no limit); one past it
     scores ``TIMEOUT_SCORE`` and is marked in ``reward_timed_out``, and the
-    batch goes on.
+    batch goes on. ``skip_data_sources``: rows another role scores (a
+    generative judge's ``data_sources``): 0 here, the function not called.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class RuleReward(BaseWorker):
         max_concurrency: int | None = None,
         sandbox_isolation: str | None = None,
         timeout_s: float | None = None,
+        skip_data_sources: tuple[str, ...] = (),
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -108,6 +110,7 @@ class RuleReward(BaseWorker):
         self.reward_kwargs = dict(reward_kwargs or {})
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
+        self.skip_data_sources = frozenset(skip_data_sources)  # scored by another role (a judge): 0 here, no call
         self._threads: dict[int, DeadlineThreads] = {}  # by concurrency, kept across calls (hung threads count)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
@@ -133,6 +136,8 @@ class RuleReward(BaseWorker):
 
         def score(i: int) -> float:
             extra = {key: values[i] for key, values in fields.items() if key not in ("ground_truth", MULTI_MODAL_INPUTS)}
+            if extra.get("data_source") in self.skip_data_sources:
+                return 0.0
             truth = None if ground_truth is None else ground_truth[i]
             return self._score(offset + i, prompt_texts[i], response_texts[i], truth, extra)
 

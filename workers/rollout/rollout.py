@@ -56,11 +56,13 @@ __all__ = ["Rollout"]
 
 class Rollout(BaseWorker):
     def __init__(self, model_path: str, config: RolloutConfig | None = None, actor_role: str | None = "actor",
-                 training: TrainingLayout | None = None, sandbox_isolation: str | None = None) -> None:
+                 training: TrainingLayout | None = None, sandbox_isolation: str | None = None,
+                 precision: str | None = None) -> None:
         """``config``: the typed rollout section (None: its defaults). ``training``: set when the rollout has a
         pool of its own and the actor sends it weights (``receive_weights``): the actor's layout, vocabulary
         padding and precision, which its shards are cut by. ``sandbox_isolation``: the job's
-        ``sandbox.isolation``, this process's default for the agent tools that run code."""
+        ``sandbox.isolation``, this process's default for the agent tools that run code. ``precision``: a
+        checkpoint served as loaded (no actor, no training pool): its dtype, "fp32" (the default) or "bf16"."""
         from transformers import AutoTokenizer
 
         from workers.sandbox import set_default_isolation
@@ -89,7 +91,7 @@ class Rollout(BaseWorker):
                 self.spec = spec = spec.with_padded_vocab(self.training.make_vocab_size_divisible_by,
                                                           self.training.tensor_parallel)
             train = ParallelLayout.for_world(self.world_size, cfg.tensor_parallel, cfg.pipeline_parallel)
-            dtype = PRECISIONS[self.training.precision] if self.training is not None else torch.float32
+            dtype = PRECISIONS[self.training.precision if self.training is not None else precision or "fp32"]
         if source is not None or self.training is not None:  # (a checkpoint served as loaded: its engine pads it)
             spec.check_layout(cfg.tensor_parallel, cfg.pipeline_parallel)
         self.dtype = dtype
