@@ -117,6 +117,7 @@ def test_a_judge_is_checked_before_launch(models):
     assert "reward.judge: trainer.mode=async is refused" in problems("trainer.mode=async",
                                                                      "trainer.placement={rollout: 1}")
     assert "drop reward.judge.data_sources" in problems("reward.judge.data_sources=[arithmetic]")
+    assert "cannot load a checkpoint of its own; use an engine that does (vllm)" in problems("reward.judge.engine=megatron")
     assert f"reward.judge.model_path '{models['tiny-arithmetic']}' has no chat template" in problems(
         f"reward.judge.model_path={models['tiny-arithmetic']}")
     with pytest.raises(ConfigError, match="reward.judge: weight must be a finite number, got 'much'|weight"):

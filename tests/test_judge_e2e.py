@@ -1,4 +1,6 @@
-"""A generative judge through the real CLI: GRPO rewarded by the judge alone, the judge on a Ray pool of its own.
+"""A generative judge through the real CLI: GRPO rewarded by the judge alone, the judge on a Ray pool of its own,
+one step off (the rollout on a pool of its own generates and has step k+1 judged while step k trains; the sync
+step calls the same scoring).
 
 The judge is the built-in tiny chat model (random weights, a chat template) generating greedily on vLLM in fp32;
 its template and parser are a test module's functions, given in the config (`tests/judge_functions.py`). Every
@@ -60,7 +62,7 @@ def test_grpo_rewarded_by_a_judge_alone_on_its_own_pool(tmp_path, models):
         "rollout.engine=vllm", "rollout.sampling.max_new_tokens=4", "trainer.total_steps=2", "trainer.val_every=0",
         "trainer.logger=[jsonl]", "trainer.export_hf=false", "trainer.plots=false", "trainer.save_every=0",
         "data.train_size=64", "data.val_size=8", f"trainer.run_dir={tmp_path / 'run'}",
-        f"trainer.rollout_data_dir={dump}", "trainer.placement={judge: 1}",
+        f"trainer.rollout_data_dir={dump}", "trainer.mode=one_step_off", "trainer.placement={judge: 1, rollout: 1}",
         "reward.fn=null", f"reward.judge.model_path={models['tiny-chat']}", "reward.judge.precision=fp32",
         "reward.judge.template=judge_functions:slow_on_odd", "reward.judge.parser=judge_functions:first_digit",
         "reward.judge.max_prompt_length=128", "reward.judge.max_new_tokens=12", "reward.judge.timeout_s=1",

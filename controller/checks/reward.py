@@ -45,7 +45,7 @@ def _reward_problems(config) -> list[str]:
 def _judge_problems(config) -> list[str]:
     """A generative judge: its template and parser resolved, its checkpoint a chat model, its routing and mode."""
     from workers.reward.judge_verdicts import resolve_parser, resolve_template
-    from workers.rollout.generator import registered_generators
+    from workers.rollout.generator import generator_class, registered_generators
 
     judge, problems = config.reward.judge, []
     for resolve, value in ((resolve_template, judge.template), (resolve_parser, judge.parser)):
@@ -55,6 +55,9 @@ def _judge_problems(config) -> list[str]:
             problems.append(str(exc))
     if judge.engine not in registered_generators():
         problems.append(f"reward.judge.engine {judge.engine!r} is not one of {list(registered_generators())}")
+    elif not generator_class(judge.engine).loads_checkpoint:
+        problems.append(f"reward.judge.engine {judge.engine!r} generates on weights it is given (the actor's, "
+                        f"resharded) and cannot load a checkpoint of its own; use an engine that does (vllm)")
     if judge.data_sources and config.reward.fn is None and config.reward.model_path is None \
             and config.reward.worker is None:
         problems.append("reward.judge.data_sources routes rows between the judge and another reward, and there is "

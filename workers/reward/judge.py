@@ -5,7 +5,7 @@ verdict parsed into a score (``reward.judge``).
                                        "config": JudgeConfig(model_path=..., template=..., parser="yes_no")})
     group.compute_reward(batch)   # -> scores [B], token_level_scores [B, R], the judge's own columns
 
-The judge is a rollout engine (vLLM, or megatron's) serving its checkpoint as loaded, on a pool of its own or
+The judge is a rollout engine (vLLM) serving its checkpoint as loaded, on a pool of its own or
 colocated: frozen, outside the 3D-HybridEngine. For each sample it renders the template (the judge's user turn,
 through its chat template), generates greedily (``JudgeConfig.temperature`` 0), and parses the verdict. The
 template and parser may be the user's functions: each call has ``timeout_s``, as a rule reward's; one past it
@@ -61,7 +61,7 @@ class JudgeConfig:
     weight: float = 1.0  # the judge's score is added at this weight (to a rule reward's, where there is one)
     # data sources the judge scores (their rows take weight x its score in place of the rule's); empty: every row
     data_sources: tuple[str, ...] = ()
-    engine: str = "vllm"  # its generation engine: vllm or megatron
+    engine: str = "vllm"  # its generation engine: one that loads a checkpoint of its own (vllm)
     tensor_parallel: int = 1  # its generation TP (its pool's ranks in groups of this many; each group a replica)
     precision: str = "bf16"  # bf16 or fp32
     max_prompt_length: int = 1024  # the rendered judge prompt's tokens at most (longer: default_score, counted)
