@@ -88,6 +88,9 @@ HARMLESS_LOG_RECORDS: dict[str, tuple[str, ...]] = {
         # A CPU without the instructions oneDNN's kernel for this matmul needs (no AVX-512): vLLM computes the
         # layer with torch's linear instead, the same product, more slowly.
         r"Failed to create oneDNN linear, fallback to torch linear",
+        # An engine that loads its own checkpoint (a generative judge's) in another precision casts each tensor
+        # as it loads it (reward.judge.precision against the checkpoint's dtype), once per weight.
+        r"Attempted to load weight \S+ with dtype torch\.\w+ into parameter with dtype torch\.\w+",
     ),
     # torch's op library looks for Triton kernels; CPU runs have none.
     "torch._library.triton": (r"Triton not available",),

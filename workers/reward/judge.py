@@ -111,6 +111,14 @@ class GenerativeJudge(Rollout):
         self.template = resolve_template(config.template)
         self.parser = resolve_parser(config.parser)
         self.calls = DeadlineThreads(config.max_concurrency, "hybridflow-judge", MAX_ABANDONED_CALLS)
+        # The ranks of a generation TP group generate together, so they agree on which samples' templates finished
+        # in time (each rank runs them; a call near its deadline may end on one rank and not another).
+        self._tp_group = None
+        if config.tensor_parallel > 1:
+            for ranks in self.plan.gen_tp_groups:  # every rank makes every group, in one order (collective)
+                group = torch.distributed.new_group(list(ranks))
+                if self.rank in ranks:
+                    self._tp_group = group
 
     @register(Dispatch.MESH_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
@@ -120,7 +128,12 @@ class GenerativeJudge(Rollout):
         rows = self._rows(data)
         prompts, late_template = self._call_each(lambda row: self._judge_prompt(self.template(row)), rows)
         too_long = [p is not None and len(p) > cfg.max_prompt_length for p in prompts]
-        asked = [i for i, p in enumerate(prompts) if p is not None and not too_long[i]]
+        ready = torch.tensor([p is not None and not long for p, long in zip(prompts, too_long)], dtype=torch.int32)
+        if self._tp_group is not None:  # a sample goes to the engine only where every rank of the group has it
+            torch.distributed.all_reduce(ready, op=torch.distributed.ReduceOp.MIN, group=self._tp_group)
+        late_template = [late or (prompts[i] is not None and not too_long[i] and not ready[i])
+                         for i, late in enumerate(late_template)]
+        asked = ready.nonzero().flatten().tolist()
         start = time.perf_counter()
         completions = self.generator.generate([GenerationRequest(tuple(prompts[i]), None) for i in asked],
                                               self.config.sampling) if asked else []
