@@ -124,3 +124,21 @@ def test_a_judge_is_checked_before_launch(models):
         load_config(PPO_TINY, [*judge, "reward.judge.weight=much"])
     with pytest.raises(ConfigError, match="model_path is required"):
         load_config(PPO_TINY, ["reward.judge.parser=yes_no"])
+
+
+def test_a_rule_reward_leaves_the_judges_data_sources_to_it(models):
+    """Routed by data source: the rule scores its rows and skips the judge's (no call: 0)."""
+    from workers.reward import RuleReward
+
+    calls = []
+
+    def exact(prompt, response, ground_truth, extra, **kwargs):
+        calls.append(extra["data_source"])
+        return 1.0
+
+    worker = RuleReward(models["tiny-arithmetic"], exact, skip_data_sources=("writing",))
+    batch = DataProto({"prompts": torch.ones(2, 2, dtype=torch.long), "responses": torch.ones(2, 2, dtype=torch.long),
+                       "attention_mask": torch.ones(2, 4), "response_mask": torch.ones(2, 2)},
+                      non_tensor_batch={"data_source": np.array(["arithmetic", "writing"], dtype=object)})
+    assert worker.compute_reward(batch).batch["scores"].tolist() == [1.0, 0.0]
+    assert calls == ["arithmetic"]

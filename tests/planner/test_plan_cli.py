@@ -177,3 +177,9 @@ def test_a_70b_judge_is_placed_and_sized_beside_a_7b_actor(tmp_path, capsys):
 
     assert main(["plan", *example, "--cluster", "1x2xA100-80GB"]) == 1
     assert "the job fits no plan on 1x2xA100-80GB" in capsys.readouterr().err
+    from controller.planner.prelaunch import MemoryCheckError, check_job_memory
+
+    with pytest.raises(MemoryCheckError) as refused:  # the job's own layout (a judge at TP1) on one node of 8
+        check_job_memory(load_config(example[1], ["trainer.nproc=8"]), parse_cluster("1x8xA100-80GB"))
+    assert "the pool of actor+judge needs" in str(refused.value)
+    assert "reward.judge.tensor_parallel=8" in str(refused.value)  # the nearest plan that fits
