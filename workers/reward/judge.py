@@ -130,7 +130,9 @@ class GenerativeJudge(Rollout):
         too_long = [p is not None and len(p) > cfg.max_prompt_length for p in prompts]
         ready = torch.tensor([p is not None and not long for p, long in zip(prompts, too_long)], dtype=torch.int32)
         if self._tp_group is not None:  # a sample goes to the engine only where every rank of the group has it
-            torch.distributed.all_reduce(ready, op=torch.distributed.ReduceOp.MIN, group=self._tp_group)
+            agreed = ready.to(self.device)  # (on the group's device: NCCL reduces device tensors)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self._tp_group)
+            ready = agreed.cpu()
         late_template = [late or (prompts[i] is not None and not too_long[i] and not ready[i])
                          for i, late in enumerate(late_template)]
         asked = ready.nonzero().flatten().tolist()
