@@ -16,8 +16,6 @@ included); ``trainer.memory_check=false`` (``hybridflow train --force``) skips i
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from controller.planner.hardware import GIB, Cluster
 from controller.planner.options import Option, evaluate_option, kv_concurrency
 from controller.planner.report import plan_overrides
@@ -145,19 +143,10 @@ def _splits_sequences(config, role: str) -> bool:
 
 
 def _with_context_parallel(config, role: str, cp: int):
-    if role not in _CP_SECTIONS:  # a registered role holding a model (the teacher)
-        from controller.rl.role_registry import role_engine
+    """``config`` with ``role``'s engine split over ``cp`` context-parallel ranks (its TP / PP as they are)."""
+    from controller.rl.role_specs import with_parallelism
 
-        section = config.roles[role]
-        engine = replace(role_engine(config, role), context_parallel=cp)
-        return replace(config, roles={**config.roles, role: replace(section, engine=engine)})
-    section = getattr(config, _CP_SECTIONS[role])
-    if section is None:  # the reference: the actor's model and engine until set
-        from controller.config import RoleConfig
-
-        section = RoleConfig(engine=config.actor.engine)
-    engine = replace(section.engine, context_parallel=cp)
-    return replace(config, **{_CP_SECTIONS[role]: replace(section, engine=engine)})
+    return with_parallelism(config, role, None, None, cp)
 
 
 def context_parallel_fix(config, cluster: Cluster, roles: tuple[str, ...],
