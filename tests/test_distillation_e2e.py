@@ -31,6 +31,7 @@ def teacher(tmp_path_factory):
 def test_the_demos_sft_export_teaches_a_fresh_model(tmp_path, teacher):
     proc = hybridflow("train", *OPD, f"teacher.model_path={teacher}", f"trainer.run_dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert proc.ending_s < 30, f"the job ended {proc.ending_s:.1f} s after its last line"  # the teacher's group too
     steps = read_metrics(tmp_path)
     assert [m["step"] for m in steps] == list(range(11))  # step 0: greedy validation before the first update
     reverse_kl = [m["actor/opd/reverse_kl"] for m in steps[1:]]

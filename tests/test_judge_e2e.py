@@ -68,6 +68,8 @@ def test_grpo_rewarded_by_a_judge_alone_on_its_own_pool(tmp_path, models):
         "reward.judge.max_prompt_length=128", "reward.judge.max_new_tokens=12", "reward.judge.timeout_s=1",
         pythonpath=(str(TESTS),))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    # every process ends with its work: the judge's pool, and the template calls left running past their deadline
+    assert proc.ending_s < 30, f"the job ended {proc.ending_s:.1f} s after its last line"
     steps = read_metrics(tmp_path / "run")
     assert [m["step"] for m in steps] == [1, 2]  # the step went on past the timed-out calls
     compared = 0
